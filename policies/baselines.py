@@ -1,0 +1,76 @@
+"""Locality-blind global policies: the baselines every other policy is measured against."""
+
+from __future__ import annotations
+
+import random
+
+from router.cluster import ClusterView, WorkerState
+from router.policy import Decision, GlobalPolicy
+from router.registry import global_policies
+from router.request import Request
+
+
+def _healthy(view: ClusterView) -> list[WorkerState]:
+    workers = view.healthy_workers()
+    if not workers:
+        raise RuntimeError("no healthy worker to route to")
+    return workers
+
+
+def _load(worker: WorkerState) -> tuple[int, int, int]:
+    # Outstanding tokens first; queue length and id break ties so the choice is deterministic.
+    return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
+
+
+@global_policies.register("round_robin")
+class RoundRobin(GlobalPolicy):
+    """Each healthy worker in turn, in id order."""
+
+    default_local = "fcfs"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        workers = sorted(w.id for w in _healthy(view))
+        worker = next((w for w in workers if w >= self._next), workers[0])
+        self._next = worker + 1
+        return Decision(worker, "turn")
+
+
+@global_policies.register("random")
+class Random(GlobalPolicy):
+    """A uniformly random healthy worker."""
+
+    default_local = "fcfs"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        return Decision(self._rng.choice(_healthy(view)).id, "random")
+
+
+@global_policies.register("least_load")
+class LeastLoad(GlobalPolicy):
+    """The worker with the fewest outstanding tokens (unprefilled prompt + ungenerated output)."""
+
+    default_local = "fcfs"
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        return Decision(min(_healthy(view), key=_load).id, "least tokens in flight")
+
+
+@global_policies.register("power_of_two")
+class PowerOfTwo(GlobalPolicy):
+    """The less loaded of two workers drawn at random (Mitzenmacher's power of two choices)."""
+
+    default_local = "fcfs"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        workers = _healthy(view)
+        pair = self._rng.sample(workers, 2) if len(workers) > 1 else workers
+        return Decision(min(pair, key=_load).id, "lesser of two")

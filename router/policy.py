@@ -1,0 +1,92 @@
+"""The policy contract shared by the simulator and the live proxy.
+
+A GlobalPolicy picks a worker for each request; a LocalPolicy is one worker's queue discipline.
+Both are plain objects: no I/O, no clock, no logging, no `async`. Time and cluster state arrive
+through the ClusterView and the hook arguments, so the same object runs under SimPy time, under
+the proxy's monotonic clock, or driven by hand in a test.
+
+Call order for one request, in both backends:
+
+    route(req, view) -> Decision        the backend validates decision.worker is healthy
+    on_dispatch(req, worker, view)      the request joined that worker's queue
+    on_first_token(req, worker, now)
+    on_token(req, worker, n, now)       n output tokens were produced (batched)
+    on_finish(req, worker, view)        completed or failed; the request is gone
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from router.cluster import ClusterView
+from router.prefix_index import WorkerId
+from router.request import Request
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    worker: WorkerId
+    reason: str = ""
+
+
+class GlobalPolicy:
+    """Base class with no-op hooks; subclasses implement `route`."""
+
+    name = "?"
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        """Choose a healthy worker for `request`. Must not mutate `view`."""
+        raise NotImplementedError
+
+    def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        pass
+
+    def on_first_token(self, request: Request, worker: WorkerId, now: float) -> None:
+        pass
+
+    def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
+        pass
+
+    def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        pass
+
+
+class LocalPolicy:
+    """One worker's waiting queue and the order it releases requests in.
+
+    The owner (the simulated engine, or the proxy's per-worker dispatch queue) calls `push` when a
+    request arrives, asks `peek` for the next one to start whenever it has room, and `pop`s it once
+    it has actually admitted it (`num_cached_tokens` is its prefix-cache hit, for disciplines that
+    charge only the extend tokens). A preempted request comes back through `push_front`.
+
+    `cached_blocks(req)` given to `peek` tells how many of the request's leading blocks the worker
+    holds right now, for locality-aware orders.
+    """
+
+    name = "?"
+
+    def push(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def push_front(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def peek(self, cached_blocks: Callable[[Request], int]) -> Request | None:
+        raise NotImplementedError
+
+    def pop(self, request: Request, num_cached_tokens: int) -> None:
+        """Remove `request` (the one `peek` returned) from the queue: it has started."""
+        raise NotImplementedError
+
+    def on_token(self, request: Request, num_tokens: int) -> None:
+        pass
+
+    def on_finish(self, request: Request) -> None:
+        pass
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Request]:
+        raise NotImplementedError

@@ -1,0 +1,267 @@
+"""The global prefix index: a radix tree over chained block hashes, annotated with holders.
+
+    root
+     └─ (h0 h1 h2)            workers {0: t=5.0, 3: t=2.0}
+          ├─ (h3 h4)          workers {0: t=5.0}
+          └─ (h7)             workers {3: t=2.0}
+
+Each edge holds a run of block hashes and splits where two prompts diverge. Each node records the
+workers believed to hold its blocks with the time each last touched them, and the times of recent
+hits (Preble's eviction cost weighs a prefix by how often it is reused).
+
+Invariants (`check_integrity` verifies them, tests call it after every operation):
+- a worker that holds a node holds its parent: eviction takes a worker's least recently used
+  *leaves*, so a worker's holdings are always a rooted subtree;
+- `num_blocks(w)` equals the summed edge lengths of the nodes `w` holds;
+- a non-root node has at least one holder or one child (empty branches are pruned).
+
+The clock is passed in as `now`; the index never reads one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+from router.request import BlockHash
+
+WorkerId = int
+
+
+class Node:
+    __slots__ = ("key", "parent", "children", "workers", "hits", "depth")
+
+    def __init__(self, key: tuple[BlockHash, ...], parent: Node | None, depth: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[BlockHash, Node] = {}
+        self.workers: dict[WorkerId, float] = {}  # holder -> last touch
+        self.hits: deque[float] = deque()
+        self.depth = depth  # blocks from the root to the end of this node's edge
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"Node(depth={self.depth}, len={len(self.key)}, workers={sorted(self.workers)})"
+
+
+class PrefixIndex:
+    """Which workers hold which prompt prefixes, at block granularity.
+
+    `hit_window` bounds how far back `hit_count` looks (seconds of the caller's clock).
+    """
+
+    def __init__(self, hit_window: float = 180.0) -> None:
+        self.root = Node((), None, 0)
+        self.hit_window = hit_window
+        self._num_blocks: dict[WorkerId, int] = {}
+        # Per worker, a lazy min-heap of (touch, -depth, seq, node). An entry is live while the
+        # node's touch for that worker still equals the entry's. Ancestors are touched whenever a
+        # descendant is, so popping (oldest, deepest) first always yields a leaf of the worker's
+        # subtree: eviction never strands a descendant.
+        self._lru: dict[WorkerId, list[tuple[float, int, int, Node]]] = {}
+        self._seq = itertools.count()
+
+    # ----------------------------------------------------------------- queries
+
+    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, int]:
+        """Matched prefix length in blocks for every worker holding at least one block of it.
+
+        One walk from the root: a worker's match ends where it stops holding the path.
+        """
+        matched: dict[WorkerId, int] = {}
+        node, pos, n = self.root, 0, len(hashes)
+        active: set[WorkerId] | None = None  # None: every worker still possible
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                break
+            common = _common_prefix(child.key, hashes, pos)
+            holders = child.workers.keys() if active is None else active & child.workers.keys()
+            for w in holders:
+                matched[w] = pos + common
+            active = set(holders)
+            if common < len(child.key) or not active:
+                break
+            node, pos = child, pos + common
+        return matched
+
+    def longest_match(self, hashes: Sequence[BlockHash]) -> int:
+        """Blocks of `hashes` present in the tree at all (held by someone or not)."""
+        node, pos, n = self.root, 0, len(hashes)
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                break
+            common = _common_prefix(child.key, hashes, pos)
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
+    def num_blocks(self, worker: WorkerId) -> int:
+        return self._num_blocks.get(worker, 0)
+
+    @property
+    def workers(self) -> list[WorkerId]:
+        return [w for w, n in self._num_blocks.items() if n > 0]
+
+    def hit_count(self, node: Node, now: float) -> int:
+        self._expire_hits(node, now)
+        return len(node.hits)
+
+    def path(self, hashes: Sequence[BlockHash]) -> list[Node]:
+        """Nodes fully covered by `hashes`, root excluded (for cost terms that weigh a path)."""
+        out: list[Node] = []
+        node, pos = self.root, 0
+        while pos < len(hashes):
+            child = node.children.get(hashes[pos])
+            if child is None or _common_prefix(child.key, hashes, pos) < len(child.key):
+                break
+            out.append(child)
+            node, pos = child, pos + len(child.key)
+        return out
+
+    def nodes(self) -> Iterator[Node]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # --------------------------------------------------------------- mutations
+
+    def insert(self, hashes: Sequence[BlockHash], worker: WorkerId, now: float) -> int:
+        """Record that `worker` holds the whole prefix `hashes`, touched at `now`.
+
+        Every node on the path gets a hit at `now`. Returns the number of blocks newly held.
+        """
+        node, pos, n = self.root, 0, len(hashes)
+        added = 0
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                child = Node(tuple(hashes[pos:]), node, n)
+                node.children[hashes[pos]] = child
+            else:
+                common = _common_prefix(child.key, hashes, pos)
+                if common < len(child.key):
+                    child = self._split(child, common)
+            if worker not in child.workers:
+                added += len(child.key)
+            self._touch(child, worker, now)
+            child.hits.append(now)
+            self._expire_hits(child, now)
+            node, pos = child, pos + len(child.key)
+        self._num_blocks[worker] = self._num_blocks.get(worker, 0) + added
+        return added
+
+    def evict(self, worker: WorkerId, capacity_blocks: int) -> int:
+        """Drop `worker`'s least recently used leaves until it holds at most `capacity_blocks`.
+
+        Whole nodes go at a time, so the worker may end a node's length below capacity.
+        Returns the number of blocks evicted.
+        """
+        heap = self._lru.get(worker)
+        evicted = 0
+        while self._num_blocks.get(worker, 0) > capacity_blocks and heap:
+            touch, _, _, node = heapq.heappop(heap)
+            if node.workers.get(worker) != touch:
+                continue  # stale: touched again later, or already dropped
+            assert not any(worker in c.workers for c in node.children.values()), (
+                "LRU order popped an inner node before its descendants"
+            )
+            evicted += self._drop(node, worker)
+        return evicted
+
+    def remove_worker(self, worker: WorkerId) -> int:
+        """Forget everything `worker` holds (it went down or was drained)."""
+        held = [node for node in self.nodes() if worker in node.workers]
+        # Deepest first so pruning never visits a node twice.
+        held.sort(key=lambda node: node.depth, reverse=True)
+        dropped = sum(self._drop(node, worker) for node in held)
+        self._lru.pop(worker, None)
+        self._num_blocks.pop(worker, None)
+        return dropped
+
+    # ---------------------------------------------------------------- internals
+
+    def _touch(self, node: Node, worker: WorkerId, now: float) -> None:
+        node.workers[worker] = now
+        heap = self._lru.setdefault(worker, [])
+        heapq.heappush(heap, (now, -node.depth, next(self._seq), node))
+        if len(heap) > 64 and len(heap) > 4 * self._num_blocks.get(worker, 0):
+            self._compact(worker)
+
+    def _compact(self, worker: WorkerId) -> None:
+        heap = self._lru[worker]
+        live = [e for e in heap if e[3].workers.get(worker) == e[0] and e[3].parent is not None]
+        # A node split after its entry was pushed keeps its end depth, so entries stay ordered.
+        heapq.heapify(live)
+        self._lru[worker] = live
+
+    def _drop(self, node: Node, worker: WorkerId) -> int:
+        del node.workers[worker]
+        self._num_blocks[worker] -= len(node.key)
+        self._prune(node)
+        return len(node.key)
+
+    def _prune(self, node: Node) -> None:
+        while node.parent is not None and not node.workers and not node.children:
+            parent = node.parent
+            del parent.children[node.key[0]]
+            node.parent = None
+            node = parent
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut `child`'s edge after `at` blocks; returns the new upper node."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key), "split inside a real edge"
+        upper = Node(child.key[:at], parent, child.depth - len(child.key) + at)
+        upper.workers = dict(child.workers)
+        upper.hits = deque(child.hits)
+        parent.children[upper.key[0]] = upper
+        child.key = child.key[at:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        for worker, touch in upper.workers.items():
+            heapq.heappush(self._lru[worker], (touch, -upper.depth, next(self._seq), upper))
+        return upper
+
+    def _expire_hits(self, node: Node, now: float) -> None:
+        horizon = now - self.hit_window
+        hits = node.hits
+        while hits and hits[0] < horizon:
+            hits.popleft()
+
+    def check_integrity(self) -> None:
+        counted: dict[WorkerId, int] = {}
+        for node in self.nodes():
+            parent = node.parent
+            assert parent is not None, "reachable node without a parent"
+            assert node.key, "empty edge"
+            assert parent.children.get(node.key[0]) is node, "child keyed by its first hash"
+            assert node.depth == parent.depth + len(node.key), f"depth of {node}"
+            assert node.workers or node.children, f"unpruned empty branch {node}"
+            for w, touch in node.workers.items():
+                counted[w] = counted.get(w, 0) + len(node.key)
+                if parent is not self.root:
+                    assert w in parent.workers, f"worker {w} holds {node} but not its parent"
+                    assert parent.workers[w] >= touch, "ancestor touched no later than descendant"
+        for w, n in self._num_blocks.items():
+            assert counted.get(w, 0) == n, f"worker {w}: counted {counted.get(w, 0)} != {n}"
+
+
+def _common_prefix(key: tuple[BlockHash, ...], hashes: Sequence[BlockHash], pos: int) -> int:
+    """Length of the common prefix of `key` and `hashes[pos:]` (key[0] is known to match)."""
+    n = min(len(key), len(hashes) - pos)
+    if tuple(hashes[pos : pos + n]) == key[:n]:
+        return n
+    i = 1
+    while i < n and key[i] == hashes[pos + i]:
+        i += 1
+    return i

@@ -1,0 +1,44 @@
+"""Name -> factory registries that feed the command line's choices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._factories: dict[str, Callable[..., T]] = {}
+
+    def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        def decorate(factory: Callable[..., T]) -> Callable[..., T]:
+            if name in self._factories:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._factories[name] = factory
+            factory.name = name  # type: ignore[attr-defined]
+            return factory
+
+        return decorate
+
+    def get(self, name: str) -> Callable[..., T]:
+        try:
+            return self._factories[name]
+        except KeyError:
+            known = ", ".join(sorted(self._factories))
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of: {known}") from None
+
+    def create(self, name: str, **params: object) -> T:
+        return self.get(name)(**params)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._factories
+
+
+global_policies: Registry = Registry("global policy")
+local_policies: Registry = Registry("local policy")

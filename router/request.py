@@ -1,0 +1,68 @@
+"""The request every layer shares, and vLLM-style chained block hashing of prompts.
+
+A prompt is seen by the router as a chain of block hashes: block i covers tokens
+[i * block_size, (i + 1) * block_size) and its hash folds in the hash of block i - 1, so two
+prompts share hash i exactly when they share their first (i + 1) * block_size tokens. Only full
+blocks are hashed; the tail of a prompt shorter than a block is never cached or indexed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BlockHash = int
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of `token_ids` (the partial tail is dropped).
+
+    Deterministic across processes (unlike `hash()` on tuples under PYTHONHASHSEED), so a trace
+    hashed offline and a live prompt hashed by the proxy agree.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    data = np.asarray(token_ids, dtype="<u4").tobytes()
+    step = 4 * block_size
+    prev = b"" if parent is None else parent.to_bytes(8, "little")
+    hashes: list[BlockHash] = []
+    for start in range(0, len(data) - step + 1, step):
+        prev = hashlib.blake2b(data[start : start + step], digest_size=8, key=prev).digest()
+        hashes.append(int.from_bytes(prev, "little"))
+    return hashes
+
+
+@dataclass(slots=True)
+class Request:
+    """One inference request as the router and the simulator see it.
+
+    `block_hashes` are the chained hashes of the prompt's full blocks (see module doc);
+    `output_len` is the number of tokens the request will generate (known in a trace, an estimate
+    live). `weight` divides the service charged to the client by fairness policies.
+    """
+
+    id: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    client: str = "default"
+    session: str | None = None
+    priority: int = 0
+    weight: float = 1.0
+    # Closed-loop sessions: this turn is sent `think_time` after the previous turn of the same
+    # session finishes, instead of at `arrival`.
+    think_time: float | None = None
+
+    def __post_init__(self) -> None:
+        assert self.prompt_len > 0, f"request {self.id}: prompt_len must be positive"
+        assert self.output_len > 0, f"request {self.id}: output_len must be positive"
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)

@@ -1,0 +1,233 @@
+"""A simulated cluster: N engines behind the global router, fed by a trace.
+
+    trace ─▶ arrivals ─▶ router: sync engines, build view, policy.route ─▶ engine.submit
+                 ▲                                                            │
+                 └──── closed loop: next turn after finish + think time ◀─────┘
+
+Same-time ordering, defined here once: engine steps that end at time t are applied before a
+request arriving at t is routed (the router syncs every engine first), so the view a policy
+sees never lags the engines.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import simpy
+from tqdm import tqdm
+
+import policies
+from router.cluster import ClusterView, WorkerState
+from router.policy import GlobalPolicy, LocalPolicy
+from router.prefix_index import PrefixIndex
+from router.request import Request
+from simulator.cost_model import CostModel
+from simulator.engine import Engine, EngineConfig, Seq
+from simulator.results import RequestRecord, WorkerRecord, summarize
+from traces.schema import Trace
+from traces.transform import InfiniteCache
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_workers: int = 8
+    policy: str = "least_load"
+    local_policy: str | None = None  # None: the global policy's own default
+    policy_params: dict[str, object] = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    closed_loop: bool = False
+    seed: int = 0
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_workers <= 0:
+            raise ValueError(f"workers: must be positive, got {self.num_workers}")
+        if self.policy not in policies.global_policies:
+            known = ", ".join(policies.global_policies.names())
+            raise ValueError(f"policy: unknown {self.policy!r}; choose one of: {known}")
+        if self.local_policy is not None and self.local_policy not in policies.local_policies:
+            known = ", ".join(policies.local_policies.names())
+            raise ValueError(f"local_policy: unknown {self.local_policy!r}; choose one of: {known}")
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    workers: list[WorkerRecord]
+    summary: dict[str, object]
+
+
+def make_policy(name: str, params: dict[str, object], seed: int) -> GlobalPolicy:
+    factory = policies.global_policies.get(name)
+    accepted = inspect.signature(factory).parameters
+    unknown = set(params) - set(accepted)
+    if unknown:
+        raise ValueError(f"policy {name!r} takes no parameter {sorted(unknown)}; it takes "
+                         f"{sorted(p for p in accepted if p != 'seed')}")  # fmt: skip
+    if "seed" in accepted and "seed" not in params:
+        params = {**params, "seed": seed}
+    return policies.global_policies.create(name, **params)
+
+
+class SimCluster:
+    def __init__(self, trace: Trace, cost: CostModel, config: SimConfig) -> None:
+        self.trace, self.cost, self.config = trace, cost, config
+        self.env = simpy.Environment()
+        self.policy = make_policy(config.policy, dict(config.policy_params), config.seed)
+        local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
+        self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.create(
+            local_name
+        )
+        engine_config = EngineConfig(**{**_asdict(config.engine), "block_size": trace.block_size})
+        self.engines = [
+            Engine(self.env, i, cost, engine_config, self.local_factory(), self)
+            for i in range(config.num_workers)
+        ]
+        self.view = ClusterView(
+            now=0.0,
+            workers={e.id: WorkerState(e.id) for e in self.engines},
+            index=PrefixIndex(),
+            block_size=trace.block_size,
+            cost=cost,
+        )
+        self.bound = InfiniteCache(trace.block_size)
+        self.records: list[RequestRecord] = []
+        self.routed: dict[int, int] = defaultdict(int)
+        self._next_turns: dict[str, deque[Request]] = {}
+        self._progress: tqdm | None = None
+
+    # ----------------------------------------------------------------- driving
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        self._progress = tqdm(
+            total=len(self.trace), disable=not self.config.show_progress, unit="req",
+            mininterval=0.5, desc=f"{self.config.policy}",
+        )  # fmt: skip
+        self.env.process(self._arrivals())
+        self.env.run()
+        self._progress.close()
+        wall = time.perf_counter() - started
+        workers = [self._worker_record(e) for e in self.engines]
+        self.records.sort(key=lambda r: r.id)
+        summary = summarize(
+            self.records,
+            workers,
+            total=len(self.trace),
+            cache_bound=self.bound.hit_rate,
+            simulated_seconds=self.env.now,
+            wall_seconds=wall,
+            config=self._config_summary(),
+        )
+        return SimResult(self.records, workers, summary)
+
+    def _arrivals(self) -> simpy.events.ProcessGenerator:
+        first_turns = []
+        for req in self.trace.requests:
+            if self.config.closed_loop and req.session is not None:
+                queue = self._next_turns.setdefault(req.session, deque())
+                queue.append(req)
+                if len(queue) > 1:
+                    continue
+            first_turns.append(req)
+        if self.config.closed_loop:
+            for queue in self._next_turns.values():
+                queue.popleft()  # the first turn is dispatched from first_turns
+        for req in first_turns:
+            if req.arrival > self.env.now:
+                yield self.env.timeout(req.arrival - self.env.now)
+            self.dispatch(req)
+
+    def _send_later(self, req: Request, delay: float) -> simpy.events.ProcessGenerator:
+        yield self.env.timeout(delay)
+        req.arrival = self.env.now
+        self.dispatch(req)
+
+    def dispatch(self, req: Request) -> None:
+        now = self.env.now
+        view = self.view
+        view.now = now
+        for engine in self.engines:
+            engine.sync(now)
+            engine.fill_state(view.workers[engine.id])
+        decision = self.policy.route(req, view)
+        worker = decision.worker
+        state = view.workers.get(worker)
+        if state is None or not state.healthy:
+            raise RuntimeError(f"policy {self.config.policy} chose unusable worker {worker}")
+        self.bound.observe(req)
+        # Approximate index: believe the worker now holds the prompt, within its capacity.
+        hashes = req.block_hashes[: req.prompt_len // self.trace.block_size]
+        view.index.insert(hashes, worker, now)
+        view.index.evict(worker, state.kv_capacity_blocks)
+        self.routed[worker] += 1
+        self.policy.on_dispatch(req, worker, view)
+        self.engines[worker].submit(req)
+
+    # ------------------------------------------------------- engine listener
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        self.policy.on_first_token(seq.req, seq.worker, now)
+
+    def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
+        self.policy.on_token(seq.req, seq.worker, num_tokens, now)
+
+    def on_finish(self, seq: Seq, now: float) -> None:
+        req = seq.req
+        assert seq.admitted_at is not None and seq.first_token_at is not None
+        self.records.append(
+            RequestRecord(
+                id=req.id, client=req.client, session=req.session, worker=seq.worker,
+                arrival=req.arrival, admitted=seq.admitted_at, first_token=seq.first_token_at,
+                finish=now, prompt_tokens=req.prompt_len, cached_tokens=seq.num_cached_tokens or 0,
+                output_tokens=seq.num_output, preemptions=seq.num_preemptions,
+            )
+        )  # fmt: skip
+        self.view.now = now
+        self.policy.on_finish(req, seq.worker, self.view)
+        if self._progress is not None:
+            self._progress.update()
+        if self.config.closed_loop and req.session is not None:
+            queue = self._next_turns.get(req.session)
+            if queue:
+                nxt = queue.popleft()
+                self.env.process(self._send_later(nxt, nxt.think_time or 0.0))
+
+    # ------------------------------------------------------------------ output
+
+    def _worker_record(self, e: Engine) -> WorkerRecord:
+        return WorkerRecord(
+            id=e.id, requests=self.routed[e.id], tokens_processed=e.tokens_processed,
+            kv_blocks=e.blocks.num_blocks, peak_kv_blocks=e.peak_used_blocks,
+            preemptions=e.num_preemptions, evictions=e.blocks.num_evictions,
+            steps=e.num_steps, events=e.num_events,
+        )  # fmt: skip
+
+    def _config_summary(self) -> dict[str, object]:
+        e = self.engines[0]
+        return {
+            "trace": self.trace.source,
+            "policy": self.config.policy,
+            "local_policy": e.local.name,
+            "workers": self.config.num_workers,
+            "cost_model": self.cost.name,
+            "block_size": self.trace.block_size,
+            "kv_blocks_per_worker": e.blocks.num_blocks,
+            "max_num_seqs": e.config.max_num_seqs,
+            "max_num_batched_tokens": e.config.max_num_batched_tokens,
+            "fast_forward": e.config.fast_forward,
+            "closed_loop": self.config.closed_loop,
+            "seed": self.config.seed,
+        }
+
+
+def _asdict(config: EngineConfig) -> dict[str, object]:
+    return {f: getattr(config, f) for f in config.__dataclass_fields__}
+
+
+def simulate(trace: Trace, cost: CostModel, config: SimConfig) -> SimResult:
+    return SimCluster(trace, cost, config).run()

@@ -1,0 +1,181 @@
+"""How long one engine step takes: a roofline model from model and hardware specs.
+
+A step processes some prefill chunks and some decode tokens together (continuous batching). Its
+time is the larger of the compute time (FLOPs over achievable peak) and the memory time (weights
+plus the KV cache read, over achievable HBM bandwidth), plus a fixed per-step overhead (scheduler,
+sampling, kernel launches) and, under tensor parallelism, two all-reduces per layer.
+
+The engine describes a step by a `StepShape`, which is all a cost model may look at; a profiled
+model fitted from a real worker's measurements implements the same `CostModel` protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(slots=True, frozen=True)
+class StepShape:
+    """What one step computes.
+
+    num_tokens: tokens run through the model (prefill chunk tokens + one per decoding sequence).
+    attention_pairs: (query, key) pairs attended over, summed over sequences; a chunk of q tokens
+        after c cached/computed ones contributes q*c + q*(q+1)/2, a decode token its context.
+    kv_read_tokens: KV cache entries read (each sequence's context once).
+    """
+
+    num_tokens: int
+    attention_pairs: float
+    kv_read_tokens: int
+
+    @staticmethod
+    def prefill(num_new: int, num_context: int) -> StepShape:
+        pairs = num_new * num_context + num_new * (num_new + 1) / 2
+        return StepShape(num_new, pairs, num_context + num_new)
+
+
+class CostModel(Protocol):
+    name: str
+    kv_capacity_tokens: int
+
+    def step_time(self, shape: StepShape) -> float: ...
+
+    def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
+        """Durations of `num_steps` decode-only steps of `num_seqs` sequences whose summed
+        context starts at `context_tokens` and grows by `num_seqs` each step. Must equal
+        `step_time` called step by step (the engine's fast-forward relies on it)."""
+        ...
+
+    def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float: ...
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float: ...
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    name: str
+    num_params: float
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    bytes_per_param: int = 2  # bf16
+    default_tp: int = 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+
+@dataclass(slots=True, frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops: float  # dense bf16, FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    memory_bytes: float
+    link_bandwidth: float  # GPU-to-GPU, bytes/s per direction (NVLink, or PCIe on L40S)
+
+
+GB = 1e9
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        ModelSpec("llama-3-8b", 8.03e9, 32, 4096, 32, 8, 128, 8192),
+        ModelSpec("mistral-7b", 7.24e9, 32, 4096, 32, 8, 128, 32768),
+        ModelSpec("llama-2-13b", 13.0e9, 40, 5120, 40, 40, 128, 4096),
+        ModelSpec("llama-3-70b", 70.6e9, 80, 8192, 64, 8, 128, 8192, default_tp=4),
+    ]
+}
+GPUS: dict[str, GPUSpec] = {
+    g.name: g
+    for g in [
+        GPUSpec("a100-80g", 312e12, 2039 * GB, 80 * GB, 300 * GB),
+        GPUSpec("h100", 989e12, 3350 * GB, 80 * GB, 450 * GB),
+        GPUSpec("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB),
+        GPUSpec("l40s", 362e12, 864 * GB, 48 * GB, 32 * GB),
+    ]
+}
+
+
+class RooflineCost:
+    """Roofline step time for `model` on `tp` GPUs of kind `gpu`.
+
+    Achievable fractions of peak (`compute_efficiency`, `memory_efficiency`) and the per-step
+    overhead are the usual vLLM-on-A100 ballpark (decode of an 8B model at batch 1 comes to about
+    12 ms per token); a fitted profile replaces them with measurements.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GPUSpec,
+        tp: int | None = None,
+        compute_efficiency: float = 0.6,
+        memory_efficiency: float = 0.8,
+        step_overhead: float = 0.002,
+        gpu_memory_utilization: float = 0.9,
+        allreduce_latency: float = 5e-6,
+    ) -> None:
+        self.model, self.gpu = model, gpu
+        self.tp = tp or model.default_tp
+        self.name = f"roofline:{model.name}@{gpu.name}x{self.tp}"
+        weights = model.num_params * model.bytes_per_param
+        kv_bytes = gpu.memory_bytes * self.tp * gpu_memory_utilization - weights
+        if kv_bytes <= 0:
+            raise ValueError(f"{model.name} does not fit on {self.tp} x {gpu.name}; raise --tp")
+        self.kv_capacity_tokens = int(kv_bytes // model.kv_bytes_per_token)
+        # Per-step constants, precomputed so a step is a handful of multiply-adds.
+        flops = gpu.peak_flops * compute_efficiency * self.tp
+        bandwidth = gpu.hbm_bandwidth * memory_efficiency * self.tp
+        self._sec_per_token_flop = 2 * model.num_params / flops
+        self._sec_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim / flops
+        self._weights_sec = weights / bandwidth
+        self._sec_per_kv_token = model.kv_bytes_per_token / bandwidth
+        self._overhead = step_overhead
+        if self.tp > 1:
+            ring = 2 * (self.tp - 1) / self.tp
+            per_token_bytes = 2 * model.num_layers * model.hidden * model.bytes_per_param
+            self._comm_per_token = ring * per_token_bytes / gpu.link_bandwidth
+            self._overhead += 2 * model.num_layers * allreduce_latency
+        else:
+            self._comm_per_token = 0.0
+
+    def step_time(self, shape: StepShape) -> float:
+        compute = shape.num_tokens * self._sec_per_token_flop + (
+            shape.attention_pairs * self._sec_per_pair
+        )
+        memory = self._weights_sec + shape.kv_read_tokens * self._sec_per_kv_token
+        comm = shape.num_tokens * self._comm_per_token
+        return self._overhead + max(compute, memory) + comm
+
+    def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
+        if num_steps == 1:  # the common case in a busy engine; skip numpy's call overhead
+            return [self.step_time(StepShape(num_seqs, context_tokens, context_tokens))]
+        # The same arithmetic as step_time, elementwise (IEEE ops in the same order, so equal).
+        ctx = context_tokens + num_seqs * np.arange(num_steps, dtype=np.float64)
+        compute = num_seqs * self._sec_per_token_flop + ctx * self._sec_per_pair
+        memory = self._weights_sec + ctx * self._sec_per_kv_token
+        comm = num_seqs * self._comm_per_token
+        return (self._overhead + np.maximum(compute, memory) + comm).tolist()
+
+    def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float:
+        if num_new_tokens <= 0:
+            return 0.0
+        return self.step_time(StepShape.prefill(num_new_tokens, num_cached_tokens))
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        return self.step_time(StepShape(num_seqs, context_tokens, context_tokens))
+
+
+def roofline(model: str, gpu: str, tp: int | None = None) -> RooflineCost:
+    """The roofline model for preset names, with a clear error for unknown ones."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(MODELS)}")
+    if gpu not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; choose one of: {', '.join(GPUS)}")
+    return RooflineCost(MODELS[model], GPUS[gpu], tp)

@@ -1,0 +1,369 @@
+"""A vLLM-like engine on SimPy time: continuous batching, chunked prefill, paged KV, preemption.
+
+One step, as vLLM's (V1) scheduler makes it:
+  1. running sequences first, in admission order: a decoding one takes 1 token, a prefilling one
+     the rest of its prompt up to the remaining token budget (chunked prefill). If the KV blocks
+     for that do not fit, the most recently admitted running sequence is preempted (its blocks
+     freed, to be recomputed later) until they do;
+  2. then, unless something was preempted, waiting requests in the local policy's order while
+     budget and `max_num_seqs` allow; each starts from its longest cached prefix.
+A sequence whose every known token has been computed samples one new token at the end of a step.
+
+Speed: while the batch is decode-only and nothing waiting can be admitted, the next steps are
+fully determined, so one SimPy event covers all of them up to the first finish or block shortage
+(`_plan_decode_run`). An arrival ends such a run at the next step boundary, and `sync(now)`
+applies exactly the steps that have ended, so anything that looks at the engine mid-run (the
+router building its view) sees what step-by-step simulation would show.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import simpy
+
+from router.cluster import WorkerState
+from router.policy import LocalPolicy
+from router.request import Request
+from simulator.block_manager import BlockManager, BlockTable
+from simulator.cost_model import CostModel, StepShape
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: what the cost model's memory holds
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    fast_forward: bool = True
+    max_run_steps: int = 4096
+
+
+class Seq:
+    """Engine-side state of one request."""
+
+    __slots__ = (
+        "req", "table", "hashes", "num_computed", "num_output", "num_cached_tokens",
+        "num_preemptions", "admitted_at", "first_token_at", "finished_at", "worker",
+    )  # fmt: skip
+
+    def __init__(self, req: Request, worker: int, block_size: int) -> None:
+        self.req = req
+        self.table = BlockTable()
+        # Only full prompt blocks are ever cached.
+        self.hashes = req.block_hashes[: req.prompt_len // block_size]
+        self.num_computed = 0  # tokens whose KV exists (prompt, then generated ones fed back)
+        self.num_output = 0
+        self.num_cached_tokens: int | None = None  # prefix hit at first admission
+        self.num_preemptions = 0
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.worker = worker
+
+    @property
+    def total_len(self) -> int:
+        return self.req.prompt_len + self.num_output
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == self.total_len - 1 and self.num_output > 0
+
+
+class EngineListener(Protocol):
+    def on_first_token(self, seq: Seq, now: float) -> None: ...
+    def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None: ...
+    def on_finish(self, seq: Seq, now: float) -> None: ...
+
+
+@dataclass(slots=True)
+class _Run:
+    """Steps planned as one event: `batch` is (seq, tokens) of step 1; later steps decode."""
+
+    batch: list[tuple[Seq, int]]
+    ends: list[float]  # end time of each step
+    applied: int = 0
+
+    @property
+    def is_multi_step(self) -> bool:
+        return len(self.ends) - self.applied > 1
+
+
+class Engine:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        worker_id: int,
+        cost: CostModel,
+        config: EngineConfig,
+        local: LocalPolicy,
+        listener: EngineListener,
+    ) -> None:
+        self.env = env
+        self.id = worker_id
+        self.cost = cost
+        self.config = config
+        self.local = local
+        self.listener = listener
+        num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.running: list[Seq] = []
+        self.waiting: dict[int, Seq] = {}  # by request id; the local policy holds the order
+        self.clock = 0.0  # exact time of the last step boundary
+        self._run: _Run | None = None
+        self._wake = env.event()
+        # Load accounting for the router's view, kept incrementally.
+        self._tokens_total = 0  # prompt + output tokens of every request here
+        self._tokens_computed = 0  # num_computed summed over running sequences
+        # Statistics.
+        self.num_steps = 0
+        self.num_events = 0
+        self.num_preemptions = 0
+        self.peak_used_blocks = 0
+        self.tokens_processed = 0
+        env.process(self._loop())
+
+    # ------------------------------------------------------------- interface
+
+    def submit(self, req: Request) -> None:
+        self.waiting[req.id] = Seq(req, self.id, self.config.block_size)
+        self._tokens_total += req.prompt_len + req.output_len
+        self.local.push(req)
+        # Idle, or inside a multi-step run the arrival may cut short: wake the loop.
+        if not self._wake.triggered and (self._run is None or self._run.is_multi_step):
+            self._wake.succeed()
+
+    def fill_state(self, state: WorkerState) -> None:
+        state.num_waiting = len(self.waiting)
+        state.num_running = len(self.running)
+        state.tokens_in_flight = self._tokens_total - self._tokens_computed
+        state.kv_used_blocks = self.blocks.num_used
+        state.kv_capacity_blocks = self.blocks.num_blocks
+
+    def cached_blocks(self, req: Request) -> int:
+        """Leading prompt blocks of `req` this engine holds now (for locality-aware orders)."""
+        seq = self.waiting.get(req.id)
+        hashes = seq.hashes if seq else req.block_hashes
+        return self.blocks.num_cached_prefix(hashes, len(hashes))
+
+    def sync(self, now: float) -> None:
+        """Apply every planned step that has ended by `now`."""
+        run = self._run
+        if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
+            return
+        done = bisect.bisect_right(run.ends, now, lo=run.applied)
+        if run.applied == 0:
+            self._apply_first_step(run)
+        if done > run.applied:
+            self._apply_decode_steps(run, done - run.applied)
+        self._after_steps(run)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> simpy.events.ProcessGenerator:
+        while True:
+            if self.is_idle:
+                self._wake = self.env.event()
+                yield self._wake
+                self.clock = self.env.now
+            run = self._plan()
+            self._run = run
+            self._wake = self.env.event()
+            self.num_events += 1
+            yield self.env.timeout(run.ends[-1] - self.env.now) | self._wake
+            if run.applied < len(run.ends) and run.ends[-1] > self.env.now:
+                # Woken by an arrival: finish the step in progress, then re-plan.
+                self.sync(self.env.now)
+                del run.ends[run.applied + 1 :]
+                self.num_events += 1
+                yield self.env.timeout(run.ends[-1] - self.env.now)
+            self.sync(run.ends[-1])
+            self.clock = run.ends[-1]
+            self._run = None
+
+    # --------------------------------------------------------------- planning
+
+    def _plan(self) -> _Run:
+        cfg, blocks = self.config, self.blocks
+        budget = cfg.max_num_batched_tokens
+        batch: list[tuple[Seq, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.total_len - seq.num_computed, budget)
+            need = blocks.blocks_for(seq.num_computed + num_new) - len(seq.table)
+            while need > blocks.num_free and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                preempted = True
+            if need > blocks.num_free:
+                self._preempt(self.running.pop())  # seq itself: nothing left to take from
+                preempted = True
+                break
+            blocks.allocate(seq.table, need)
+            batch.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        admission_blocked = False  # by memory or max_num_seqs, which a decode run cannot ease
+        if not preempted:
+            while budget > 0 and self.waiting:
+                if len(self.running) >= cfg.max_num_seqs:
+                    admission_blocked = True
+                    break
+                req = self.local.peek(self.cached_blocks)
+                if req is None:
+                    break
+                seq = self.waiting[req.id]
+                limit = min(len(seq.hashes), (seq.total_len - 1) // cfg.block_size)
+                hit = blocks.num_cached_prefix(seq.hashes, limit)
+                cached = hit * cfg.block_size
+                num_new = min(seq.total_len - cached, budget)
+                need = blocks.blocks_for(cached + num_new) - hit
+                if need > blocks.num_free_after_hit(seq.hashes, hit):
+                    admission_blocked = True
+                    break
+                self.local.pop(req, cached)
+                del self.waiting[req.id]
+                blocks.pin_prefix(seq.table, seq.hashes, hit)
+                blocks.allocate(seq.table, need)
+                self._set_computed(seq, cached)
+                if seq.admitted_at is None:
+                    seq.admitted_at = self.clock
+                    seq.num_cached_tokens = cached
+                self.running.append(seq)
+                batch.append((seq, num_new))
+                budget -= num_new
+
+        if not batch:
+            raise RuntimeError(
+                f"worker {self.id}: nothing can run; a request needs more KV blocks than the "
+                f"worker has ({blocks.num_blocks} blocks of {cfg.block_size} tokens)"
+            )
+        self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
+
+        decode_only = all(seq.is_decoding for seq, _ in batch)
+        if decode_only and (admission_blocked or not self.waiting):
+            num_steps = self._plan_decode_run(batch)
+            context = sum(seq.num_computed + 1 for seq, _ in batch)
+            durations = self.cost.decode_step_times(len(batch), context, num_steps)
+        else:
+            durations = [self.cost.step_time(self._shape(batch))]
+        ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
+        return _Run(batch, ends)
+
+    def _plan_decode_run(self, batch: list[tuple[Seq, int]]) -> int:
+        """How many decode steps can run with this batch before something must change."""
+        if not self.config.fast_forward:
+            return 1
+        limit = min(seq.req.output_len - seq.num_output for seq, _ in batch)
+        limit = min(limit, self.config.max_run_steps)
+        free, blocks_for = self.blocks.num_free, self.blocks.blocks_for
+
+        def extra_blocks(steps: int) -> int:  # blocks needed beyond step 1's, for `steps` steps
+            return sum(blocks_for(s.num_computed + steps) - len(s.table) for s, _ in batch)
+
+        lo, hi = 1, limit  # step 1 is already allocated; find the last step count that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if extra_blocks(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _shape(self, batch: list[tuple[Seq, int]]) -> StepShape:
+        num_tokens = kv_read = 0
+        pairs = 0.0
+        for seq, num_new in batch:
+            context = seq.num_computed
+            num_tokens += num_new
+            pairs += num_new * context + num_new * (num_new + 1) / 2
+            kv_read += context + num_new
+        return StepShape(num_tokens, pairs, kv_read)
+
+    # ---------------------------------------------------------------- applying
+
+    def _apply_first_step(self, run: _Run) -> None:
+        now = run.ends[0]
+        block_size = self.config.block_size
+        for seq, num_new in run.batch:
+            start = seq.num_computed
+            self._set_computed(seq, start + num_new)
+            self.tokens_processed += num_new
+            prompt_blocks_end = len(seq.hashes) * block_size
+            if start < prompt_blocks_end:  # this step computed (part of) the cacheable prompt
+                self.blocks.commit_full_blocks(seq.table, seq.hashes, seq.num_computed // block_size)
+            if seq.num_computed < seq.total_len:
+                continue  # a prefill chunk short of the end of the prompt: nothing sampled
+            seq.num_output += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.listener.on_first_token(seq, now)
+            self.local.on_token(seq.req, 1)
+            self.listener.on_tokens(seq, 1, now)
+        run.applied = 1
+        self.num_steps += 1
+
+    def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
+        now = run.ends[run.applied + num_steps - 1]
+        blocks = self.blocks
+        for seq, _ in run.batch:
+            need = blocks.blocks_for(seq.num_computed + num_steps) - len(seq.table)
+            if need > 0:
+                blocks.allocate(seq.table, need)
+            self._set_computed(seq, seq.num_computed + num_steps)
+            seq.num_output += num_steps
+            self.local.on_token(seq.req, num_steps)
+            self.listener.on_tokens(seq, num_steps, now)
+        self.tokens_processed += num_steps * len(run.batch)
+        self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
+        run.applied += num_steps
+        self.num_steps += num_steps
+
+    def _after_steps(self, run: _Run) -> None:
+        now = run.ends[run.applied - 1]
+        finished = [s for s, _ in run.batch if s.num_output >= s.req.output_len]
+        if not finished:
+            return
+        for seq in finished:
+            self.running.remove(seq)
+            self.blocks.free(seq.table)
+            self._set_computed(seq, 0)
+            self._tokens_total -= seq.req.prompt_len + seq.req.output_len
+            seq.finished_at = now
+            self.local.on_finish(seq.req)
+            self.listener.on_finish(seq, now)
+        # Later steps of this run assumed these sequences; a run always ends at a finish.
+        assert run.applied == len(run.ends), "a sequence finished inside a multi-step run"
+
+    def _preempt(self, seq: Seq) -> None:
+        self.blocks.free(seq.table)
+        self._set_computed(seq, 0)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[seq.req.id] = seq
+        self.local.push_front(seq.req)
+
+    def _set_computed(self, seq: Seq, num_computed: int) -> None:
+        self._tokens_computed += num_computed - seq.num_computed
+        seq.num_computed = num_computed
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity([s.table for s in self.running])
+        assert self.blocks.num_used <= self.blocks.num_blocks, "over KV capacity"
+        assert len(self.local) == len(self.waiting), "local queue and waiting set disagree"
+        for seq in self.running:
+            need = self.blocks.blocks_for(seq.num_computed)
+            assert len(seq.table) >= need, f"request {seq.req.id} lacks blocks for its KV"
+
+
+ListenerFactory = Callable[[int], EngineListener]

@@ -1,0 +1,158 @@
+"""Per-request records and the summary every report, test and table reads."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+# Service a client received, in weighted tokens: input x W_IN + output x W_OUT (VTC's default).
+W_IN, W_OUT = 1.0, 2.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    id: int
+    client: str
+    session: str | None
+    worker: int
+    arrival: float
+    admitted: float
+    first_token: float
+    finish: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    preemptions: int
+
+    @property
+    def queue_time(self) -> float:
+        return self.admitted - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    id: int
+    requests: int
+    tokens_processed: int
+    kv_blocks: int
+    peak_kv_blocks: int
+    preemptions: int
+    evictions: int
+    steps: int
+    events: int
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    if len(values) == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {
+        "mean": float(a.mean()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "max": float(a.max()),
+    }
+
+
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index: 1 when all equal, 1/n when one takes everything."""
+    a = np.asarray(values, dtype=np.float64)
+    if len(a) == 0 or not a.any():
+        return None
+    return float(a.sum() ** 2 / (len(a) * (a**2).sum()))
+
+
+def service(record: RequestRecord) -> float:
+    return W_IN * record.prompt_tokens + W_OUT * record.output_tokens
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    workers: Sequence[WorkerRecord],
+    *,
+    total: int,
+    cache_bound: float,
+    simulated_seconds: float,
+    wall_seconds: float,
+    config: dict[str, object],
+) -> dict[str, object]:
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    output = sum(r.output_tokens for r in records)
+    span = (max(r.finish for r in records) - min(r.arrival for r in records)) if records else 0.0
+
+    by_client: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        by_client.setdefault(r.client, []).append(r)
+    per_client = {
+        client: {
+            "requests": len(rs),
+            "service": sum(service(r) for r in rs),
+            "prompt_tokens": sum(r.prompt_tokens for r in rs),
+            "output_tokens": sum(r.output_tokens for r in rs),
+            "ttft": _stats([r.ttft for r in rs]),
+            "e2e": _stats([r.e2e for r in rs]),
+        }
+        for client, rs in sorted(by_client.items())
+    }
+    work = [w.tokens_processed for w in workers]
+    mean_work = float(np.mean(work)) if work else 0.0
+    return {
+        "config": config,
+        "completed": len(records),
+        "total": total,
+        "ttft": _stats([r.ttft for r in records]),
+        "tpot": _stats([t for r in records if (t := r.tpot) is not None]),
+        "e2e": _stats([r.e2e for r in records]),
+        "queue_time": _stats([r.queue_time for r in records]),
+        "throughput": {
+            "requests_per_s": len(records) / span if span > 0 else None,
+            "output_tokens_per_s": output / span if span > 0 else None,
+        },
+        "tokens": {"prompt": prompt, "cached": cached, "output": output},
+        "prefix_cache": {
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "bound": cache_bound,
+        },
+        "preemptions": sum(r.preemptions for r in records),
+        "load_imbalance": (max(work) / mean_work) if mean_work else None,
+        "workers": [asdict(w) for w in workers],
+        "per_client": per_client,
+        "fairness": {"jain": jain_index([c["service"] for c in per_client.values()])},
+        "simulated_seconds": simulated_seconds,
+        "wall_seconds": wall_seconds,
+    }
+
+
+def write_results(out: Path, summary: dict[str, object], records: Sequence[RequestRecord]) -> None:
+    """DIR/summary.json and DIR/requests.csv (one row per completed request)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    names = [f.name for f in fields(RequestRecord)]
+    with open(out / "requests.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*names, "queue_time", "ttft", "tpot", "e2e"])
+        for r in records:
+            row = [getattr(r, n) for n in names]
+            writer.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e])

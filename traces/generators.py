@@ -1,0 +1,212 @@
+"""Synthetic workloads with real prefix structure (the public traces lack tenants + content).
+
+Prompts are built as token-id sequences and hashed like live prompts, so shared prefixes come
+from shared content, never from hand-placed hashes:
+
+    shared_prefix   tenants, each with a long system prompt/document and many questions
+    few_shot        a pool of few-shot templates shared across tenants, then a question
+    chat_sessions   multi-turn chats: turn k = turn k-1's prompt + its answer + a new message
+    agent_loops     tool loops: a long tool preamble, then call, tool output, call, ...
+
+Sessions (chat, agent) carry `think_time`, so they also replay closed-loop. Every generator
+takes `seed` and draws from its own streams.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import numpy as np
+
+from router.request import Request, hash_token_blocks
+from traces.schema import DEFAULT_BLOCK_SIZE, Trace, finish, renumber
+
+VOCAB = 32000
+
+
+class _Tokens:
+    """Random token content from one seeded stream."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def take(self, n: int) -> np.ndarray:
+        return self._rng.integers(0, VOCAB, size=n, dtype=np.uint32)
+
+
+def _lognormal_int(rng: random.Random, mean: float, sigma: float = 0.5, lo: int = 1) -> int:
+    mu = np.log(mean) - sigma**2 / 2
+    return max(lo, int(rng.lognormvariate(mu, sigma)))
+
+
+def _poisson_times(rng: random.Random, rate: float, n: int) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def _request(
+    i: int, t: float, prompt: np.ndarray, out_len: int, block_size: int, **kw: object
+) -> Request:
+    return Request(
+        id=i,
+        arrival=t,
+        prompt_len=len(prompt),
+        output_len=out_len,
+        block_hashes=hash_token_blocks(prompt, block_size),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def shared_prefix(
+    num_requests: int = 2000,
+    num_tenants: int = 8,
+    prefix_tokens: int = 4000,
+    question_tokens: int = 200,
+    output_tokens: int = 128,
+    rate: float = 20.0,
+    prefixes_per_tenant: int = 2,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Tenants with long shared system prompts / documents, many questions each, Poisson."""
+    rng, tokens = random.Random(seed), _Tokens(seed)
+    prefixes = {
+        (t, p): tokens.take(_lognormal_int(rng, prefix_tokens, 0.3, block_size))
+        for t in range(num_tenants)
+        for p in range(prefixes_per_tenant)
+    }
+    reqs = []
+    for i, t in enumerate(_poisson_times(rng, rate, num_requests)):
+        tenant = rng.randrange(num_tenants)
+        prefix = prefixes[(tenant, rng.randrange(prefixes_per_tenant))]
+        prompt = np.concatenate([prefix, tokens.take(_lognormal_int(rng, question_tokens))])
+        out = _lognormal_int(rng, output_tokens)
+        reqs.append(_request(i, t, prompt, out, block_size, client=f"tenant-{tenant}"))
+    return finish(Trace(reqs, block_size, source="generated:shared_prefix"))
+
+
+def few_shot(
+    num_requests: int = 2000,
+    num_tenants: int = 4,
+    num_templates: int = 16,
+    template_tokens: int = 1500,
+    question_tokens: int = 100,
+    output_tokens: int = 64,
+    rate: float = 20.0,
+    zipf: float = 1.1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Few-shot templates shared across tenants, popularity Zipf-distributed."""
+    rng, tokens = random.Random(seed), _Tokens(seed)
+    templates = [tokens.take(_lognormal_int(rng, template_tokens, 0.3)) for _ in range(num_templates)]
+    weights = [1 / (k + 1) ** zipf for k in range(num_templates)]
+    reqs = []
+    for i, t in enumerate(_poisson_times(rng, rate, num_requests)):
+        template = rng.choices(templates, weights)[0]
+        prompt = np.concatenate([template, tokens.take(_lognormal_int(rng, question_tokens))])
+        client = f"tenant-{rng.randrange(num_tenants)}"
+        reqs.append(_request(i, t, prompt, _lognormal_int(rng, output_tokens), block_size,
+                             client=client))  # fmt: skip
+    return finish(Trace(reqs, block_size, source="generated:few_shot"))
+
+
+def _sessions(
+    num_sessions: int,
+    rate: float,
+    seed: int,
+    block_size: int,
+    source: str,
+    num_tenants: int,
+    first_prompt: Callable[[random.Random, _Tokens], np.ndarray],
+    turns: Callable[[random.Random], int],
+    user_tokens: float,
+    output_tokens: float,
+    think: Callable[[random.Random], float],
+) -> Trace:
+    """Sessions whose every turn's prompt extends the previous prompt and answer."""
+    rng, tokens = random.Random(seed), _Tokens(seed)
+    reqs: list[Request] = []
+    for s, start in enumerate(_poisson_times(rng, rate, num_sessions)):
+        client = f"tenant-{rng.randrange(num_tenants)}"
+        prompt = first_prompt(rng, tokens)
+        t = start
+        for turn in range(turns(rng)):
+            out = _lognormal_int(rng, output_tokens)
+            wait = think(rng) if turn else None
+            reqs.append(_request(0, t, prompt, out, block_size, client=client,
+                                 session=f"s{s}", think_time=wait))  # fmt: skip
+            answer = tokens.take(out)
+            message = tokens.take(_lognormal_int(rng, user_tokens))
+            prompt = np.concatenate([prompt, answer, message])
+            # Open-loop timestamp of the next turn: a guess at the answer time plus think time;
+            # closed-loop replay uses the real finish instead.
+            t += 0.02 * out + think(rng)
+    reqs.sort(key=lambda r: r.arrival)
+    return finish(Trace(renumber(reqs), block_size, source=f"generated:{source}"))
+
+
+def chat_sessions(
+    num_sessions: int = 300,
+    mean_turns: float = 5,
+    system_tokens: int = 500,
+    user_tokens: int = 150,
+    output_tokens: int = 200,
+    think_time: float = 10.0,
+    rate: float = 2.0,
+    num_tenants: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Multi-turn chats; the system prompt is shared by all sessions of a tenant... and by none
+    across tenants, so chat turns reuse their own history above all."""
+    shared = {k: _Tokens(seed + 1 + k).take(system_tokens) for k in range(num_tenants)}
+
+    def first(rng: random.Random, tokens: _Tokens) -> np.ndarray:
+        system = shared[rng.randrange(num_tenants)]
+        return np.concatenate([system, tokens.take(_lognormal_int(rng, user_tokens))])
+
+    return _sessions(
+        num_sessions, rate, seed, block_size, "chat_sessions", num_tenants, first,
+        turns=lambda rng: 1 + int(rng.expovariate(1 / max(mean_turns - 1, 1e-9))),
+        user_tokens=user_tokens, output_tokens=output_tokens,
+        think=lambda rng: rng.expovariate(1 / think_time) if think_time > 0 else 0.0,
+    )  # fmt: skip
+
+
+def agent_loops(
+    num_sessions: int = 100,
+    steps: int = 12,
+    preamble_tokens: int = 3000,
+    tool_output_tokens: int = 400,
+    call_tokens: int = 60,
+    tool_latency: float = 1.0,
+    rate: float = 1.0,
+    num_tenants: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Agent/tool loops: short calls on a long, growing context; tools answer after a delay."""
+    preamble = _Tokens(seed + 7).take(preamble_tokens)  # one tool spec shared by every agent
+
+    def first(rng: random.Random, tokens: _Tokens) -> np.ndarray:
+        return np.concatenate([preamble, tokens.take(_lognormal_int(rng, 200))])
+
+    return _sessions(
+        num_sessions, rate, seed, block_size, "agent_loops", num_tenants, first,
+        turns=lambda rng: max(1, int(rng.gauss(steps, steps / 4))),
+        user_tokens=tool_output_tokens, output_tokens=call_tokens,
+        think=lambda rng: rng.expovariate(1 / tool_latency),
+    )  # fmt: skip
+
+
+GENERATORS: dict[str, Callable[..., Trace]] = {
+    "shared_prefix": shared_prefix,
+    "few_shot": few_shot,
+    "chat_sessions": chat_sessions,
+    "agent_loops": agent_loops,
+}

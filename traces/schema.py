@@ -1,0 +1,156 @@
+"""Fairway's native trace: JSON Lines, one request a line, after an optional header line.
+
+    {"fairway_trace": 1, "block_size": 16}
+    {"arrival": 0.0, "prompt_len": 812, "output_len": 64, "block_hashes": [...], "client": "a"}
+    {"arrival": 0.4, "prompt_len": 95, "output_len": 12, "session": "s1", "think_time": 2.0}
+
+`arrival` is in seconds. `block_hashes` are the chained hashes of the prompt's full blocks of
+`block_size` tokens (router.request.hash_token_blocks). Every loader returns a `Trace`; every
+error names the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from router.request import Request
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message starts with `file:line:`."""
+
+    def __init__(self, path: str | Path, line: int | None, message: str) -> None:
+        where = f"{path}:{line}" if line is not None else str(path)
+        super().__init__(f"{where}: {message}")
+        self.path, self.line = str(path), line
+
+
+@dataclass(slots=True)
+class Trace:
+    requests: list[Request]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    source: str = ""
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration(self) -> float:
+        return self.requests[-1].arrival - self.requests[0].arrival if self.requests else 0.0
+
+    @property
+    def clients(self) -> list[str]:
+        return sorted({r.client for r in self.requests})
+
+
+class TraceHeader(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    fairway_trace: int = Field(1, ge=1, le=1)
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, gt=0)
+
+
+class TraceLine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int | None = None
+    arrival: float = Field(ge=0)
+    prompt_len: int = Field(gt=0)
+    output_len: int = Field(gt=0)
+    block_hashes: list[int] = Field(default_factory=list)
+    client: str = "default"
+    session: str | None = None
+    priority: int = 0
+    weight: float = Field(1.0, gt=0)
+    think_time: float | None = Field(None, ge=0)
+
+
+def first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    return f"field {loc!r}: {e['msg']}" if loc else e["msg"]
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a line that is not a JSON object raises."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceError(path, lineno, f"not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(path, lineno, "expected a JSON object")
+            yield lineno, obj
+
+
+def load_native(path: Path) -> Trace:
+    block_size = DEFAULT_BLOCK_SIZE
+    requests: list[Request] = []
+    for lineno, obj in json_lines(path):
+        try:
+            if "fairway_trace" in obj:
+                if requests:
+                    raise TraceError(path, lineno, "the header must be the first line")
+                block_size = TraceHeader.model_validate(obj).block_size
+                continue
+            line = TraceLine.model_validate(obj)
+        except ValidationError as e:
+            raise TraceError(path, lineno, first_error(e)) from None
+        fields = line.model_dump()
+        fields["id"] = len(requests) if line.id is None else line.id
+        requests.append(Request(**fields))
+    if not requests:
+        raise TraceError(path, None, "no requests in trace")
+    return finish(Trace(requests, block_size, source=str(path)))
+
+
+def write_native(trace: Trace, path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"fairway_trace": 1, "block_size": trace.block_size}) + "\n")
+        for r in trace.requests:
+            line = {
+                "id": r.id,
+                "arrival": round(r.arrival, 6),
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "block_hashes": r.block_hashes,
+                "client": r.client,
+            }
+            for key, default in (("session", None), ("priority", 0), ("weight", 1.0)):
+                if getattr(r, key) != default:
+                    line[key] = getattr(r, key)
+            if r.think_time is not None:
+                line["think_time"] = r.think_time
+            f.write(json.dumps(line) + "\n")
+
+
+def finish(trace: Trace) -> Trace:
+    """Sort by arrival (stable), rebase time to start at 0 and check ids are unique."""
+    reqs = sorted(trace.requests, key=lambda r: r.arrival)
+    if reqs and reqs[0].arrival != 0:
+        t0 = reqs[0].arrival
+        for r in reqs:
+            r.arrival -= t0
+    seen: set[int] = set()
+    for r in reqs:
+        if r.id in seen:
+            raise TraceError(trace.source, None, f"request id {r.id} appears twice")
+        seen.add(r.id)
+    trace.requests = reqs
+    return trace
+
+
+def renumber(requests: Iterable[Request]) -> list[Request]:
+    out = list(requests)
+    for i, r in enumerate(out):
+        r.id = i
+    return out

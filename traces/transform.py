@@ -1,0 +1,92 @@
+"""Reshaping a loaded trace: time scaling, windows, limits, tenant assignment, cache bound."""
+
+from __future__ import annotations
+
+import random
+
+from router.request import Request
+from traces.schema import Trace, finish
+
+
+def scale_time(trace: Trace, factor: float) -> Trace:
+    """Stretch every timestamp by `factor` (> 1 slows the trace down)."""
+    if factor <= 0:
+        raise ValueError(f"time scale must be positive, got {factor}")
+    for r in trace.requests:
+        r.arrival *= factor
+        if r.think_time is not None:
+            r.think_time *= factor
+    return trace
+
+
+def scale_rate(trace: Trace, factor: float) -> Trace:
+    """Multiply the request rate by `factor` (compress time by it)."""
+    if factor <= 0:
+        raise ValueError(f"rate scale must be positive, got {factor}")
+    return scale_time(trace, 1.0 / factor)
+
+
+def window(trace: Trace, start: float, end: float | None) -> Trace:
+    """Keep requests arriving in [start, end) seconds, rebased to 0."""
+    trace.requests = [
+        r for r in trace.requests if r.arrival >= start and (end is None or r.arrival < end)
+    ]
+    return finish(trace)
+
+
+def limit(trace: Trace, n: int) -> Trace:
+    """The first `n` requests by arrival."""
+    if n <= 0:
+        raise ValueError(f"limit must be positive, got {n}")
+    trace.requests = trace.requests[:n]
+    return trace
+
+
+def assign_tenants(trace: Trace, num_tenants: int, skew: float = 0.0, seed: int = 0) -> Trace:
+    """Give each request (each session, if any) a tenant; tenant k has weight 1/(k+1)^skew."""
+    if num_tenants <= 0:
+        raise ValueError(f"tenants must be positive, got {num_tenants}")
+    rng = random.Random(seed)
+    names = [f"tenant-{k}" for k in range(num_tenants)]
+    weights = [1 / (k + 1) ** skew for k in range(num_tenants)]
+    by_session: dict[str, str] = {}
+    for r in trace.requests:
+        if r.session is not None and r.session in by_session:
+            r.client = by_session[r.session]
+            continue
+        r.client = rng.choices(names, weights)[0]
+        if r.session is not None:
+            by_session[r.session] = r.client
+    return trace
+
+
+class InfiniteCache:
+    """The prefix-cache hit bound: one unbounded cache shared by all workers.
+
+    `observe` returns the cached tokens a request would get, in the order requests are shown:
+    its leading full blocks seen before, keeping at least one token to compute (as the engine
+    does), then remembers its blocks.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._seen: set[int] = set()
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def observe(self, request: Request) -> int:
+        full = request.prompt_len // self.block_size
+        cap = min(len(request.block_hashes), (request.prompt_len - 1) // self.block_size)
+        n = 0
+        for h in request.block_hashes[:cap]:
+            if h not in self._seen:
+                break
+            n += 1
+        self._seen.update(request.block_hashes[:full])
+        self.prompt_tokens += request.prompt_len
+        self.cached_tokens += n * self.block_size
+        return n * self.block_size
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
