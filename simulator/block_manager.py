@@ -127,13 +127,13 @@ class BlockManager:
         table.num_anonymous = 0
 
     def check_integrity(self, tables: Sequence[BlockTable]) -> None:
-        held = sum(len(t) for t in tables)
-        assert held == self.num_used, f"sequences hold {held} blocks, manager says {self.num_used}"
-        assert self.num_used <= self.num_blocks, "more blocks used than exist"
         refs: dict[BlockHash, int] = {}
         for t in tables:
             for h in t.hashed:
                 refs[h] = refs.get(h, 0) + 1
+        held = sum(t.num_anonymous for t in tables) + len(refs)  # a shared block counts once
+        assert held == self.num_used, f"sequences hold {held} blocks, manager says {self.num_used}"
+        assert self.num_used <= self.num_blocks, "more blocks used than exist"
         for h, r in self._ref.items():
             assert refs.get(h, 0) == r, f"block {h}: ref {r}, held by {refs.get(h, 0)}"
             assert (r == 0) == (h in self._free_cached), f"block {h}: ref {r} vs free list"

@@ -41,6 +41,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     fast_forward: bool = True
     max_run_steps: int = 4096
+    check_invariants: bool = False  # tests: verify block accounting after every change
 
 
 class Seq:
@@ -161,6 +162,8 @@ class Engine:
         if done > run.applied:
             self._apply_decode_steps(run, done - run.applied)
         self._after_steps(run)
+        if self.config.check_invariants:
+            self.check_integrity()
 
     @property
     def is_idle(self) -> bool:
@@ -249,6 +252,8 @@ class Engine:
                 f"worker has ({blocks.num_blocks} blocks of {cfg.block_size} tokens)"
             )
         self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
+        if cfg.check_invariants:
+            self.check_integrity()
 
         decode_only = all(seq.is_decoding for seq, _ in batch)
         if decode_only and (admission_blocked or not self.waiting):
@@ -301,7 +306,9 @@ class Engine:
             self.tokens_processed += num_new
             prompt_blocks_end = len(seq.hashes) * block_size
             if start < prompt_blocks_end:  # this step computed (part of) the cacheable prompt
-                self.blocks.commit_full_blocks(seq.table, seq.hashes, seq.num_computed // block_size)
+                self.blocks.commit_full_blocks(
+                    seq.table, seq.hashes, seq.num_computed // block_size
+                )
             if seq.num_computed < seq.total_len:
                 continue  # a prefill chunk short of the end of the prompt: nothing sampled
             seq.num_output += 1

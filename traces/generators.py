@@ -103,7 +103,9 @@ def few_shot(
 ) -> Trace:
     """Few-shot templates shared across tenants, popularity Zipf-distributed."""
     rng, tokens = random.Random(seed), _Tokens(seed)
-    templates = [tokens.take(_lognormal_int(rng, template_tokens, 0.3)) for _ in range(num_templates)]
+    templates = [
+        tokens.take(_lognormal_int(rng, template_tokens, 0.3)) for _ in range(num_templates)
+    ]
     weights = [1 / (k + 1) ** zipf for k in range(num_templates)]
     reqs = []
     for i, t in enumerate(_poisson_times(rng, rate, num_requests)):

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import ast
+import bisect
 import csv
+import itertools
 import json
 import math
 import random
@@ -190,11 +192,11 @@ def load_servegen(
         if not dataset_path.exists():
             skipped.append(client)
             continue
-        dataset = _servegen_dataset(dataset_path)
+        dataset = _ServeGenDataset(dataset_path)
         for t, rate, cv, family, shape in rates[trace_csv]:
             if rate <= 0 or t + SERVEGEN_WINDOW <= start or t >= end:
                 continue
-            lengths = _dataset_at(dataset, t)
+            lengths = dataset.at(t)
             if lengths is None:
                 continue
             inputs, outputs = lengths
@@ -204,8 +206,8 @@ def load_servegen(
                 now += _inter_arrival(rng, rate, cv, family, shape)
                 if now >= stop:
                     break
-                n_in = max(1, int(_draw(rng, inputs)))
-                n_out = max(1, int(_draw(rng, outputs)))
+                n_in = max(1, int(inputs.draw(rng)))
+                n_out = max(1, int(outputs.draw(rng)))
                 requests.append(Request(0, now, n_in, n_out, client=client))
     if not requests:
         raise TraceError(path, None, f"no requests in window [{start}, {end})")
@@ -237,33 +239,51 @@ def _servegen_windows(path: Path) -> list[tuple[float, float, float, str, float]
     return out
 
 
-def _servegen_dataset(path: Path) -> list[tuple[float, dict[int, float], dict[int, float]]]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TraceError(path, e.lineno, f"not valid JSON ({e.msg})") from None
-    windows = []
-    for key, value in raw.items():
+class _LengthTable:
+    """A discrete length distribution, drawn from by inverse CDF."""
+
+    __slots__ = ("values", "cumulative")
+
+    def __init__(self, pmf: dict[int, float]) -> None:
+        self.values = list(pmf)
+        self.cumulative = list(itertools.accumulate(pmf.values()))
+
+    def draw(self, rng: random.Random) -> int:
+        u = rng.random() * self.cumulative[-1]
+        return self.values[min(bisect.bisect_right(self.cumulative, u), len(self.values) - 1)]
+
+
+class _ServeGenDataset:
+    """A client's length distributions per window, parsed only for the windows used."""
+
+    def __init__(self, path: Path) -> None:
         try:
-            inputs = ast.literal_eval(value["input_tokens"])
-            outputs = ast.literal_eval(value["output_tokens"])
-        except (KeyError, ValueError, SyntaxError, TypeError):
-            raise TraceError(path, None, f"window {key}: cannot read length distributions") from None
-        windows.append((float(key), inputs, outputs))
-    windows.sort(key=lambda w: w[0])
-    return windows
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise TraceError(path, e.lineno, f"not valid JSON ({e.msg})") from None
+        self.path = path
+        self._raw = sorted(((float(k), v) for k, v in raw.items()), key=lambda kv: kv[0])
+        self._parsed: dict[float, tuple[_LengthTable, _LengthTable] | None] = {}
 
+    def at(self, t: float) -> tuple[_LengthTable, _LengthTable] | None:
+        """The latest non-empty window starting at or before `t`."""
+        for start, value in reversed(self._raw):
+            if start <= t and (tables := self._tables(start, value)) is not None:
+                return tables
+        return None
 
-def _dataset_at(
-    windows: list[tuple[float, dict[int, float], dict[int, float]]], t: float
-) -> tuple[dict[int, float], dict[int, float]] | None:
-    chosen = None
-    for start, inputs, outputs in windows:
-        if start > t:
-            break
-        if inputs and outputs:
-            chosen = (inputs, outputs)
-    return chosen
+    def _tables(self, start: float, value: dict) -> tuple[_LengthTable, _LengthTable] | None:
+        if start not in self._parsed:
+            try:
+                inputs = ast.literal_eval(value["input_tokens"])
+                outputs = ast.literal_eval(value["output_tokens"])
+            except (KeyError, ValueError, SyntaxError, TypeError):
+                raise TraceError(
+                    self.path, None, f"window {start:g}: cannot read length distributions"
+                ) from None
+            ok = inputs and outputs
+            self._parsed[start] = (_LengthTable(inputs), _LengthTable(outputs)) if ok else None
+        return self._parsed[start]
 
 
 def _inter_arrival(rng: random.Random, rate: float, cv: float, family: str, shape: float) -> float:
@@ -273,8 +293,3 @@ def _inter_arrival(rng: random.Random, rate: float, cv: float, family: str, shap
     if family == "Weibull" and shape > 0:
         return rng.weibullvariate(mean / math.gamma(1 + 1 / shape), shape)
     return rng.expovariate(rate)
-
-
-def _draw(rng: random.Random, pmf: dict[int, float]) -> int:
-    values = list(pmf)
-    return rng.choices(values, weights=list(pmf.values()))[0]

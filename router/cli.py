@@ -1,0 +1,268 @@
+"""The `fairway` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from router.tables import format_table, summary_row
+
+
+def _key_values(items: Sequence[str], what: str) -> dict[str, object]:
+    """Parse `k=v` pairs; values are JSON when they parse as JSON, else strings."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"fairway: {what}: expected key=value, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _window(text: str) -> tuple[float, float | None]:
+    start, _, end = text.partition(":")
+    try:
+        return float(start or 0), (float(end) if end else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END seconds, got {text!r}") from None
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    from traces.loaders import FORMATS
+
+    g = p.add_argument_group("trace")
+    g.add_argument(
+        "--trace", required=True, help="trace file or folder, or gen:NAME for a built-in generator"
+    )
+    g.add_argument("--format", default="auto", choices=FORMATS)
+    g.add_argument(
+        "--gen",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="generator parameter (with --trace gen:NAME)",
+    )
+    g.add_argument("--limit", type=int, help="replay only the first N requests")
+    g.add_argument("--window", type=_window, help="keep arrivals in START:END seconds")
+    g.add_argument("--rate-scale", type=float, help="multiply the request rate by X")
+    g.add_argument("--time-scale", type=float, help="stretch timestamps by X")
+    g.add_argument("--tenants", type=int, help="assign N tenants to the requests")
+    g.add_argument("--tenant-skew", type=float, default=0.0, help="Zipf skew of --tenants")
+    g.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="send each session's next turn after the previous answer + think time",
+    )
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    import policies
+    from simulator.cost_model import GPUS, MODELS
+
+    g = p.add_argument_group("cluster")
+    g.add_argument("--policy", default="least_load", choices=policies.global_policies.names())
+    g.add_argument(
+        "--local-policy",
+        choices=policies.local_policies.names(),
+        help="queue discipline on each worker (default: the policy's own)",
+    )
+    g.add_argument("--param", action="append", default=[], metavar="K=V", help="policy parameter")
+    g.add_argument("--workers", type=int, default=8)
+    g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
+    g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))
+    g.add_argument("--tp", type=int, help="tensor-parallel GPUs per worker (default: model's)")
+    g.add_argument("--kv-blocks", type=int, help="KV blocks per worker (default: memory's)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument(
+        "--no-fast-forward",
+        action="store_true",
+        help="simulate every decode step as its own event (slow; for checking)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+
+
+def load_workload(args: argparse.Namespace):  # -> Trace
+    from traces import transform
+    from traces.generators import GENERATORS
+    from traces.loaders import load_trace
+
+    if args.trace.startswith("gen:"):
+        name = args.trace[4:]
+        if name not in GENERATORS:
+            raise SystemExit(f"fairway: unknown generator {name!r}; one of {sorted(GENERATORS)}")
+        params = _key_values(args.gen, "--gen")
+        params.setdefault("seed", args.seed)
+        try:
+            trace = GENERATORS[name](**params)
+        except TypeError as e:
+            raise SystemExit(f"fairway: generator {name}: {e}") from None
+    else:
+        trace = load_trace(args.trace, args.format, seed=args.seed)
+    if args.window:
+        trace = transform.window(trace, *args.window)
+    if args.limit:
+        trace = transform.limit(trace, args.limit)
+    if args.time_scale:
+        trace = transform.scale_time(trace, args.time_scale)
+    if args.rate_scale:
+        trace = transform.scale_rate(trace, args.rate_scale)
+    if args.tenants:
+        trace = transform.assign_tenants(trace, args.tenants, args.tenant_skew, args.seed)
+    return trace
+
+
+def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
+    from simulator.cluster import SimConfig, simulate
+    from simulator.cost_model import roofline
+    from simulator.engine import EngineConfig
+
+    cost = roofline(args.model, args.gpu, args.tp)
+    config = SimConfig(
+        num_workers=args.workers,
+        policy=policy or args.policy,
+        local_policy=args.local_policy,
+        policy_params=_key_values(args.param, "--param"),
+        engine=EngineConfig(
+            num_kv_blocks=args.kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            fast_forward=not args.no_fast_forward,
+        ),
+        closed_loop=args.closed_loop,
+        seed=args.seed,
+        show_progress=sys.stderr.isatty() and len(trace) > 5000,
+    )
+    return simulate(trace, cost, config)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from simulator.results import write_results
+
+    trace = load_workload(args)
+    result = run_simulation(args, trace)
+    print(format_table([summary_row(args.policy, result.summary)]))
+    if args.out:
+        out = Path(args.out)
+        write_results(out, result.summary, result.records)
+        print(f"wrote {out / 'summary.json'} and {out / 'requests.csv'}")
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    import policies
+
+    for name in policies.global_policies.names():
+        factory = policies.global_policies.get(name)
+        doc = (factory.__doc__ or "").strip().splitlines()[0]
+        print(f"{name:14} {doc}  [local: {getattr(factory, 'default_local', 'fcfs')}]")
+    print("\nlocal disciplines: " + ", ".join(policies.local_policies.names()))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from simulator.cost_model import GPUS, MODELS
+
+    rows = [
+        {
+            "model": m.name,
+            "params (B)": m.num_params / 1e9,
+            "layers": m.num_layers,
+            "kv heads": m.num_kv_heads,
+            "KV/token (KiB)": m.kv_bytes_per_token / 1024,
+            "default tp": m.default_tp,
+        }
+        for m in MODELS.values()
+    ]
+    print(format_table(rows))
+    print()
+    gpus = [
+        {
+            "gpu": g.name,
+            "bf16 TFLOP/s": g.peak_flops / 1e12,
+            "HBM GB/s": g.hbm_bandwidth / 1e9,
+            "memory GB": g.memory_bytes / 1e9,
+            "link GB/s": g.link_bandwidth / 1e9,
+        }
+        for g in GPUS.values()
+    ]
+    print(format_table(gpus))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from traces.generators import GENERATORS
+    from traces.schema import write_native
+
+    params = _key_values(args.set, "--set")
+    params.setdefault("seed", args.seed)
+    trace = GENERATORS[args.name](**params)
+    write_native(trace, Path(args.out))
+    print(f"wrote {len(trace)} requests ({len(trace.clients)} clients) to {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from simulator.demo import run_demo
+
+    return run_demo(workers=args.workers)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from simulator.bench import run_bench
+
+    return run_bench(args.trace, quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from traces.generators import GENERATORS
+
+    parser = argparse.ArgumentParser(prog="fairway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("simulate", help="replay a trace on a simulated cluster")
+    add_trace_args(p)
+    add_sim_args(p)
+    p.add_argument("--out", help="write summary.json and requests.csv into this folder")
+    p.set_defaults(func=cmd_simulate)
+
+    sub.add_parser("policies", help="list routing policies").set_defaults(func=cmd_policies)
+    sub.add_parser("models", help="list model and GPU presets").set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="write a synthetic workload as a native trace")
+    p.add_argument("name", choices=sorted(GENERATORS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="K=V")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="compare the policies on the bundled sample trace")
+    p.add_argument("--workers", type=int, default=8)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="simulator speed on the Mooncake replay")
+    p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from traces.schema import TraceError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (TraceError, ValueError) as e:
+        print(f"fairway: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Plain-text tables for the terminal (the summaries' shared look)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, object]]) -> str:
+    if not rows:
+        return "(no rows)"
+    columns = list(rows[0])
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    first_left = [True] + [False] * (len(columns) - 1)
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.ljust(w) if left else v.rjust(w)
+            for v, w, left in zip(values, widths, first_left, strict=True)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(columns), rule, *(line(r) for r in cells)])
+
+
+def summary_row(label: str, summary: Mapping[str, object]) -> dict[str, object]:
+    """The columns a policy comparison shows, from a summary.json dict."""
+    ttft, e2e, tpot = summary["ttft"], summary["e2e"], summary["tpot"]
+    cache, thr = summary["prefix_cache"], summary["throughput"]
+    return {
+        "policy": label,
+        "done": f"{summary['completed']}/{summary['total']}",
+        "TTFT mean s": ttft["mean"],  # type: ignore[index]
+        "TTFT p99 s": ttft["p99"],  # type: ignore[index]
+        "TPOT ms": (tpot["mean"] or 0) * 1000,  # type: ignore[index]
+        "e2e mean s": e2e["mean"],  # type: ignore[index]
+        "e2e p99 s": e2e["p99"],  # type: ignore[index]
+        "out tok/s": thr["output_tokens_per_s"],  # type: ignore[index]
+        "hit %": 100 * cache["hit_rate"],  # type: ignore[index]
+        "bound %": 100 * cache["bound"],  # type: ignore[index]
+        "preempt": summary["preemptions"],
+        "imbalance": summary["load_imbalance"],
+        "jain": summary["fairness"]["jain"],  # type: ignore[index]
+    }

@@ -1,0 +1,136 @@
+"""The engine model: block accounting, prefix hits, chunked prefill, preemption, fast-forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from router.request import Request, hash_token_blocks
+from simulator.cluster import SimConfig, simulate
+from simulator.cost_model import StepShape, roofline
+from simulator.engine import EngineConfig
+from traces.generators import chat_sessions, shared_prefix
+from traces.schema import Trace
+
+BS = 16
+COST = roofline("llama-3-8b", "a100-80g")
+
+
+def req(i: int, t: float, prompt: list[int], out: int, client: str = "c") -> Request:
+    return Request(i, t, len(prompt), out, hash_token_blocks(prompt, BS), client=client)
+
+
+def run(reqs: list[Request], workers: int = 1, policy: str = "round_robin", **engine: object):
+    trace = Trace([dataclasses.replace(r) for r in reqs], BS)
+    config = EngineConfig(check_invariants=True, **engine)  # type: ignore[arg-type]
+    result = simulate(trace, COST, SimConfig(num_workers=workers, policy=policy, engine=config))
+    return {r.id: r for r in result.records}, result
+
+
+class TestPrefixCaching:
+    def test_second_request_hits_the_first_ones_full_blocks(self) -> None:
+        prompt = list(range(3000))  # 187 full blocks + 8 tokens
+        records, _ = run([req(0, 0.0, prompt, 4), req(1, 5.0, prompt + [7] * 20, 4)])
+        assert records[0].cached_tokens == 0
+        assert records[1].cached_tokens == 187 * BS
+        assert records[1].ttft < records[0].ttft
+
+    def test_whole_prompt_cached_still_computes_its_last_block(self) -> None:
+        prompt = list(range(64))  # exactly 4 blocks
+        records, _ = run([req(0, 0.0, prompt, 2), req(1, 5.0, prompt, 2)])
+        assert records[1].cached_tokens == 3 * BS
+
+    def test_freed_blocks_stay_cached_until_reused(self) -> None:
+        a, b = list(range(64)), list(range(1000, 1080))
+        # 8 blocks in all. a holds 5 (4 prompt + 1 for its output), then frees them; b needs 6,
+        # so 2 of a's cached blocks are reused, and freeing tail first makes those a's last two.
+        records, _ = run(
+            [req(0, 0.0, a, 2), req(1, 5.0, b, 2), req(2, 10.0, a, 2)], num_kv_blocks=8
+        )
+        assert records[2].cached_tokens == 2 * BS, "a's first two blocks survive, its tail went"
+
+
+class TestChunkedPrefill:
+    def test_long_prompt_is_prefilled_over_several_steps(self) -> None:
+        _, result = run([req(0, 0.0, list(range(5000)), 1)], max_num_batched_tokens=1024)
+        assert result.workers[0].steps == 5  # ceil(5000 / 1024)
+
+    def test_decodes_share_steps_with_a_prefill_chunk(self) -> None:
+        short = req(0, 0.0, list(range(50)), 400)
+        long = req(1, 0.5, list(range(10_000, 16_000)), 2)
+        records, _ = run([short, long], max_num_batched_tokens=512)
+        # The long prefill took several steps, during which the short request kept decoding.
+        assert records[0].finish > records[1].first_token
+        assert records[1].ttft > 5 * COST.step_time(StepShape.prefill(512, 0))
+
+
+class TestPreemption:
+    def test_blocks_running_out_preempts_and_everything_completes(self) -> None:
+        reqs = [req(i, 0.01 * i, [i * 1000 + k for k in range(100)], 300) for i in range(12)]
+        records, result = run(reqs, num_kv_blocks=80)
+        assert len(records) == 12
+        assert sum(r.preemptions for r in records.values()) > 0
+        assert result.workers[0].peak_kv_blocks <= 80
+
+    def test_a_request_larger_than_memory_is_a_clear_error(self) -> None:
+        with pytest.raises(RuntimeError, match="needs more KV blocks"):
+            run([req(0, 0.0, list(range(200)), 2)], num_kv_blocks=4)
+
+
+class TestFastForward:
+    """Batching decode steps into one event must give exactly step-by-step's results."""
+
+    @staticmethod
+    def both(trace: Trace, **kw: object):
+        out = []
+        for ff in (True, False):
+            t = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
+            cfg = EngineConfig(fast_forward=ff, check_invariants=True, **kw)  # type: ignore
+            out.append(simulate(t, COST, SimConfig(num_workers=3, policy="least_load",
+                                                   engine=cfg)))  # fmt: skip
+        return out
+
+    def assert_same(self, fast, slow) -> None:
+        assert fast.records == slow.records
+        assert [w.steps for w in fast.workers] == [w.steps for w in slow.workers]
+        assert fast.workers[0].events < slow.workers[0].events / 3, "fast-forward saved events"
+
+    def test_shared_prefix_workload(self) -> None:
+        trace = shared_prefix(num_requests=300, rate=15, prefix_tokens=1500, output_tokens=150)
+        self.assert_same(*self.both(trace))
+
+    def test_with_preemptions(self) -> None:
+        trace = shared_prefix(num_requests=200, rate=30, prefix_tokens=1500, output_tokens=300)
+        fast, slow = self.both(trace, num_kv_blocks=700)
+        assert sum(r.preemptions for r in fast.records) > 0
+        self.assert_same(fast, slow)
+
+    def test_closed_loop_sessions(self) -> None:
+        trace = chat_sessions(num_sessions=40, rate=2.0, think_time=1.0)
+        out = []
+        for ff in (True, False):
+            t = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
+            cfg = EngineConfig(fast_forward=ff)
+            out.append(simulate(t, COST, SimConfig(num_workers=2, engine=cfg, closed_loop=True)))
+        self.assert_same(*out)
+
+    def test_vectorised_decode_times_equal_step_times(self) -> None:
+        times = COST.decode_step_times(7, 12_345, 50)
+        for j, t in enumerate(times):
+            assert t == COST.step_time(StepShape(7, 12_345 + 7 * j, 12_345 + 7 * j))
+
+
+class TestRoofline:
+    def test_decode_of_8b_on_a100_is_memory_bound_around_12ms(self) -> None:
+        assert 0.010 < COST.decode_time(1, 1000) < 0.014
+
+    def test_prefill_is_compute_bound_and_cached_tokens_are_cheap(self) -> None:
+        full = COST.prefill_time(8000, 0)
+        assert full > 0.5
+        assert COST.prefill_time(500, 7500) < full / 5
+
+    def test_70b_needs_tensor_parallelism(self) -> None:
+        with pytest.raises(ValueError, match="does not fit"):
+            roofline("llama-3-70b", "a100-80g", tp=1)
+        assert roofline("llama-3-70b", "h100").tp == 4

@@ -1,0 +1,144 @@
+"""The radix index against a brute-force oracle, with integrity checked after every operation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.prefix_index import PrefixIndex
+
+
+class Oracle:
+    """Per worker, the set of prefixes (as tuples) it holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, set[tuple[int, ...]]] = {}
+
+    def insert(self, hashes: list[int], worker: int) -> None:
+        prefixes = self.held.setdefault(worker, set())
+        for i in range(1, len(hashes) + 1):
+            prefixes.add(tuple(hashes[:i]))
+
+    def remove_worker(self, worker: int) -> None:
+        self.held.pop(worker, None)
+
+    def match(self, hashes: list[int]) -> dict[int, int]:
+        out = {}
+        for w, prefixes in self.held.items():
+            n = 0
+            while n < len(hashes) and tuple(hashes[: n + 1]) in prefixes:
+                n += 1
+            if n:
+                out[w] = n
+        return out
+
+    def num_blocks(self, worker: int) -> int:
+        return len(self.held.get(worker, ()))
+
+
+def random_prompt(rng: random.Random, trunks: list[list[int]]) -> list[int]:
+    """A prompt that shares a random-length prefix with one of a few trunks, then diverges."""
+    trunk = rng.choice(trunks)
+    keep = rng.randint(0, len(trunk))
+    return trunk[:keep] + [rng.randrange(10**9) for _ in range(rng.randint(0, 6))]
+
+
+def make_trunks(rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(10**9) for _ in range(rng.randint(3, 20))] for _ in range(5)]
+
+
+class TestMatchAgainstOracle:
+    @pytest.mark.parametrize("seed", range(8))
+    def test_random_inserts_and_removals(self, seed: int) -> None:
+        rng = random.Random(seed)
+        trunks = make_trunks(rng)
+        index, oracle = PrefixIndex(), Oracle()
+        for step in range(400):
+            prompt = random_prompt(rng, trunks)
+            if rng.random() < 0.03:
+                w = rng.randrange(4)
+                index.remove_worker(w)
+                oracle.remove_worker(w)
+            elif prompt:
+                w = rng.randrange(4)
+                index.insert(prompt, w, now=float(step))
+                oracle.insert(prompt, w)
+            index.check_integrity()
+            probe = random_prompt(rng, trunks)
+            assert index.match(probe) == oracle.match(probe), f"step {step}"
+            for w in range(4):
+                assert index.num_blocks(w) == oracle.num_blocks(w), f"worker {w} at step {step}"
+
+    def test_split_keeps_holders_on_both_sides(self) -> None:
+        index = PrefixIndex()
+        index.insert([1, 2, 3, 4], worker=0, now=1.0)
+        index.insert([1, 2, 9], worker=1, now=2.0)
+        index.check_integrity()
+        assert index.match([1, 2, 3, 4]) == {0: 4, 1: 2}
+        assert index.match([1, 2, 9, 9]) == {0: 2, 1: 3}
+        assert index.match([7]) == {}
+        assert index.longest_match([1, 2, 3, 8]) == 3
+
+
+class TestEviction:
+    def test_evicts_least_recently_used_leaves_first(self) -> None:
+        index = PrefixIndex()
+        index.insert([1, 2, 3], worker=0, now=1.0)  # old branch
+        index.insert([1, 2, 4], worker=0, now=2.0)
+        index.insert([5, 6], worker=0, now=3.0)
+        assert index.num_blocks(0) == 6
+        index.evict(0, capacity_blocks=5)
+        index.check_integrity()
+        assert index.match([1, 2, 3]) == {0: 2}, "the oldest leaf [3] goes first"
+        assert index.match([1, 2, 4]) == {0: 3}
+        index.evict(0, capacity_blocks=2)
+        index.check_integrity()
+        assert index.match([5, 6]) == {0: 2}, "the most recent branch survives"
+        assert index.match([1, 2, 4]) == {}
+
+    def test_touch_by_reinsert_protects(self) -> None:
+        index = PrefixIndex()
+        index.insert([1, 2], worker=0, now=1.0)
+        index.insert([3, 4], worker=0, now=2.0)
+        index.insert([1, 2], worker=0, now=3.0)  # touched again
+        index.evict(0, capacity_blocks=2)
+        assert index.match([1, 2]) == {0: 2}
+        assert index.match([3, 4]) == {}
+
+    def test_other_workers_unaffected_and_empty_branches_pruned(self) -> None:
+        index = PrefixIndex()
+        index.insert([1, 2, 3], worker=0, now=1.0)
+        index.insert([1, 2, 3], worker=1, now=1.0)
+        index.insert([8, 9], worker=0, now=2.0)
+        index.evict(0, capacity_blocks=0)
+        index.check_integrity()
+        assert index.num_blocks(0) == 0
+        assert index.match([1, 2, 3]) == {1: 3}
+        assert all(n.workers for n in index.nodes()), "no holderless nodes remain"
+
+    @pytest.mark.parametrize("seed", range(6))
+    def test_capacity_is_respected_under_random_load(self, seed: int) -> None:
+        rng = random.Random(seed)
+        trunks = make_trunks(rng)
+        index = PrefixIndex()
+        capacity = 25
+        for step in range(500):
+            prompt = random_prompt(rng, trunks)
+            if not prompt:
+                continue
+            index.insert(prompt, 0, now=float(step))
+            index.evict(0, capacity)
+            index.check_integrity()
+            assert index.num_blocks(0) <= capacity
+            # What was just inserted is the most recent; it survives unless it alone overflows.
+            if len(prompt) <= capacity:
+                assert index.match(prompt) == {0: len(prompt)}
+
+    def test_hit_counts_expire_with_the_window(self) -> None:
+        index = PrefixIndex(hit_window=10.0)
+        for t in (0.0, 1.0, 2.0):
+            index.insert([1, 2], worker=0, now=t)
+        node = index.path([1, 2])[0]
+        assert index.hit_count(node, now=5.0) == 3
+        assert index.hit_count(node, now=11.5) == 1

@@ -1,0 +1,96 @@
+"""The `fairway simulate` interface, determinism, and the whole Mooncake replay (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.cli import main
+from simulator.cluster import SimConfig, simulate
+from simulator.cost_model import roofline
+from traces.generators import shared_prefix
+from traces.loaders import load_trace
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces/samples/mooncake_conversation_head1000.jsonl"
+SUMMARY_KEYS = {"completed", "total", "ttft", "tpot", "e2e", "throughput", "prefix_cache",
+                "per_client", "fairness", "wall_seconds", "simulated_seconds"}  # fmt: skip
+
+
+class TestSimulateCommand:
+    def test_writes_summary_and_per_request_rows(self, tmp_path: Path, capsys) -> None:
+        code = main(["simulate", "--trace", str(SAMPLE), "--policy", "round_robin",
+                     "--workers", "4", "--model", "mistral-7b", "--gpu", "h100",
+                     "--limit", "200", "--rate-scale", "2", "--tenants", "3",
+                     "--out", str(tmp_path)])  # fmt: skip
+        assert code == 0
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary.keys() >= SUMMARY_KEYS
+        assert summary["completed"] == summary["total"] == 200
+        for metric in ("ttft", "tpot", "e2e"):
+            assert {"mean", "p50", "p90", "p99"} <= summary[metric].keys()
+        assert summary["throughput"]["requests_per_s"] > 0
+        assert summary["prefix_cache"]["hit_rate"] <= summary["prefix_cache"]["bound"]
+        assert set(summary["per_client"]) == {"tenant-0", "tenant-1", "tenant-2"}
+        assert 0 < summary["fairness"]["jain"] <= 1
+        rows = (tmp_path / "requests.csv").read_text().splitlines()
+        assert len(rows) == 201 and rows[0].startswith("id,client")
+        assert "round_robin" in capsys.readouterr().out
+
+    def test_generator_as_trace(self, capsys) -> None:
+        assert main(["simulate", "--trace", "gen:few_shot", "--gen", "num_requests=100",
+                     "--workers", "2"]) == 0  # fmt: skip
+        assert "100/100" in capsys.readouterr().out
+
+    @pytest.mark.parametrize(
+        "argv, message",
+        [
+            (["--trace", "/nonexistent.jsonl"], "no such file"),
+            (["--trace", str(SAMPLE), "--workers", "0"], "workers: must be positive"),
+            (["--trace", str(SAMPLE), "--param", "bogus=1"], "takes no parameter"),
+        ],
+    )
+    def test_bad_input_is_a_clear_error(self, argv: list[str], message: str, capsys) -> None:
+        assert main(["simulate", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+    def test_console_script_lists(self) -> None:
+        out = subprocess.run([sys.executable, "-m", "router.cli", "policies"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        for name in ("round_robin", "random", "least_load", "power_of_two"):
+            assert name in out
+        models = subprocess.run([sys.executable, "-m", "router.cli", "models"],
+                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        for name in ("llama-3-8b", "llama-2-13b", "mistral-7b", "llama-3-70b", "h200", "l40s"):
+            assert name in models
+
+
+class TestDeterminism:
+    @pytest.mark.parametrize("policy", ["random", "power_of_two", "least_load"])
+    def test_same_seed_same_result(self, policy: str) -> None:
+        def once(seed: int):
+            trace = shared_prefix(num_requests=300, seed=1)
+            cfg = SimConfig(num_workers=4, policy=policy, seed=seed)
+            return simulate(trace, roofline("llama-3-8b", "h100"), cfg).records
+
+        assert once(7) == once(7)
+        if policy != "least_load":
+            assert [r.worker for r in once(7)] != [r.worker for r in once(8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_load", "power_of_two"])
+def test_whole_mooncake_conversation_replays(mooncake_path: Path, policy: str) -> None:
+    trace = load_trace(mooncake_path)
+    result = simulate(trace, roofline("llama-3-8b", "a100-80g"),
+                      SimConfig(num_workers=8, policy=policy))  # fmt: skip
+    s = result.summary
+    assert s["completed"] == s["total"] == 12031
+    assert all(w.peak_kv_blocks <= w.kv_blocks for w in result.workers)
+    assert s["prefix_cache"]["hit_rate"] <= s["prefix_cache"]["bound"]
+    assert all(
+        r.output_tokens == q.output_len for r, q in zip(result.records, trace.requests, strict=True)
+    )
