@@ -78,6 +78,8 @@ class SimCluster:
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
         self.policy = make_policy(config.policy, dict(config.policy_params), config.seed)
+        # Engines call on_tokens once per sequence per step; skip it for policies that ignore it.
+        self.counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
         local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.create(
             local_name

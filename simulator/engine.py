@@ -48,12 +48,14 @@ class Seq:
     """Engine-side state of one request."""
 
     __slots__ = (
-        "req", "table", "hashes", "num_computed", "num_output", "num_cached_tokens",
-        "num_preemptions", "admitted_at", "first_token_at", "finished_at", "worker",
+        "req", "prompt_len", "output_len", "table", "hashes", "num_computed", "num_output",
+        "num_cached_tokens", "num_preemptions", "admitted_at", "first_token_at", "finished_at",
+        "worker",
     )  # fmt: skip
 
     def __init__(self, req: Request, worker: int, block_size: int) -> None:
         self.req = req
+        self.prompt_len, self.output_len = req.prompt_len, req.output_len
         self.table = BlockTable()
         # Only full prompt blocks are ever cached.
         self.hashes = req.block_hashes[: req.prompt_len // block_size]
@@ -68,11 +70,7 @@ class Seq:
 
     @property
     def total_len(self) -> int:
-        return self.req.prompt_len + self.num_output
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed == self.total_len - 1 and self.num_output > 0
+        return self.prompt_len + self.num_output
 
 
 class EngineListener(Protocol):
@@ -110,6 +108,9 @@ class Engine:
         self.config = config
         self.local = local
         self.listener = listener
+        # Skip per-token hooks nobody listens to: they run once per sequence per step.
+        self._local_counts_tokens = type(local).on_token is not LocalPolicy.on_token
+        self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.running: list[Seq] = []
@@ -163,7 +164,7 @@ class Engine:
             self._apply_decode_steps(run, done - run.applied)
         self._after_steps(run)
         if self.config.check_invariants:
-            self.check_integrity()
+            self.check_integrity(between_steps=True)
 
     @property
     def is_idle(self) -> bool:
@@ -196,22 +197,31 @@ class Engine:
 
     def _plan(self) -> _Run:
         cfg, blocks = self.config, self.blocks
-        budget = cfg.max_num_batched_tokens
+        budget, bs = cfg.max_num_batched_tokens, cfg.block_size
         batch: list[tuple[Seq, int]] = []
         preempted = False
+        running = self.running
+        free = blocks.num_free
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.total_len - seq.num_computed, budget)
-            need = blocks.blocks_for(seq.num_computed + num_new) - len(seq.table)
-            while need > blocks.num_free and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
-                preempted = True
-            if need > blocks.num_free:
-                self._preempt(self.running.pop())  # seq itself: nothing left to take from
-                preempted = True
-                break
-            blocks.allocate(seq.table, need)
+        # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
+        # running sequence holds exactly blocks_for(num_computed) blocks here.
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed
+            num_new = seq.prompt_len + seq.num_output - computed
+            if num_new > budget:
+                num_new = budget
+            need = (computed + num_new + bs - 1) // bs - (computed + bs - 1) // bs
+            if need:
+                while need > free and running[-1] is not seq:
+                    self._preempt(running.pop())
+                    preempted, free = True, blocks.num_free
+                if need > free:
+                    self._preempt(running.pop())  # seq itself: nothing left to take from
+                    preempted = True
+                    break
+                blocks.allocate(seq.table, need)
+                free -= need
             batch.append((seq, num_new))
             budget -= num_new
             i += 1
@@ -255,7 +265,9 @@ class Engine:
         if cfg.check_invariants:
             self.check_integrity()
 
-        decode_only = all(seq.is_decoding for seq, _ in batch)
+        decode_only = len(batch) == cfg.max_num_batched_tokens - budget and all(
+            seq.num_output for seq, _ in batch
+        )  # one token each, and none of them a prompt's last token
         if decode_only and (admission_blocked or not self.waiting):
             num_steps = self._plan_decode_run(batch)
             context = sum(seq.num_computed + 1 for seq, _ in batch)
@@ -269,12 +281,13 @@ class Engine:
         """How many decode steps can run with this batch before something must change."""
         if not self.config.fast_forward:
             return 1
-        limit = min(seq.req.output_len - seq.num_output for seq, _ in batch)
+        limit = min(seq.output_len - seq.num_output for seq, _ in batch)
         limit = min(limit, self.config.max_run_steps)
         free, blocks_for = self.blocks.num_free, self.blocks.blocks_for
 
         def extra_blocks(steps: int) -> int:  # blocks needed beyond step 1's, for `steps` steps
-            return sum(blocks_for(s.num_computed + steps) - len(s.table) for s, _ in batch)
+            return sum(blocks_for(s.num_computed + steps) - blocks_for(s.num_computed + 1)
+                       for s, _ in batch)  # fmt: skip
 
         lo, hi = 1, limit  # step 1 is already allocated; find the last step count that fits
         while lo < hi:
@@ -299,24 +312,27 @@ class Engine:
 
     def _apply_first_step(self, run: _Run) -> None:
         now = run.ends[0]
-        block_size = self.config.block_size
+        bs = self.config.block_size
+        blocks, listener, local = self.blocks, self.listener, self.local
+        computed_delta = 0
         for seq, num_new in run.batch:
             start = seq.num_computed
-            self._set_computed(seq, start + num_new)
-            self.tokens_processed += num_new
-            prompt_blocks_end = len(seq.hashes) * block_size
-            if start < prompt_blocks_end:  # this step computed (part of) the cacheable prompt
-                self.blocks.commit_full_blocks(
-                    seq.table, seq.hashes, seq.num_computed // block_size
-                )
-            if seq.num_computed < seq.total_len:
+            seq.num_computed = computed = start + num_new
+            computed_delta += num_new
+            if start < len(seq.hashes) * bs:  # this step computed (part of) the cacheable prompt
+                blocks.commit_full_blocks(seq.table, seq.hashes, computed // bs)
+            if computed < seq.prompt_len + seq.num_output:
                 continue  # a prefill chunk short of the end of the prompt: nothing sampled
             seq.num_output += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
-                self.listener.on_first_token(seq, now)
-            self.local.on_token(seq.req, 1)
-            self.listener.on_tokens(seq, 1, now)
+                listener.on_first_token(seq, now)
+            if self._local_counts_tokens:
+                local.on_token(seq.req, 1)
+            if self._listener_counts_tokens:
+                listener.on_tokens(seq, 1, now)
+        self._tokens_computed += computed_delta
+        self.tokens_processed += computed_delta
         run.applied = 1
         self.num_steps += 1
 
@@ -327,10 +343,13 @@ class Engine:
             need = blocks.blocks_for(seq.num_computed + num_steps) - len(seq.table)
             if need > 0:
                 blocks.allocate(seq.table, need)
-            self._set_computed(seq, seq.num_computed + num_steps)
+            seq.num_computed += num_steps
             seq.num_output += num_steps
-            self.local.on_token(seq.req, num_steps)
-            self.listener.on_tokens(seq, num_steps, now)
+            if self._local_counts_tokens:
+                self.local.on_token(seq.req, num_steps)
+            if self._listener_counts_tokens:
+                self.listener.on_tokens(seq, num_steps, now)
+        self._tokens_computed += num_steps * len(run.batch)
         self.tokens_processed += num_steps * len(run.batch)
         self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
         run.applied += num_steps
@@ -338,7 +357,7 @@ class Engine:
 
     def _after_steps(self, run: _Run) -> None:
         now = run.ends[run.applied - 1]
-        finished = [s for s, _ in run.batch if s.num_output >= s.req.output_len]
+        finished = [s for s, _ in run.batch if s.num_output >= s.output_len]
         if not finished:
             return
         for seq in finished:
@@ -364,13 +383,16 @@ class Engine:
         self._tokens_computed += num_computed - seq.num_computed
         seq.num_computed = num_computed
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, between_steps: bool = False) -> None:
         self.blocks.check_integrity([s.table for s in self.running])
         assert self.blocks.num_used <= self.blocks.num_blocks, "over KV capacity"
         assert len(self.local) == len(self.waiting), "local queue and waiting set disagree"
         for seq in self.running:
             need = self.blocks.blocks_for(seq.num_computed)
-            assert len(seq.table) >= need, f"request {seq.req.id} lacks blocks for its KV"
+            held = len(seq.table)
+            # Between steps a sequence holds exactly its computed tokens' blocks (the planning
+            # loop relies on it); once planned, also those of the step about to run.
+            assert held == need if between_steps else held >= need, f"request {seq.req.id}"
 
 
 ListenerFactory = Callable[[int], EngineListener]
