@@ -283,7 +283,10 @@ class Engine:
             return 1
         limit = min(seq.output_len - seq.num_output for seq, _ in batch)
         limit = min(limit, self.config.max_run_steps)
-        free, blocks_for = self.blocks.num_free, self.blocks.blocks_for
+        free, bs = self.blocks.num_free, self.config.block_size
+        if len(batch) * (limit // bs + 1) <= free:
+            return limit  # even if every sequence crossed a block boundary as often as it can
+        blocks_for = self.blocks.blocks_for
 
         def extra_blocks(steps: int) -> int:  # blocks needed beyond step 1's, for `steps` steps
             return sum(blocks_for(s.num_computed + steps) - blocks_for(s.num_computed + 1)

@@ -1,0 +1,108 @@
+"""`make bench`: how fast the simulator replays, and where its time goes.
+
+Figures are ratios and rates measured in one run on this machine; they are printed, never
+asserted (the machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+from router.tables import format_table
+from simulator.cluster import SimConfig, SimResult, simulate
+from simulator.cost_model import roofline
+from simulator.engine import EngineConfig
+from traces.loaders import load_trace
+
+DEFAULT_TRACE = Path("../shared/traces/mooncake/conversation_trace.jsonl")
+VIDUR_REQUESTS_PER_S = 460  # the reference the simulator issue measures against
+
+# Where a profiled function's time is booked, by the file it lives in.
+AREAS = {
+    "simulator/engine.py": "engine (scheduling, stepping)",
+    "simulator/block_manager.py": "KV block manager",
+    "simulator/cost_model.py": "cost model",
+    "simulator/cluster.py": "router loop (view, dispatch)",
+    "router/prefix_index.py": "prefix index",
+    "policies/": "policies",
+    "simpy/": "SimPy event loop",
+}
+
+
+def _replay(path: Path, policy: str = "least_load", limit: int | None = None,
+            fast_forward: bool = True) -> SimResult:  # fmt: skip
+    trace = load_trace(path)
+    if limit:
+        trace.requests = trace.requests[:limit]
+    config = SimConfig(num_workers=8, policy=policy, engine=EngineConfig(fast_forward=fast_forward))
+    return simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
+
+
+def _profile_areas(path: Path) -> list[dict[str, object]]:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _replay(path)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    booked: dict[str, float] = {}
+    total = 0.0
+    for (filename, _, _), (_, _, tottime, _, _) in stats.items():
+        total += tottime
+        area = next((a for key, a in AREAS.items() if key in filename), "other (python, numpy)")
+        booked[area] = booked.get(area, 0.0) + tottime
+    return [
+        {"where": area, "share %": 100 * t / total}
+        for area, t in sorted(booked.items(), key=lambda kv: -kv[1])
+    ]
+
+
+def run_bench(trace: str | None = None, quick: bool = False) -> int:
+    path = Path(trace) if trace else DEFAULT_TRACE
+    if not path.exists():
+        print(f"bench: no trace at {path} (pass --trace PATH to the Mooncake conversation trace)")
+        return 2
+    repeats = 1 if quick else 3
+
+    print(f"Mooncake conversation replay: {path}, 8 workers, least_load, llama-3-8b on A100-80G")
+    rates, result = [], None
+    for _ in range(repeats):
+        result = _replay(path)
+        rates.append(result.summary["completed"] / result.summary["wall_seconds"])
+    assert result is not None
+    s = result.summary
+    events = sum(w.events for w in result.workers)
+    steps = sum(w.steps for w in result.workers)
+    best = max(rates)
+    print(format_table([{
+        "requests": s["completed"],
+        "simulated s": s["simulated_seconds"],
+        "wall s (best)": s["completed"] / best,
+        "req / wall s (best)": best,
+        "req / wall s (median)": statistics.median(rates),
+        "x Vidur (460)": best / VIDUR_REQUESTS_PER_S,
+        "engine steps": steps,
+        "step events": events,
+        "steps per event": steps / events,
+    }]))  # fmt: skip
+
+    print("\nFast-forward against step-by-step (first 1,500 requests, same run):")
+    started = time.perf_counter()
+    fast = _replay(path, limit=1500)
+    t_fast = time.perf_counter() - started
+    started = time.perf_counter()
+    slow = _replay(path, limit=1500, fast_forward=False)
+    t_slow = time.perf_counter() - started
+    print(format_table([{
+        "fast-forward wall s": t_fast,
+        "step-by-step wall s": t_slow,
+        "speed-up": t_slow / t_fast,
+        "identical records": fast.records == slow.records,
+    }]))  # fmt: skip
+
+    print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
+    print(format_table(_profile_areas(path)))
+    return 0
