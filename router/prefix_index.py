@@ -20,18 +20,22 @@ The clock is passed in as `now`; the index never reads one.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
+
+from sortedcontainers import SortedList
 
 from router.request import BlockHash
 
 WorkerId = int
 
 
+_uids = itertools.count()
+
+
 class Node:
-    __slots__ = ("key", "parent", "children", "workers", "hits", "depth")
+    __slots__ = ("key", "parent", "children", "workers", "hits", "depth", "uid")
 
     def __init__(self, key: tuple[BlockHash, ...], parent: Node | None, depth: int) -> None:
         self.key = key
@@ -39,7 +43,8 @@ class Node:
         self.children: dict[BlockHash, Node] = {}
         self.workers: dict[WorkerId, float] = {}  # holder -> last touch
         self.hits: deque[float] = deque()
-        self.depth = depth  # blocks from the root to the end of this node's edge
+        self.depth = depth  # blocks from the root to the end of this node's edge (fixed)
+        self.uid = next(_uids)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -58,12 +63,10 @@ class PrefixIndex:
         self.root = Node((), None, 0)
         self.hit_window = hit_window
         self._num_blocks: dict[WorkerId, int] = {}
-        # Per worker, a lazy min-heap of (touch, -depth, seq, node). An entry is live while the
-        # node's touch for that worker still equals the entry's. Ancestors are touched whenever a
-        # descendant is, so popping (oldest, deepest) first always yields a leaf of the worker's
-        # subtree: eviction never strands a descendant.
-        self._lru: dict[WorkerId, list[tuple[float, int, int, Node]]] = {}
-        self._seq = itertools.count()
+        # Per worker, its nodes ordered by (touch, -depth): eviction order. Ancestors are touched
+        # whenever a descendant is, so the oldest-deepest entry is always a leaf of the worker's
+        # subtree, and walking the order from the front is a valid eviction sequence.
+        self._lru: dict[WorkerId, SortedList] = {}
 
     # ----------------------------------------------------------------- queries
 
@@ -166,17 +169,27 @@ class PrefixIndex:
         Whole nodes go at a time, so the worker may end a node's length below capacity.
         Returns the number of blocks evicted.
         """
-        heap = self._lru.get(worker)
+        lru = self._lru.get(worker)
         evicted = 0
-        while self._num_blocks.get(worker, 0) > capacity_blocks and heap:
-            touch, _, _, node = heapq.heappop(heap)
-            if node.workers.get(worker) != touch:
-                continue  # stale: touched again later, or already dropped
+        while self._num_blocks.get(worker, 0) > capacity_blocks and lru:
+            node = lru[0][3]
             assert not any(worker in c.workers for c in node.children.values()), (
-                "LRU order popped an inner node before its descendants"
+                "LRU order reached an inner node before its descendants"
             )
             evicted += self._drop(node, worker)
         return evicted
+
+    def eviction_victims(self, worker: WorkerId, num_blocks: int) -> list[Node]:
+        """The nodes `evict` would drop first to free `num_blocks` of `worker`'s, without
+        dropping them (Preble's eviction cost weighs what a placement would push out)."""
+        victims: list[Node] = []
+        freed = 0
+        for entry in self._lru.get(worker, ()):
+            if freed >= num_blocks:
+                break
+            victims.append(entry[3])
+            freed += len(entry[3].key)
+        return victims
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Forget everything `worker` holds (it went down or was drained)."""
@@ -191,21 +204,18 @@ class PrefixIndex:
     # ---------------------------------------------------------------- internals
 
     def _touch(self, node: Node, worker: WorkerId, now: float) -> None:
+        lru = self._lru.get(worker)
+        if lru is None:
+            lru = self._lru[worker] = SortedList()
+        old = node.workers.get(worker)
+        if old is not None:
+            lru.remove((old, -node.depth, node.uid, node))
         node.workers[worker] = now
-        heap = self._lru.setdefault(worker, [])
-        heapq.heappush(heap, (now, -node.depth, next(self._seq), node))
-        if len(heap) > 64 and len(heap) > 4 * self._num_blocks.get(worker, 0):
-            self._compact(worker)
-
-    def _compact(self, worker: WorkerId) -> None:
-        heap = self._lru[worker]
-        live = [e for e in heap if e[3].workers.get(worker) == e[0] and e[3].parent is not None]
-        # A node split after its entry was pushed keeps its end depth, so entries stay ordered.
-        heapq.heapify(live)
-        self._lru[worker] = live
+        lru.add((now, -node.depth, node.uid, node))
 
     def _drop(self, node: Node, worker: WorkerId) -> int:
-        del node.workers[worker]
+        touch = node.workers.pop(worker)
+        self._lru[worker].remove((touch, -node.depth, node.uid, node))
         self._num_blocks[worker] -= len(node.key)
         self._prune(node)
         return len(node.key)
@@ -229,7 +239,7 @@ class PrefixIndex:
         child.parent = upper
         upper.children[child.key[0]] = child
         for worker, touch in upper.workers.items():
-            heapq.heappush(self._lru[worker], (touch, -upper.depth, next(self._seq), upper))
+            self._lru[worker].add((touch, -upper.depth, upper.uid, upper))
         return upper
 
     def _expire_hits(self, node: Node, now: float) -> None:
@@ -254,6 +264,9 @@ class PrefixIndex:
                     assert parent.workers[w] >= touch, "ancestor touched no later than descendant"
         for w, n in self._num_blocks.items():
             assert counted.get(w, 0) == n, f"worker {w}: counted {counted.get(w, 0)} != {n}"
+            entries = {(e[3].uid, e[0]) for e in self._lru.get(w, ())}
+            held = {(node.uid, node.workers[w]) for node in self.nodes() if w in node.workers}
+            assert entries == held, f"worker {w}: LRU order out of step with holdings"
 
 
 def _common_prefix(key: tuple[BlockHash, ...], hashes: Sequence[BlockHash], pos: int) -> int:

@@ -186,7 +186,7 @@ class SimCluster:
                 id=req.id, client=req.client, session=req.session, worker=seq.worker,
                 arrival=req.arrival, admitted=seq.admitted_at, first_token=seq.first_token_at,
                 finish=now, prompt_tokens=req.prompt_len, cached_tokens=seq.num_cached_tokens or 0,
-                output_tokens=seq.num_output, preemptions=seq.num_preemptions,
+                output_tokens=seq.num_output, preemptions=seq.num_preemptions, weight=req.weight,
             )
         )  # fmt: skip
         self.view.now = now

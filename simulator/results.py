@@ -28,6 +28,7 @@ class RequestRecord:
     cached_tokens: int
     output_tokens: int
     preemptions: int
+    weight: float = 1.0
 
     @property
     def queue_time(self) -> float:
@@ -105,12 +106,25 @@ def summarize(
     by_client: dict[str, list[RequestRecord]] = {}
     for r in records:
         by_client.setdefault(r.client, []).append(r)
+    from simulator.fairness import max_service_gap, service_curves, vtc_bound
+
+    # The grid resolves the gap to a tenth of the run, or a second, whichever is finer.
+    curves = service_curves(records, step=min(1.0, max(span, 1e-3) / 10))
+    backlogged_s = dict(
+        zip(
+            curves.clients,
+            curves.backlogged.sum(axis=1)
+            * (curves.times[1] - curves.times[0] if len(curves.times) > 1 else 0.0),
+            strict=True,
+        )
+    )
     per_client = {
         client: {
             "requests": len(rs),
             "service": sum(service(r) for r in rs),
             "prompt_tokens": sum(r.prompt_tokens for r in rs),
             "output_tokens": sum(r.output_tokens for r in rs),
+            "backlogged_seconds": float(backlogged_s[client]),
             "ttft": _stats([r.ttft for r in rs]),
             "e2e": _stats([r.e2e for r in rs]),
         }
@@ -139,7 +153,11 @@ def summarize(
         "load_imbalance": (max(work) / mean_work) if mean_work else None,
         "workers": [asdict(w) for w in workers],
         "per_client": per_client,
-        "fairness": {"jain": jain_index([c["service"] for c in per_client.values()])},
+        "fairness": {
+            "jain": jain_index([c["service"] for c in per_client.values()]),
+            "max_service_gap": max_service_gap(curves),
+            "vtc_bound": vtc_bound(records),
+        },
         "simulated_seconds": simulated_seconds,
         "wall_seconds": wall_seconds,
     }

@@ -1,0 +1,117 @@
+"""Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24).
+
+Each client has a counter of the service it received, in weighted tokens: input tokens x w_in
+charged when a request is admitted, w_out per output token as it is generated, divided by the
+client's weight. The queue always admits from the backlogged client with the smallest counter,
+FCFS within a client. A client arriving to an empty queue of its own has its counter lifted to
+the smallest backlogged counter (or, with nobody backlogged, to the counter of the client that
+left the queue last), so idling banks no credit. Over any interval in which two clients are both
+backlogged, their service differs by at most about 2 x max(w_in x max input, w_out x max output).
+Defaults w_in = 1, w_out = 2 are the paper's.
+
+Input tokens are charged once per request: a preempted request's recompute is not service.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from policies.baselines import LeastLoad
+from router.policy import LocalPolicy
+from router.registry import global_policies, local_policies
+from router.request import Request
+
+
+class ClientQueues:
+    """Per-client FIFO queues; a client is backlogged while its queue is non-empty."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, deque[Request]] = {}
+        self._len = 0
+
+    def push(self, request: Request, front: bool = False) -> None:
+        queue = self.queues.setdefault(request.client, deque())
+        queue.appendleft(request) if front else queue.append(request)
+        self._len += 1
+
+    def remove(self, request: Request) -> bool:
+        """Take `request` out; True when its client's queue is now empty."""
+        queue = self.queues[request.client]
+        if queue[0] is request:
+            queue.popleft()
+        else:
+            queue.remove(request)
+        self._len -= 1
+        if not queue:
+            del self.queues[request.client]
+            return True
+        return False
+
+    def is_backlogged(self, client: str) -> bool:
+        return client in self.queues
+
+    def head(self, client: str) -> Request:
+        return self.queues[client][0]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        for queue in self.queues.values():
+            yield from queue
+
+
+@local_policies.register("vtc")
+class VirtualTokenCounter(LocalPolicy):
+    def __init__(self, w_in: float = 1.0, w_out: float = 2.0) -> None:
+        self.w_in, self.w_out = w_in, w_out
+        self.counters: dict[str, float] = {}
+        self.waiting = ClientQueues()
+        self._last_departed = 0.0  # counter of the client whose queue emptied last
+        self._charged: set[int] = set()
+
+    def push(self, request: Request) -> None:
+        client = request.client
+        if not self.waiting.is_backlogged(client):
+            backlogged = [self.counters[c] for c in self.waiting.queues]
+            lift = min(backlogged) if backlogged else self._last_departed
+            self.counters[client] = max(self.counters.get(client, 0.0), lift)
+        self.waiting.push(request)
+
+    def push_front(self, request: Request) -> None:
+        self.counters.setdefault(request.client, 0.0)
+        self.waiting.push(request, front=True)
+
+    def peek(self, cached_blocks: Callable[[Request], int]) -> Request | None:
+        if not self.waiting.queues:
+            return None
+        client = min(self.waiting.queues, key=lambda c: (self.counters[c], c))
+        return self.waiting.head(client)
+
+    def pop(self, request: Request, num_cached_tokens: int) -> None:
+        if request.id not in self._charged:
+            self._charged.add(request.id)
+            self.counters[request.client] += self.w_in * request.prompt_len / request.weight
+        if self.waiting.remove(request):
+            self._last_departed = self.counters[request.client]
+
+    def on_token(self, request: Request, num_tokens: int) -> None:
+        self.counters[request.client] += self.w_out * num_tokens / request.weight
+
+    def on_finish(self, request: Request) -> None:
+        self._charged.discard(request.id)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.waiting)
+
+
+@global_policies.register("vtc")
+class VTCRouter(LeastLoad):
+    """Least outstanding tokens across workers, VTC on each worker's queue (the paper's setup
+    is one server; spreading by load keeps each worker's clients comparable)."""
+
+    default_local = "vtc"

@@ -1,0 +1,122 @@
+"""Fairness over time: per-client service curves, backlog, and the maximum service gap.
+
+Service is counted in weighted tokens, as VTC's counters count it: input tokens x w_in at
+admission, output tokens x w_out delivered evenly over the decode (first token to finish), both
+divided by the request's weight. A client is
+backlogged while it has a request waiting (arrived, not yet admitted), as in the VTC paper: a
+client whose requests all run at once is served as fast as it asks and cannot be short-changed.
+
+The service gap of two clients over an interval in which both are backlogged is the difference
+of the service each received in it; `max_service_gap` is its maximum over every pair of clients
+and every such interval, evaluated on a time grid. VTC bounds it by 2 x (w_in x max input +
+w_out x the tokens a running batch can hold): requests already running keep being served
+whatever the counters say. With one request running at a time that is about the simpler
+2 x max(w_in x max input, w_out x max output) that `vtc_bound` reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from simulator.results import W_IN, W_OUT, RequestRecord
+
+
+@dataclass(slots=True)
+class ServiceCurves:
+    times: np.ndarray  # grid, seconds
+    clients: list[str]
+    service: np.ndarray  # [client, time]: cumulative weighted tokens
+    backlogged: np.ndarray  # [client, time]: bool
+
+
+def _steps(times: np.ndarray, at: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """sum_i total_i * [at_i <= t] at each t."""
+    order = np.argsort(at)
+    cum = np.concatenate([[0.0], np.cumsum(total[order])])
+    return cum[np.searchsorted(at[order], times, side="right")]
+
+
+def _ramps(times: np.ndarray, start: np.ndarray, end: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """sum_i total_i * clip((t - start_i) / (end_i - start_i), 0, 1) at each t, in O((n+T) log n).
+
+    A ramp is slope * (relu(t - start) - relu(t - end)); sum_i k_i relu(t - a_i) is
+    t * K(t) - KA(t) with K, KA the prefix sums of k_i and k_i a_i over a_i <= t. Instant
+    deliveries are summed as steps: their slopes would drown the rest in rounding.
+    """
+    instant = end - start < 1e-6
+    out = _steps(times, end[instant], total[instant])
+    start, end, total = start[~instant], end[~instant], total[~instant]
+    slope = total / (end - start)
+
+    def relu_sum(points: np.ndarray, k: np.ndarray) -> np.ndarray:
+        order = np.argsort(points)
+        p, kk = points[order], k[order]
+        k_cum = np.concatenate([[0.0], np.cumsum(kk)])
+        ka_cum = np.concatenate([[0.0], np.cumsum(kk * p)])
+        n = np.searchsorted(p, times, side="right")
+        return times * k_cum[n] - ka_cum[n]
+
+    return out + relu_sum(start, slope) - relu_sum(end, slope)
+
+
+def service_curves(
+    records: Sequence[RequestRecord], step: float = 1.0, w_in: float = W_IN, w_out: float = W_OUT
+) -> ServiceCurves:
+    end = max((r.finish for r in records), default=0.0)
+    times = np.arange(0.0, end + step, step)
+    clients = sorted({r.client for r in records})
+    service = np.zeros((len(clients), len(times)))
+    backlogged = np.zeros((len(clients), len(times)), dtype=bool)
+    for i, client in enumerate(clients):
+        rs = [r for r in records if r.client == client]
+        arrival, admitted, first, finish, prompt, output, weight = (
+            np.array(col, dtype=np.float64)
+            for col in zip(*[(r.arrival, r.admitted, r.first_token, r.finish, r.prompt_tokens,
+                              r.output_tokens, r.weight) for r in rs], strict=True)
+        )  # fmt: skip
+        service[i] = _steps(times, admitted, w_in * prompt / weight)
+        service[i] += _ramps(times, first, finish, w_out * output / weight)
+        started = np.searchsorted(np.sort(arrival), times, side="right")
+        done = np.searchsorted(np.sort(admitted), times, side="right")
+        backlogged[i] = started > done
+    return ServiceCurves(times, clients, service, backlogged)
+
+
+def max_service_gap(curves: ServiceCurves) -> float:
+    """Largest |service_f - service_g| over an interval both f and g were backlogged in."""
+    worst = 0.0
+    k = len(curves.clients)
+    for f in range(k):
+        for g in range(f + 1, k):
+            both = curves.backlogged[f] & curves.backlogged[g]
+            if not both.any():
+                continue
+            diff = curves.service[f] - curves.service[g]
+            # Split into maximal runs where both are backlogged; the gap within a run is the
+            # range of the difference of their cumulative service.
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], both.astype(np.int8), [0]])))
+            for start, stop in zip(edges[::2], edges[1::2], strict=True):
+                run = diff[start:stop]
+                worst = max(worst, float(run.max() - run.min()))
+    return worst
+
+
+def vtc_bound(records: Sequence[RequestRecord], w_in: float = W_IN, w_out: float = W_OUT) -> float:
+    """VTC's bound on the service gap: 2 x max(w_in x max input, w_out x max output)."""
+    if not records:
+        return 0.0
+    max_in = max(r.prompt_tokens / r.weight for r in records)
+    max_out = max(r.output_tokens / r.weight for r in records)
+    return 2 * max(w_in * max_in, w_out * max_out)
+
+
+def service_by_window(curves: ServiceCurves, window: float) -> dict[str, list[float]]:
+    """Weighted tokens each client received in consecutive windows of `window` seconds."""
+    step = curves.times[1] - curves.times[0] if len(curves.times) > 1 else window
+    stride = max(1, round(window / step))
+    idx = np.arange(0, len(curves.times), stride)
+    idx = np.append(idx, len(curves.times) - 1) if idx[-1] != len(curves.times) - 1 else idx
+    return {c: np.diff(curves.service[i, idx]).tolist() for i, c in enumerate(curves.clients)}
