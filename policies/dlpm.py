@@ -51,7 +51,7 @@ class DeficitLongestPrefixMatch(FifoQueue):
         for request in ordered:
             if self.deficits[request.client] > 0:
                 return request
-        self._refill()
+        self._refill(richest=max(self.deficits[r.client] for r in ordered))
         return next(r for r in ordered if self.deficits[r.client] > 0)
 
     def pop(self, request: Request, num_cached_tokens: int) -> None:
@@ -68,12 +68,11 @@ class DeficitLongestPrefixMatch(FifoQueue):
     def on_finish(self, request: Request) -> None:
         self._charged.discard(request.id)
 
-    def _refill(self) -> None:
-        """Every waiting client is in deficit: add Q^u to each, enough times for one to pass."""
-        active = list(self._num_waiting)
-        richest = max(self.deficits[c] for c in active)
+    def _refill(self, richest: float) -> None:
+        """Every waiting client is in deficit: add Q^u to each, as many times as the richest
+        client among the requests in view needs to pass."""
         rounds = math.floor(-richest / self.quantum) + 1
-        for client in active:
+        for client in self._num_waiting:
             self.deficits[client] += rounds * self.quantum
 
     def _count(self, client: str, delta: int) -> None:

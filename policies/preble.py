@@ -13,9 +13,10 @@ For each request, find the longest prefix any worker holds.
     P  this request's own missed prefill time there.
 Post-assignment rebalancing: when the heaviest worker's L exceeds `rebalance_ratio` x the
 lightest's, the heaviest worker's prefix group whose load best fits half the gap is moved: its
-later requests go to the lightest worker. Hot-prefix replication: when the chosen holder already
-has `hot_queue` requests waiting, the request is explored instead, which places a second copy
-of the prefix where it is cheapest. The local discipline (`preble`) serves priority groups by
+later requests go to the lightest worker. Hot-prefix replication: when requests queue at the
+chosen holder (`hot_queue` waiting) and the prefix alone brings it at least an average worker's
+windowed load, the request is explored among the workers without the prefix, which places a
+second copy where it is cheapest. The local discipline (`preble`) serves priority groups by
 cache-hit ratio in proportion to their priority, so low-hit requests are never starved.
 
 Choices made where the paper leaves them: the window is 180 s of the caller's clock; decode time
@@ -103,10 +104,21 @@ class PrebleE2(GlobalPolicy):
             if target not in workers:
                 target = min(holders, key=lambda w: (self.load.of(w), w))
             others = [w for w in workers if w not in holders]
-            if workers[target].num_waiting < self.hot_queue or not others:
+            if not self._is_hot(group, target, others, view):
                 return Decision(target, "exploit")
             return Decision(self._explore(request, view, matched, others), "hot prefix: replicate")
         return Decision(self._explore(request, view, matched, list(workers)), "explore")
+
+    def _is_hot(
+        self, group: BlockHash | None, holder: WorkerId, others: list[WorkerId], view: ClusterView
+    ) -> bool:
+        """Requests queue at the holder, and this prefix alone brings it at least an average
+        worker's load: more than one worker should serve it. A queue that is long everywhere,
+        or long for other reasons, is not cured by a replica."""
+        if not others or view.workers[holder].num_waiting < self.hot_queue:
+            return False
+        mean = sum(self.load.of(w) for w in view.workers) / len(view.workers)
+        return self.load.by_group.get(holder, {}).get(group, 0.0) >= mean
 
     def explore_costs(
         self, request: Request, view: ClusterView, matched: dict[WorkerId, int]

@@ -129,6 +129,7 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
         policy=policy or args.policy,
         local_policy=args.local_policy,
         policy_params=_key_values(args.param, "--param"),
+        local_params=_key_values(args.local_param, "--local-param"),
         engine=EngineConfig(
             num_kv_blocks=args.kv_blocks,
             max_num_seqs=args.max_num_seqs,
@@ -208,6 +209,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from simulator.experiments import EXPERIMENTS, run_experiment
+
+    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        title, rows = run_experiment(name, seed=args.seed, out=Path(args.out) if args.out else None)
+        print(f"## {name}: {title}\n")
+        print(format_table(rows))
+        print()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from simulator.demo import run_demo
 
@@ -241,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="K=V")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    from simulator.experiments import EXPERIMENTS
+
+    p = sub.add_parser("experiment", help="run a published-behaviour scenario across policies")
+    p.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write each run's summary and the table into this folder")
+    p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("demo", help="compare the policies on the bundled sample trace")
     p.add_argument("--workers", type=int, default=8)

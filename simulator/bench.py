@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import random
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
+from router.cluster import ClusterView, WorkerState
+from router.prefix_index import PrefixIndex
+from router.request import Request
 from router.tables import format_table
 from simulator.cluster import SimConfig, SimResult, simulate
 from simulator.cost_model import roofline
@@ -60,6 +66,64 @@ def _profile_areas(path: Path) -> list[dict[str, object]]:
     ]
 
 
+def build_index(num_blocks: int, num_workers: int, prompt_blocks: int, seed: int = 0):
+    """An index of about `num_blocks` blocks over `num_workers` workers: documents sharing
+    system-prompt trunks, each held by one or two workers."""
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    trunks = [[rng.getrandbits(63) for _ in range(rng.randint(8, 64))] for _ in range(64)]
+    prompts = []
+    while sum(index.num_blocks(w) for w in range(num_workers)) < num_blocks:
+        trunk = rng.choice(trunks)
+        prompt = trunk + [rng.getrandbits(63) for _ in range(prompt_blocks - len(trunk))]
+        for w in rng.sample(range(num_workers), rng.choice((1, 1, 2))):
+            index.insert(prompt, w, now=float(len(prompts)))
+        prompts.append(prompt)
+    return index, prompts, trunks
+
+
+def decision_times(repeats: int = 2000) -> list[dict[str, object]]:
+    """route() latency per policy: an 8k-token prompt against 1M indexed blocks, 16 workers."""
+    import policies
+
+    bs, num_workers, prompt_blocks = 16, 16, 8192 // 16
+    index, prompts, trunks = build_index(1_000_000, num_workers, prompt_blocks)
+    rng = random.Random(1)
+    cost = roofline("llama-3-8b", "a100-80g")
+    held = [index.num_blocks(w) for w in range(num_workers)]
+    # Queues balanced (so LPM matches rather than falling back to the shortest queue); half the
+    # workers are full, so Preble's explore step prices evictions.
+    workers = {
+        w: WorkerState(w, num_waiting=rng.randint(0, 8), num_running=rng.randint(24, 40),
+                       tokens_in_flight=rng.randint(0, 200_000),
+                       kv_capacity_blocks=held[w] if w % 2 else 2 * held[w])
+        for w in range(num_workers)
+    }  # fmt: skip
+    view = ClusterView(float(len(prompts)), workers, index, bs, cost)
+    requests = []
+    for i in range(repeats):
+        if i % 2:  # a cached document plus a new question
+            blocks = rng.choice(prompts)[: prompt_blocks - 8] + [rng.getrandbits(63)] * 8
+        else:  # a new document on a known trunk: explore territory
+            trunk = rng.choice(trunks)
+            blocks = trunk + [rng.getrandbits(63) for _ in range(prompt_blocks - len(trunk))]
+        requests.append(Request(i, 0.0, 8192 + 7, 128, blocks, client=f"c{i % 8}"))
+
+    rows = []
+    for name in policies.global_policies.names():
+        policy = policies.global_policies.create(name)
+        times = []
+        for r in requests:
+            started = time.perf_counter_ns()
+            policy.route(r, view)
+            times.append(time.perf_counter_ns() - started)
+        times_us = np.array(times) / 1000
+        rows.append({"policy": name, "p50 us": float(np.percentile(times_us, 50)),
+                     "p99 us": float(np.percentile(times_us, 99)),
+                     "max us": float(times_us.max())})  # fmt: skip
+    return rows
+
+
 def run_bench(trace: str | None = None, quick: bool = False) -> int:
     path = Path(trace) if trace else DEFAULT_TRACE
     if not path.exists():
@@ -105,4 +169,7 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
 
     print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
     print(format_table(_profile_areas(path)))
+
+    print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
+    print(format_table(decision_times(500 if quick else 2000)))
     return 0

@@ -24,6 +24,7 @@ import policies
 from router.cluster import ClusterView, WorkerState
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex
+from router.registry import Registry
 from router.request import Request
 from simulator.cost_model import CostModel
 from simulator.engine import Engine, EngineConfig, Seq
@@ -38,6 +39,7 @@ class SimConfig:
     policy: str = "least_load"
     local_policy: str | None = None  # None: the global policy's own default
     policy_params: dict[str, object] = field(default_factory=dict)
+    local_params: dict[str, object] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     closed_loop: bool = False
     seed: int = 0
@@ -61,28 +63,31 @@ class SimResult:
     summary: dict[str, object]
 
 
-def make_policy(name: str, params: dict[str, object], seed: int) -> GlobalPolicy:
-    factory = policies.global_policies.get(name)
+def make_policy(registry: Registry, name: str, params: dict[str, object], seed: int):
+    """Build a registered policy, naming the parameter a user got wrong."""
+    factory = registry.get(name)
     accepted = inspect.signature(factory).parameters
     unknown = set(params) - set(accepted)
     if unknown:
-        raise ValueError(f"policy {name!r} takes no parameter {sorted(unknown)}; it takes "
-                         f"{sorted(p for p in accepted if p != 'seed')}")  # fmt: skip
+        raise ValueError(f"{registry.kind} {name!r} takes no parameter {sorted(unknown)}; it "
+                         f"takes {sorted(p for p in accepted if p != 'seed')}")  # fmt: skip
     if "seed" in accepted and "seed" not in params:
         params = {**params, "seed": seed}
-    return policies.global_policies.create(name, **params)
+    return registry.create(name, **params)
 
 
 class SimCluster:
     def __init__(self, trace: Trace, cost: CostModel, config: SimConfig) -> None:
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
-        self.policy = make_policy(config.policy, dict(config.policy_params), config.seed)
+        self.policy: GlobalPolicy = make_policy(
+            policies.global_policies, config.policy, dict(config.policy_params), config.seed
+        )
         # Engines call on_tokens once per sequence per step; skip it for policies that ignore it.
         self.counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
         local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
-        self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.create(
-            local_name
+        self.local_factory: Callable[[], LocalPolicy] = lambda: make_policy(
+            policies.local_policies, local_name, dict(config.local_params), config.seed
         )
         engine_config = EngineConfig(**{**_asdict(config.engine), "block_size": trace.block_size})
         self.engines = [
@@ -99,6 +104,7 @@ class SimCluster:
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self.routed: dict[int, int] = defaultdict(int)
+        self.decisions: dict[str, int] = defaultdict(int)  # by the policy's stated reason
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
 
@@ -125,6 +131,7 @@ class SimCluster:
             wall_seconds=wall,
             config=self._config_summary(),
         )
+        summary["decisions"] = dict(sorted(self.decisions.items(), key=lambda kv: -kv[1]))
         return SimResult(self.records, workers, summary)
 
     def _arrivals(self) -> simpy.events.ProcessGenerator:
@@ -158,6 +165,7 @@ class SimCluster:
             engine.fill_state(view.workers[engine.id])
         decision = self.policy.route(req, view)
         worker = decision.worker
+        self.decisions[decision.reason] += 1
         state = view.workers.get(worker)
         if state is None or not state.healthy:
             raise RuntimeError(f"policy {self.config.policy} chose unusable worker {worker}")
@@ -215,6 +223,8 @@ class SimCluster:
             "trace": self.trace.source,
             "policy": self.config.policy,
             "local_policy": e.local.name,
+            "policy_params": dict(self.config.policy_params),
+            "local_params": dict(self.config.local_params),
             "workers": self.config.num_workers,
             "cost_model": self.cost.name,
             "block_size": self.trace.block_size,

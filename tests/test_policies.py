@@ -274,7 +274,11 @@ class TestPreble:
         policy = policies.global_policies.create("preble", hot_queue=4)
         view = make_view(0, 0)
         view.index.insert([1, 2, 3], 0, now=0.0)
-        view.workers[0].num_waiting = 10  # queueing grows on the only holder
+        view.workers[0].num_waiting = 10  # queueing grows on the only holder...
+        policy.load.add(0, 0.0, 5.0, 999)  # ...but because of other prefixes: no replica
+        policy.load.add(0, 0.0, 1.0, 3)
+        assert policy.route(make_req(1, [1, 2, 3, 4]), view).reason == "exploit"
+        policy.load.add(0, 0.0, 5.0, 3)  # this prefix's own load passes the mean (5.5)
         decision = policy.route(make_req(1, [1, 2, 3, 4]), view)
         assert (decision.worker, decision.reason) == (1, "hot prefix: replicate")
 

@@ -7,6 +7,7 @@ from shared content, never from hand-placed hashes:
     few_shot        a pool of few-shot templates shared across tenants, then a question
     chat_sessions   multi-turn chats: turn k = turn k-1's prompt + its answer + a new message
     agent_loops     tool loops: a long tool preamble, then call, tool output, call, ...
+    flood           one client floods over a long shared prefix next to calm clients
 
 Sessions (chat, agent) carry `think_time`, so they also replay closed-loop. Every generator
 takes `seed` and draws from its own streams.
@@ -206,7 +207,37 @@ def agent_loops(
     )  # fmt: skip
 
 
+def flood(
+    duration: float = 120.0,
+    flood_rate: float = 20.0,
+    flood_prefix_tokens: int = 4000,
+    num_calm: int = 4,
+    calm_rate: float = 1.0,
+    calm_prefix_tokens: int = 1000,
+    question_tokens: int = 100,
+    output_tokens: int = 128,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """One client floods with requests sharing a long prefix; several calm clients ask at a
+    modest rate, each over its own shorter shared prompt. All Poisson."""
+    rng, tokens = random.Random(seed), _Tokens(seed)
+    clients = [("flood", flood_rate, tokens.take(flood_prefix_tokens))]
+    clients += [(f"calm-{k}", calm_rate, tokens.take(calm_prefix_tokens)) for k in range(num_calm)]
+    reqs = []
+    for client, rate, prefix in clients:
+        t = rng.expovariate(rate)
+        while t < duration:
+            prompt = np.concatenate([prefix, tokens.take(_lognormal_int(rng, question_tokens))])
+            reqs.append(_request(0, t, prompt, _lognormal_int(rng, output_tokens), block_size,
+                                 client=client))  # fmt: skip
+            t += rng.expovariate(rate)
+    reqs.sort(key=lambda r: r.arrival)
+    return finish(Trace(renumber(reqs), block_size, source="generated:flood"))
+
+
 GENERATORS: dict[str, Callable[..., Trace]] = {
+    "flood": flood,
     "shared_prefix": shared_prefix,
     "few_shot": few_shot,
     "chat_sessions": chat_sessions,

@@ -1,0 +1,161 @@
+"""`fairway experiment NAME`: the scenarios that show the policies behave as published.
+
+Each experiment is a list of runs (a label, a workload, a cluster config) over one seeded
+workload; runs go to parallel processes and come back as summary rows. Nothing is tuned to agree
+with the papers: the workload parameters are set once, here, and the README reports the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.tables import format_table, summary_row
+from simulator.cluster import SimConfig, simulate
+from simulator.cost_model import roofline
+from traces.generators import flood, shared_prefix
+from traces.loaders import load_trace
+from traces.schema import Trace
+
+MOONCAKE = Path("../shared/traces/mooncake/conversation_trace.jsonl")
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    workload: str  # a key of WORKLOADS
+    policy: str
+    workers: int
+    local_policy: str | None = None
+    params: dict[str, object] = field(default_factory=dict)
+    local_params: dict[str, object] = field(default_factory=dict)
+
+
+def _shared_prefix(rate: float) -> Callable[[int], Trace]:
+    # 60 tenants x 4 documents of ~8k tokens: 1.9M prefix tokens, ~5 workers' worth of KV on
+    # llama-3-8b/A100: they fit the cluster's caches together, not any one worker's.
+    def make(seed: int) -> Trace:
+        return shared_prefix(num_requests=int(170 * rate), num_tenants=60, prefixes_per_tenant=4,
+                             prefix_tokens=8000, question_tokens=200, output_tokens=128,
+                             rate=rate, seed=seed)  # fmt: skip
+
+    return make
+
+
+def _flood(scale: int) -> Callable[[int], Trace]:
+    def make(seed: int) -> Trace:
+        return flood(duration=120.0, flood_rate=20.0 * scale, num_calm=4, calm_rate=1.0 * scale,
+                     flood_prefix_tokens=4000, calm_prefix_tokens=1000, seed=seed)  # fmt: skip
+
+    return make
+
+
+def _mooncake(seed: int) -> Trace:
+    return load_trace(MOONCAKE)
+
+
+WORKLOADS: dict[str, Callable[[int], Trace]] = {
+    "shared_prefix_8": _shared_prefix(8.0),
+    "shared_prefix_24": _shared_prefix(24.0),
+    "flood_1": _flood(1),
+    "flood_4": _flood(4),
+    "mooncake": _mooncake,
+}
+
+EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
+    "shared-prefix": (
+        "Tenants with long shared documents, Poisson arrivals at 8 and 24 req/s, 8 workers "
+        "(Preble's setting)",
+        [
+            Run(f"{rate} req/s {policy}", f"shared_prefix_{rate}", policy, 8)
+            for rate in (8, 24)
+            for policy in ("round_robin", "least_load", "lpm", "preble")
+        ],
+    ),
+    "flood": (
+        "One client floods over a 4k-token shared prefix next to 4 calm clients: one worker "
+        "(local disciplines), then four (global + local)",
+        [
+            Run("1w fcfs", "flood_1", "least_load", 1),
+            Run("1w lpm", "flood_1", "lpm", 1),
+            Run("1w vtc", "flood_1", "vtc", 1),
+            *(
+                Run(f"1w dlpm Q={q}", "flood_1", "lpm", 1, "dlpm", local_params={"quantum": q})
+                for q in (256, 2048, 16384, 131072)
+            ),
+            Run("4w least_load", "flood_4", "least_load", 4),
+            Run("4w lpm", "flood_4", "lpm", 4),
+            Run("4w vtc", "flood_4", "vtc", 4),
+            Run("4w dlpm", "flood_4", "dlpm", 4),
+            Run("4w d2lpm", "flood_4", "d2lpm", 4),
+        ],
+    ),
+    "mooncake": (
+        "Mooncake conversation trace (12,031 requests, 1 hour), 8 workers",
+        [
+            Run(name, "mooncake", name, 8)
+            for name in (
+                "round_robin",
+                "random",
+                "least_load",
+                "power_of_two",
+                "lpm",
+                "preble",
+                "vtc",
+                "dlpm",
+                "d2lpm",
+            )  # fmt: skip
+        ],
+    ),
+}
+
+
+def _run_one(run: Run, seed: int) -> tuple[Run, dict[str, object]]:
+    trace = WORKLOADS[run.workload](seed)
+    config = SimConfig(
+        num_workers=run.workers,
+        policy=run.policy,
+        local_policy=run.local_policy,
+        policy_params=run.params,
+        local_params=run.local_params,
+        seed=seed,
+    )
+    result = simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
+    return run, result.summary
+
+
+def experiment_row(label: str, summary: dict[str, object]) -> dict[str, object]:
+    row = summary_row(label, summary)
+    clients = summary["per_client"]
+    calm = [c for name, c in clients.items() if name != "flood"]  # type: ignore[union-attr]
+    if "flood" in clients:  # type: ignore[operator]
+        row["calm TTFT s"] = sum(c["ttft"]["mean"] for c in calm) / len(calm)
+        row["flood TTFT s"] = clients["flood"]["ttft"]["mean"]  # type: ignore[index]
+    row["gap (k tok)"] = summary["fairness"]["max_service_gap"] / 1000  # type: ignore[index]
+    for key in ("done", "TPOT ms", "imbalance", "bound %", "jain"):
+        row.pop(key, None)
+    return row
+
+
+def run_experiment(name: str, seed: int = 0, out: Path | None = None, jobs: int | None = None):
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of: {', '.join(EXPERIMENTS)}")
+    title, runs = EXPERIMENTS[name]
+    if any(r.workload == "mooncake" for r in runs) and not MOONCAKE.exists():
+        raise ValueError(f"experiment {name} needs {MOONCAKE}")
+    jobs = jobs or min(len(runs), os.cpu_count() or 1)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(_run_one, runs, [seed] * len(runs)))
+    rows = [experiment_row(run.label, summary) for run, summary in results]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for run, summary in results:
+            slug = re.sub(r"[^A-Za-z0-9.]+", "_", run.label)
+            (out / f"{name}-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / f"{name}.md").write_text(f"{title}\n\n{format_table(rows)}\n")
+    return title, rows
