@@ -72,7 +72,14 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         choices=policies.local_policies.names(),
         help="queue discipline on each worker (default: the policy's own)",
     )
-    g.add_argument("--param", action="append", default=[], metavar="K=V", help="policy parameter")
+    g.add_argument(
+        "--param", action="append", default=[], metavar="K=V",
+        help="global policy parameter, e.g. cache_threshold=0.5",
+    )  # fmt: skip
+    g.add_argument(
+        "--local-param", action="append", default=[], metavar="K=V",
+        help="local discipline parameter, e.g. quantum=4096",
+    )  # fmt: skip
     g.add_argument("--workers", type=int, default=8)
     g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
     g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))

@@ -51,6 +51,10 @@ class TestSimulateCommand:
             (["--trace", "/nonexistent.jsonl"], "no such file"),
             (["--trace", str(SAMPLE), "--workers", "0"], "workers: must be positive"),
             (["--trace", str(SAMPLE), "--param", "bogus=1"], "takes no parameter"),
+            (
+                ["--trace", str(SAMPLE), "--local-policy", "dlpm", "--local-param", "quantum=-1"],
+                "quantum: must be positive",
+            ),
         ],
     )
     def test_bad_input_is_a_clear_error(self, argv: list[str], message: str, capsys) -> None:
