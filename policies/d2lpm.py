@@ -68,8 +68,10 @@ class DistributedDLPM(GlobalPolicy):
             return (w.num_outstanding, w.id)
 
         enough = self.cache_threshold * request.num_blocks
-        holders = sorted((w for w in matched if matched[w] > enough),
-                         key=lambda w: (-matched[w], queue(healthy[w])))  # fmt: skip
+        holders = sorted(
+            (w for w in matched if matched[w] > enough),
+            key=lambda w: (-matched[w], queue(healthy[w])),
+        )
         if is_imbalanced([w.num_outstanding for w in workers], *self.balance):
             holders = []
         for w in holders:

@@ -143,9 +143,12 @@ class PrebleE2(GlobalPolicy):
         return out
 
     def _explore(
-        self, request: Request, view: ClusterView, matched: dict[WorkerId, int],
+        self,
+        request: Request,
+        view: ClusterView,
+        matched: dict[WorkerId, int],
         candidates: list[WorkerId],
-    ) -> WorkerId:  # fmt: skip
+    ) -> WorkerId:
         terms = self.explore_costs(request, view, matched)
         return min(candidates, key=lambda w: (sum(terms[w]), w))
 

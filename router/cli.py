@@ -73,13 +73,19 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         help="queue discipline on each worker (default: the policy's own)",
     )
     g.add_argument(
-        "--param", action="append", default=[], metavar="K=V",
+        "--param",
+        action="append",
+        default=[],
+        metavar="K=V",
         help="global policy parameter, e.g. cache_threshold=0.5",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--local-param", action="append", default=[], metavar="K=V",
+        "--local-param",
+        action="append",
+        default=[],
+        metavar="K=V",
         help="local discipline parameter, e.g. quantum=4096",
-    )  # fmt: skip
+    )
     g.add_argument("--workers", type=int, default=8)
     g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
     g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))
@@ -228,6 +234,40 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from router.serve import load_config, serve, validate_config
+
+    overrides: dict[str, object] = {}
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.model:
+        overrides["model"] = args.model
+    workers: dict[str, object] = {}
+    if args.backend:
+        workers["backend"] = args.backend
+    if args.workers is not None:
+        workers["count"] = args.workers
+    if args.config:
+        config = load_config(args.config, **overrides)
+        if workers:
+            config = validate_config(
+                {
+                    **config.model_dump(),
+                    **overrides,
+                    "workers": {**config.workers.model_dump(), **workers},
+                }
+            )
+    else:
+        policy = {"name": args.policy or "lpm"}
+        if args.local_policy:
+            policy["local"] = args.local_policy
+        raw = {**overrides, "policy": policy, "workers": workers}
+        if args.precise:
+            raw["index_mode"] = "precise"
+        config = validate_config(raw, source="command line")
+    return serve(config)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from simulator.demo import run_demo
 
@@ -269,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write each run's summary and the table into this folder")
     p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("serve", help="start workers (through Ray) and the OpenAI proxy")
+    p.add_argument("--config", help="cluster.yaml (everything; flags below override it)")
+    p.add_argument("--backend", choices=["vllm", "emulated"])
+    p.add_argument("--workers", type=int)
+    p.add_argument("--model", help="model folder (default: build the tiny test model)")
+    p.add_argument("--policy")
+    p.add_argument("--local-policy")
+    p.add_argument("--port", type=int)
+    p.add_argument("--precise", action="store_true", help="index from vLLM KV events")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="compare the policies on the bundled sample trace")
     p.add_argument("--workers", type=int, default=8)

@@ -191,6 +191,38 @@ class PrefixIndex:
             freed += len(entry[3].key)
         return victims
 
+    def remove_prefix(self, hashes: Sequence[BlockHash], worker: WorkerId) -> int:
+        """`worker` no longer holds the last block of `hashes`, nor anything below it (a prefix
+        match could not reach those). Returns the number of blocks dropped."""
+        if not hashes:
+            return 0
+        target = len(hashes) - 1
+        node, pos = self.root, 0
+        while True:
+            child = node.children.get(hashes[pos])
+            if child is None or worker not in child.workers:
+                return 0
+            common = _common_prefix(child.key, hashes, pos)
+            if pos + len(child.key) > target:  # the block lies on this edge
+                if common <= target - pos:
+                    return 0
+                if target > pos:
+                    self._split(child, target - pos)  # `child` now starts at the block
+                break
+            if common < len(child.key):
+                return 0
+            node, pos = child, pos + len(child.key)
+        held = [n for n in self._subtree(child) if worker in n.workers]
+        held.sort(key=lambda n: n.depth, reverse=True)
+        return sum(self._drop(n, worker) for n in held)
+
+    def _subtree(self, top: Node) -> Iterator[Node]:
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
     def remove_worker(self, worker: WorkerId) -> int:
         """Forget everything `worker` holds (it went down or was drained)."""
         held = [node for node in self.nodes() if worker in node.workers]

@@ -39,8 +39,9 @@ AREAS = {
 }
 
 
-def _replay(path: Path, policy: str = "least_load", limit: int | None = None,
-            fast_forward: bool = True) -> SimResult:  # fmt: skip
+def _replay(
+    path: Path, policy: str = "least_load", limit: int | None = None, fast_forward: bool = True
+) -> SimResult:
     trace = load_trace(path)
     if limit:
         trace.requests = trace.requests[:limit]
@@ -94,11 +95,15 @@ def decision_times(repeats: int = 2000) -> list[dict[str, object]]:
     # Queues balanced (so LPM matches rather than falling back to the shortest queue); half the
     # workers are full, so Preble's explore step prices evictions.
     workers = {
-        w: WorkerState(w, num_waiting=rng.randint(0, 8), num_running=rng.randint(24, 40),
-                       tokens_in_flight=rng.randint(0, 200_000),
-                       kv_capacity_blocks=held[w] if w % 2 else 2 * held[w])
+        w: WorkerState(
+            w,
+            num_waiting=rng.randint(0, 8),
+            num_running=rng.randint(24, 40),
+            tokens_in_flight=rng.randint(0, 200_000),
+            kv_capacity_blocks=held[w] if w % 2 else 2 * held[w],
+        )
         for w in range(num_workers)
-    }  # fmt: skip
+    }
     view = ClusterView(float(len(prompts)), workers, index, bs, cost)
     requests = []
     for i in range(repeats):
@@ -118,9 +123,14 @@ def decision_times(repeats: int = 2000) -> list[dict[str, object]]:
             policy.route(r, view)
             times.append(time.perf_counter_ns() - started)
         times_us = np.array(times) / 1000
-        rows.append({"policy": name, "p50 us": float(np.percentile(times_us, 50)),
-                     "p99 us": float(np.percentile(times_us, 99)),
-                     "max us": float(times_us.max())})  # fmt: skip
+        rows.append(
+            {
+                "policy": name,
+                "p50 us": float(np.percentile(times_us, 50)),
+                "p99 us": float(np.percentile(times_us, 99)),
+                "max us": float(times_us.max()),
+            }
+        )
     return rows
 
 
@@ -141,17 +151,23 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     events = sum(w.events for w in result.workers)
     steps = sum(w.steps for w in result.workers)
     best = max(rates)
-    print(format_table([{
-        "requests": s["completed"],
-        "simulated s": s["simulated_seconds"],
-        "wall s (best)": s["completed"] / best,
-        "req / wall s (best)": best,
-        "req / wall s (median)": statistics.median(rates),
-        "x Vidur (460)": best / VIDUR_REQUESTS_PER_S,
-        "engine steps": steps,
-        "step events": events,
-        "steps per event": steps / events,
-    }]))  # fmt: skip
+    print(
+        format_table(
+            [
+                {
+                    "requests": s["completed"],
+                    "simulated s": s["simulated_seconds"],
+                    "wall s (best)": s["completed"] / best,
+                    "req / wall s (best)": best,
+                    "req / wall s (median)": statistics.median(rates),
+                    "x Vidur (460)": best / VIDUR_REQUESTS_PER_S,
+                    "engine steps": steps,
+                    "step events": events,
+                    "steps per event": steps / events,
+                }
+            ]
+        )
+    )
 
     print("\nFast-forward against step-by-step (first 1,500 requests, same run):")
     started = time.perf_counter()
@@ -160,12 +176,18 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     started = time.perf_counter()
     slow = _replay(path, limit=1500, fast_forward=False)
     t_slow = time.perf_counter() - started
-    print(format_table([{
-        "fast-forward wall s": t_fast,
-        "step-by-step wall s": t_slow,
-        "speed-up": t_slow / t_fast,
-        "identical records": fast.records == slow.records,
-    }]))  # fmt: skip
+    print(
+        format_table(
+            [
+                {
+                    "fast-forward wall s": t_fast,
+                    "step-by-step wall s": t_slow,
+                    "speed-up": t_slow / t_fast,
+                    "identical records": fast.records == slow.records,
+                }
+            ]
+        )
+    )
 
     print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
     print(format_table(_profile_areas(path)))

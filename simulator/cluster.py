@@ -69,8 +69,10 @@ def make_policy(registry: Registry, name: str, params: dict[str, object], seed: 
     accepted = inspect.signature(factory).parameters
     unknown = set(params) - set(accepted)
     if unknown:
-        raise ValueError(f"{registry.kind} {name!r} takes no parameter {sorted(unknown)}; it "
-                         f"takes {sorted(p for p in accepted if p != 'seed')}")  # fmt: skip
+        raise ValueError(
+            f"{registry.kind} {name!r} takes no parameter {sorted(unknown)}; it "
+            f"takes {sorted(p for p in accepted if p != 'seed')}"
+        )
     if "seed" in accepted and "seed" not in params:
         params = {**params, "seed": seed}
     return registry.create(name, **params)
@@ -113,9 +115,12 @@ class SimCluster:
     def run(self) -> SimResult:
         started = time.perf_counter()
         self._progress = tqdm(
-            total=len(self.trace), disable=not self.config.show_progress, unit="req",
-            mininterval=0.5, desc=f"{self.config.policy}",
-        )  # fmt: skip
+            total=len(self.trace),
+            disable=not self.config.show_progress,
+            unit="req",
+            mininterval=0.5,
+            desc=f"{self.config.policy}",
+        )
         self.env.process(self._arrivals())
         self.env.run()
         self._progress.close()
@@ -191,12 +196,21 @@ class SimCluster:
         assert seq.admitted_at is not None and seq.first_token_at is not None
         self.records.append(
             RequestRecord(
-                id=req.id, client=req.client, session=req.session, worker=seq.worker,
-                arrival=req.arrival, admitted=seq.admitted_at, first_token=seq.first_token_at,
-                finish=now, prompt_tokens=req.prompt_len, cached_tokens=seq.num_cached_tokens or 0,
-                output_tokens=seq.num_output, preemptions=seq.num_preemptions, weight=req.weight,
+                id=req.id,
+                client=req.client,
+                session=req.session,
+                worker=seq.worker,
+                arrival=req.arrival,
+                admitted=seq.admitted_at,
+                first_token=seq.first_token_at,
+                finish=now,
+                prompt_tokens=req.prompt_len,
+                cached_tokens=seq.num_cached_tokens or 0,
+                output_tokens=seq.num_output,
+                preemptions=seq.num_preemptions,
+                weight=req.weight,
             )
-        )  # fmt: skip
+        )
         self.view.now = now
         self.policy.on_finish(req, seq.worker, self.view)
         if self._progress is not None:
@@ -211,11 +225,16 @@ class SimCluster:
 
     def _worker_record(self, e: Engine) -> WorkerRecord:
         return WorkerRecord(
-            id=e.id, requests=self.routed[e.id], tokens_processed=e.tokens_processed,
-            kv_blocks=e.blocks.num_blocks, peak_kv_blocks=e.peak_used_blocks,
-            preemptions=e.num_preemptions, evictions=e.blocks.num_evictions,
-            steps=e.num_steps, events=e.num_events,
-        )  # fmt: skip
+            id=e.id,
+            requests=self.routed[e.id],
+            tokens_processed=e.tokens_processed,
+            kv_blocks=e.blocks.num_blocks,
+            peak_kv_blocks=e.peak_used_blocks,
+            preemptions=e.num_preemptions,
+            evictions=e.blocks.num_evictions,
+            steps=e.num_steps,
+            events=e.num_events,
+        )
 
     def _config_summary(self) -> dict[str, object]:
         e = self.engines[0]

@@ -17,8 +17,10 @@ MODEL, GPU = "llama-3-8b", "a100-80g"
 def run_demo(workers: int = 8) -> int:
     path = resources.files("traces") / SAMPLE
     cost = roofline(MODEL, GPU)
-    print(f"Replaying {SAMPLE} (1,000 Mooncake requests) on {workers} simulated "
-          f"{MODEL} workers ({GPU}), one run per policy:\n")  # fmt: skip
+    print(
+        f"Replaying {SAMPLE} (1,000 Mooncake requests) on {workers} simulated "
+        f"{MODEL} workers ({GPU}), one run per policy:\n"
+    )
     rows = []
     for name in policies.global_policies.names():
         trace = load_trace(str(path))  # fresh per run: replay may rewrite arrivals

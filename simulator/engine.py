@@ -48,10 +48,20 @@ class Seq:
     """Engine-side state of one request."""
 
     __slots__ = (
-        "req", "prompt_len", "output_len", "table", "hashes", "num_computed", "num_output",
-        "num_cached_tokens", "num_preemptions", "admitted_at", "first_token_at", "finished_at",
+        "req",
+        "prompt_len",
+        "output_len",
+        "table",
+        "hashes",
+        "num_computed",
+        "num_output",
+        "num_cached_tokens",
+        "num_preemptions",
+        "admitted_at",
+        "first_token_at",
+        "finished_at",
         "worker",
-    )  # fmt: skip
+    )
 
     def __init__(self, req: Request, worker: int, block_size: int) -> None:
         self.req = req
@@ -289,8 +299,10 @@ class Engine:
         blocks_for = self.blocks.blocks_for
 
         def extra_blocks(steps: int) -> int:  # blocks needed beyond step 1's, for `steps` steps
-            return sum(blocks_for(s.num_computed + steps) - blocks_for(s.num_computed + 1)
-                       for s, _ in batch)  # fmt: skip
+            return sum(
+                blocks_for(s.num_computed + steps) - blocks_for(s.num_computed + 1)
+                for s, _ in batch
+            )
 
         lo, hi = 1, limit  # step 1 is already allocated; find the last step count that fits
         while lo < hi:

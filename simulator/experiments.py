@@ -40,17 +40,31 @@ def _shared_prefix(rate: float) -> Callable[[int], Trace]:
     # 60 tenants x 4 documents of ~8k tokens: 1.9M prefix tokens, ~5 workers' worth of KV on
     # llama-3-8b/A100: they fit the cluster's caches together, not any one worker's.
     def make(seed: int) -> Trace:
-        return shared_prefix(num_requests=int(170 * rate), num_tenants=60, prefixes_per_tenant=4,
-                             prefix_tokens=8000, question_tokens=200, output_tokens=128,
-                             rate=rate, seed=seed)  # fmt: skip
+        return shared_prefix(
+            num_requests=int(170 * rate),
+            num_tenants=60,
+            prefixes_per_tenant=4,
+            prefix_tokens=8000,
+            question_tokens=200,
+            output_tokens=128,
+            rate=rate,
+            seed=seed,
+        )
 
     return make
 
 
 def _flood(scale: int) -> Callable[[int], Trace]:
     def make(seed: int) -> Trace:
-        return flood(duration=120.0, flood_rate=20.0 * scale, num_calm=4, calm_rate=1.0 * scale,
-                     flood_prefix_tokens=4000, calm_prefix_tokens=1000, seed=seed)  # fmt: skip
+        return flood(
+            duration=120.0,
+            flood_rate=20.0 * scale,
+            num_calm=4,
+            calm_rate=1.0 * scale,
+            flood_prefix_tokens=4000,
+            calm_prefix_tokens=1000,
+            seed=seed,
+        )
 
     return make
 
@@ -109,7 +123,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                 "vtc",
                 "dlpm",
                 "d2lpm",
-            )  # fmt: skip
+            )
         ],
     ),
 }

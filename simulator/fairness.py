@@ -74,9 +74,22 @@ def service_curves(
         rs = [r for r in records if r.client == client]
         arrival, admitted, first, finish, prompt, output, weight = (
             np.array(col, dtype=np.float64)
-            for col in zip(*[(r.arrival, r.admitted, r.first_token, r.finish, r.prompt_tokens,
-                              r.output_tokens, r.weight) for r in rs], strict=True)
-        )  # fmt: skip
+            for col in zip(
+                *[
+                    (
+                        r.arrival,
+                        r.admitted,
+                        r.first_token,
+                        r.finish,
+                        r.prompt_tokens,
+                        r.output_tokens,
+                        r.weight,
+                    )
+                    for r in rs
+                ],
+                strict=True,
+            )
+        )
         service[i] = _steps(times, admitted, w_in * prompt / weight)
         service[i] += _ramps(times, first, finish, w_out * output / weight)
         started = np.searchsorted(np.sort(arrival), times, side="right")

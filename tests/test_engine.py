@@ -87,8 +87,7 @@ class TestFastForward:
         for ff in (True, False):
             t = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
             cfg = EngineConfig(fast_forward=ff, check_invariants=True, **kw)  # type: ignore
-            out.append(simulate(t, COST, SimConfig(num_workers=3, policy="least_load",
-                                                   engine=cfg)))  # fmt: skip
+            out.append(simulate(t, COST, SimConfig(num_workers=3, policy="least_load", engine=cfg)))
         return out
 
     def assert_same(self, fast, slow) -> None:

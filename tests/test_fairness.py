@@ -18,8 +18,16 @@ from traces.schema import Trace
 COST = roofline("llama-3-8b", "a100-80g")
 
 
-def record(i: int, client: str, arrival: float, admitted: float, first: float, finish: float,
-           prompt: int, output: int) -> RequestRecord:  # fmt: skip
+def record(
+    i: int,
+    client: str,
+    arrival: float,
+    admitted: float,
+    first: float,
+    finish: float,
+    prompt: int,
+    output: int,
+) -> RequestRecord:
     return RequestRecord(i, client, None, 0, arrival, admitted, first, finish, prompt, 0, output, 0)
 
 
@@ -53,8 +61,9 @@ def backlogged_trace(seed: int, num_clients: int, max_in: int, max_out: int) -> 
         t = 0.0
         for _ in range(rng.randint(20, 40)):
             t += rng.expovariate(rate)
-            reqs.append(Request(0, t, rng.randint(1, max_in), rng.randint(1, max_out),
-                                client=f"c{c}"))  # fmt: skip
+            reqs.append(
+                Request(0, t, rng.randint(1, max_in), rng.randint(1, max_out), client=f"c{c}")
+            )
     reqs.sort(key=lambda r: r.arrival)
     for i, r in enumerate(reqs):
         r.id = i
@@ -74,8 +83,9 @@ class TestVTCBound:
         trace = backlogged_trace(seed, num_clients, max_in, max_out)
         config = SimConfig(num_workers=1, policy="vtc", engine=EngineConfig(max_num_seqs=1))
         records = simulate(trace, COST, config).records
-        bound = 2 * (max(r.prompt_tokens for r in records) + 2 * max(r.output_tokens
-                                                                     for r in records))  # fmt: skip
+        bound = 2 * (
+            max(r.prompt_tokens for r in records) + 2 * max(r.output_tokens for r in records)
+        )
         assert max_service_gap(service_curves(records, step=0.01)) <= bound
 
     def test_fcfs_breaks_that_bound_where_vtc_keeps_it(self) -> None:
@@ -84,8 +94,13 @@ class TestVTCBound:
         reqs += [Request(60 + i, 0.5 + 0.01 * i, 2000, 100, client="calm") for i in range(10)]
         gaps = {}
         for policy in ("least_load", "vtc"):
-            trace = Trace([Request(r.id, r.arrival, r.prompt_len, r.output_len, client=r.client)
-                           for r in reqs], 16)  # fmt: skip
+            trace = Trace(
+                [
+                    Request(r.id, r.arrival, r.prompt_len, r.output_len, client=r.client)
+                    for r in reqs
+                ],
+                16,
+            )
             config = SimConfig(num_workers=1, policy=policy, engine=EngineConfig(max_num_seqs=1))
             records = simulate(trace, COST, config).records
             gaps[policy] = max_service_gap(service_curves(records, step=0.01))

@@ -22,8 +22,9 @@ def make_view(*outstanding: int, capacity: int = 10_000, now: float = 0.0) -> Cl
     return ClusterView(now, workers, PrefixIndex(), BS, COST)
 
 
-def make_req(i: int, blocks: list[int], client: str = "a", tail: int = 8, out: int = 10,
-             weight: float = 1.0) -> Request:  # fmt: skip
+def make_req(
+    i: int, blocks: list[int], client: str = "a", tail: int = 8, out: int = 10, weight: float = 1.0
+) -> Request:
     return Request(i, 0.0, len(blocks) * BS + tail, out, list(blocks), client=client, weight=weight)
 
 

@@ -16,16 +16,46 @@ from traces.generators import shared_prefix
 from traces.loaders import load_trace
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces/samples/mooncake_conversation_head1000.jsonl"
-SUMMARY_KEYS = {"completed", "total", "ttft", "tpot", "e2e", "throughput", "prefix_cache",
-                "per_client", "fairness", "wall_seconds", "simulated_seconds"}  # fmt: skip
+SUMMARY_KEYS = {
+    "completed",
+    "total",
+    "ttft",
+    "tpot",
+    "e2e",
+    "throughput",
+    "prefix_cache",
+    "per_client",
+    "fairness",
+    "wall_seconds",
+    "simulated_seconds",
+}
 
 
 class TestSimulateCommand:
     def test_writes_summary_and_per_request_rows(self, tmp_path: Path, capsys) -> None:
-        code = main(["simulate", "--trace", str(SAMPLE), "--policy", "round_robin",
-                     "--workers", "4", "--model", "mistral-7b", "--gpu", "h100",
-                     "--limit", "200", "--rate-scale", "2", "--tenants", "3",
-                     "--out", str(tmp_path)])  # fmt: skip
+        code = main(
+            [
+                "simulate",
+                "--trace",
+                str(SAMPLE),
+                "--policy",
+                "round_robin",
+                "--workers",
+                "4",
+                "--model",
+                "mistral-7b",
+                "--gpu",
+                "h100",
+                "--limit",
+                "200",
+                "--rate-scale",
+                "2",
+                "--tenants",
+                "3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
         assert code == 0
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert summary.keys() >= SUMMARY_KEYS
@@ -41,8 +71,20 @@ class TestSimulateCommand:
         assert "round_robin" in capsys.readouterr().out
 
     def test_generator_as_trace(self, capsys) -> None:
-        assert main(["simulate", "--trace", "gen:few_shot", "--gen", "num_requests=100",
-                     "--workers", "2"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "simulate",
+                    "--trace",
+                    "gen:few_shot",
+                    "--gen",
+                    "num_requests=100",
+                    "--workers",
+                    "2",
+                ]
+            )
+            == 0
+        )
         assert "100/100" in capsys.readouterr().out
 
     @pytest.mark.parametrize(
@@ -62,12 +104,20 @@ class TestSimulateCommand:
         assert message in capsys.readouterr().err
 
     def test_console_script_lists(self) -> None:
-        out = subprocess.run([sys.executable, "-m", "router.cli", "policies"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "router.cli", "policies"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         for name in ("round_robin", "random", "least_load", "power_of_two"):
             assert name in out
-        models = subprocess.run([sys.executable, "-m", "router.cli", "models"],
-                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        models = subprocess.run(
+            [sys.executable, "-m", "router.cli", "models"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         for name in ("llama-3-8b", "llama-2-13b", "mistral-7b", "llama-3-70b", "h200", "l40s"):
             assert name in models
 
@@ -89,8 +139,9 @@ class TestDeterminism:
 @pytest.mark.parametrize("policy", ["round_robin", "random", "least_load", "power_of_two"])
 def test_whole_mooncake_conversation_replays(mooncake_path: Path, policy: str) -> None:
     trace = load_trace(mooncake_path)
-    result = simulate(trace, roofline("llama-3-8b", "a100-80g"),
-                      SimConfig(num_workers=8, policy=policy))  # fmt: skip
+    result = simulate(
+        trace, roofline("llama-3-8b", "a100-80g"), SimConfig(num_workers=8, policy=policy)
+    )
     s = result.summary
     assert s["completed"] == s["total"] == 12031
     assert all(w.peak_kv_blocks <= w.kv_blocks for w in result.workers)

@@ -113,8 +113,9 @@ def few_shot(
         template = rng.choices(templates, weights)[0]
         prompt = np.concatenate([template, tokens.take(_lognormal_int(rng, question_tokens))])
         client = f"tenant-{rng.randrange(num_tenants)}"
-        reqs.append(_request(i, t, prompt, _lognormal_int(rng, output_tokens), block_size,
-                             client=client))  # fmt: skip
+        reqs.append(
+            _request(i, t, prompt, _lognormal_int(rng, output_tokens), block_size, client=client)
+        )
     return finish(Trace(reqs, block_size, source="generated:few_shot"))
 
 
@@ -141,8 +142,11 @@ def _sessions(
         for turn in range(turns(rng)):
             out = _lognormal_int(rng, output_tokens)
             wait = think(rng) if turn else None
-            reqs.append(_request(0, t, prompt, out, block_size, client=client,
-                                 session=f"s{s}", think_time=wait))  # fmt: skip
+            reqs.append(
+                _request(
+                    0, t, prompt, out, block_size, client=client, session=f"s{s}", think_time=wait
+                )
+            )
             answer = tokens.take(out)
             message = tokens.take(_lognormal_int(rng, user_tokens))
             prompt = np.concatenate([prompt, answer, message])
@@ -174,11 +178,18 @@ def chat_sessions(
         return np.concatenate([system, tokens.take(_lognormal_int(rng, user_tokens))])
 
     return _sessions(
-        num_sessions, rate, seed, block_size, "chat_sessions", num_tenants, first,
+        num_sessions,
+        rate,
+        seed,
+        block_size,
+        "chat_sessions",
+        num_tenants,
+        first,
         turns=lambda rng: 1 + int(rng.expovariate(1 / max(mean_turns - 1, 1e-9))),
-        user_tokens=user_tokens, output_tokens=output_tokens,
+        user_tokens=user_tokens,
+        output_tokens=output_tokens,
         think=lambda rng: rng.expovariate(1 / think_time) if think_time > 0 else 0.0,
-    )  # fmt: skip
+    )
 
 
 def agent_loops(
@@ -200,11 +211,18 @@ def agent_loops(
         return np.concatenate([preamble, tokens.take(_lognormal_int(rng, 200))])
 
     return _sessions(
-        num_sessions, rate, seed, block_size, "agent_loops", num_tenants, first,
+        num_sessions,
+        rate,
+        seed,
+        block_size,
+        "agent_loops",
+        num_tenants,
+        first,
         turns=lambda rng: max(1, int(rng.gauss(steps, steps / 4))),
-        user_tokens=tool_output_tokens, output_tokens=call_tokens,
+        user_tokens=tool_output_tokens,
+        output_tokens=call_tokens,
         think=lambda rng: rng.expovariate(1 / tool_latency),
-    )  # fmt: skip
+    )
 
 
 def flood(
@@ -229,8 +247,11 @@ def flood(
         t = rng.expovariate(rate)
         while t < duration:
             prompt = np.concatenate([prefix, tokens.take(_lognormal_int(rng, question_tokens))])
-            reqs.append(_request(0, t, prompt, _lognormal_int(rng, output_tokens), block_size,
-                                 client=client))  # fmt: skip
+            reqs.append(
+                _request(
+                    0, t, prompt, _lognormal_int(rng, output_tokens), block_size, client=client
+                )
+            )
             t += rng.expovariate(rate)
     reqs.sort(key=lambda r: r.arrival)
     return finish(Trace(renumber(reqs), block_size, source="generated:flood"))

@@ -1,0 +1,96 @@
+"""Precise mode: a worker's vLLM KV events (ZMQ PUB, msgpack) kept in the prefix index.
+
+vLLM names blocks by its own hashes; events carry each stored block's token ids and its
+parent, so the router re-hashes the tokens with its chained block hash (the one it uses for
+prompts) and remembers vLLM's name for each block to place later events. A removed block takes
+everything below it on that worker with it: a prefix match could not reach past it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import msgpack
+
+from router.prefix_index import PrefixIndex, WorkerId
+from router.request import BlockHash, hash_token_blocks
+
+log = logging.getLogger(__name__)
+
+
+class KVEventIndexer:
+    def __init__(self, index: PrefixIndex, worker: WorkerId) -> None:
+        self.index = index
+        self.worker = worker
+        self._blocks: dict[int, tuple[BlockHash, int | None]] = {}  # vLLM hash -> ours, parent
+        self.last_seq: int | None = None
+        self.num_gaps = 0
+
+    def feed(self, parts: list[bytes], now: float) -> None:
+        """One multipart message: (topic, 8-byte big-endian sequence number, msgpack batch)."""
+        seq = int.from_bytes(parts[-2], "big") if len(parts) >= 2 else None
+        if seq is not None and self.last_seq is not None and seq != self.last_seq + 1:
+            self.num_gaps += 1  # events were lost; the index drifts until blocks are re-stored
+        self.last_seq = seq
+        batch = msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
+        events = batch[1] if isinstance(batch, list) else batch.get("events", [])
+        self.apply(events, now)
+
+    def apply(self, events: Iterable[object], now: float) -> None:
+        for event in events:
+            kind, fields = _normalize(event)
+            if kind == "BlockStored":
+                self._stored(fields, now)
+            elif kind == "BlockRemoved":
+                for h in fields.get("block_hashes") or []:
+                    path = self._path(h)
+                    if path:
+                        self.index.remove_prefix(path, self.worker)
+                    self._blocks.pop(h, None)
+            elif kind == "AllBlocksCleared":
+                self.index.remove_worker(self.worker)
+                self._blocks.clear()
+
+    def _stored(self, fields: dict, now: float) -> None:
+        parent = fields.get("parent_block_hash")
+        prefix = self._path(parent) if parent is not None else []
+        if parent is not None and not prefix:
+            return  # its parent was never seen (we joined late): nothing to chain it to
+        names = list(fields.get("block_hashes") or [])
+        size = int(fields.get("block_size") or 0)
+        tokens = list(fields.get("token_ids") or [])
+        if not names or size <= 0 or len(tokens) < size * len(names):
+            return
+        ours = hash_token_blocks(tokens[: size * len(names)], size, prefix[-1] if prefix else None)
+        previous = parent
+        for name, h in zip(names, ours, strict=True):
+            self._blocks[name] = (h, previous)
+            previous = name
+        self.index.insert(prefix + ours, self.worker, now)
+
+    def _path(self, name: int) -> list[BlockHash]:
+        """Our hashes from the root to vLLM block `name` ([] if unknown)."""
+        path = []
+        while name is not None:
+            entry = self._blocks.get(name)
+            if entry is None:
+                return []
+            path.append(entry[0])
+            name = entry[1]
+        path.reverse()
+        return path
+
+
+def _normalize(event: object) -> tuple[str, dict]:
+    """vLLM sends events as maps with a `type`; older builds as tagged arrays."""
+    if isinstance(event, dict):
+        return str(event.get("type", "")), event
+    if isinstance(event, list) and event:
+        kind = str(event[0])
+        names = {
+            "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size"],
+            "BlockRemoved": ["block_hashes"],
+        }.get(kind, [])
+        return kind, dict(zip(names, event[1:], strict=False))
+    return "", {}

@@ -1,0 +1,125 @@
+"""Background watchers of the workers: health checks, /metrics scraping, KV-event subscriptions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+import zmq
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.kv_events import KVEventIndexer
+from router.live import LiveCluster, LiveWorker
+
+log = logging.getLogger(__name__)
+
+# vLLM gauge -> our key in LiveWorker.reported
+REPORTED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:prefix_cache_queries": "prefix_queries",
+}
+
+
+class Monitor:
+    """Health: `fall` failed checks in a row mark a worker down (its index entries dropped),
+    `rise` good ones bring it back. Scrapes keep worker-reported gauges fresh."""
+
+    def __init__(
+        self,
+        cluster: LiveCluster,
+        session: aiohttp.ClientSession,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        fall: int = 2,
+        rise: int = 2,
+    ) -> None:
+        self.cluster, self.session = cluster, session
+        self.interval, self.timeout, self.fall, self.rise = interval, timeout, fall, rise
+        self._tasks: list[asyncio.Task] = []
+        self._subscribed: dict[int, asyncio.Task] = {}
+        self._zmq = zmq.asyncio.Context()
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._loop(), name="fairway-monitor"))
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._subscribed.values()]:
+            task.cancel()
+        for task in [*self._tasks, *self._subscribed.values()]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._zmq.term()
+
+    async def _loop(self) -> None:
+        while True:
+            workers = list(self.cluster.workers.values())
+            await asyncio.gather(*(self.check(w) for w in workers))
+            for w in workers:
+                if self.cluster.precise and w.kv_events and w.id not in self._subscribed:
+                    self._subscribed[w.id] = asyncio.create_task(self._subscribe(w))
+            await asyncio.sleep(self.interval)
+
+    async def check(self, worker: LiveWorker) -> None:
+        ok = False
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.timeout)
+            async with self.session.get(f"{worker.url}/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+            if ok:
+                await self._scrape(worker)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if worker.id not in self.cluster.workers:
+            return
+        if ok:
+            worker.consecutive_failures = 0
+            worker.consecutive_successes += 1
+            if worker.consecutive_successes >= self.rise:
+                self.cluster.mark_up(worker.id)
+        else:
+            worker.consecutive_successes = 0
+            worker.consecutive_failures += 1
+            if worker.consecutive_failures >= self.fall:
+                self.cluster.mark_down(worker.id)
+
+    async def _scrape(self, worker: LiveWorker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with self.session.get(f"{worker.url}/metrics", timeout=timeout) as resp:
+            if resp.status != 200:
+                return
+            text = await resp.text()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            key = REPORTED.get(family.name)
+            if key is None:
+                continue
+            for sample in family.samples:
+                if sample.name in (family.name, family.name + "_total"):
+                    values[key] = values.get(key, 0.0) + sample.value
+        worker.reported.update(values)
+        queries = values.get("prefix_queries")
+        if queries:
+            rate = values.get("prefix_hits", 0.0) / queries
+            self.cluster.metrics.reported_hit_rate.labels(worker.label).set(rate)
+
+    async def _subscribe(self, worker: LiveWorker) -> None:
+        indexer = KVEventIndexer(self.cluster.view.index, worker.id)
+        socket = self._zmq.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(worker.kv_events)  # type: ignore[arg-type]
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            while True:
+                parts = await socket.recv_multipart()
+                if self.cluster.view.workers.get(worker.id) is None:
+                    return
+                if self.cluster.view.workers[worker.id].healthy:
+                    indexer.feed(parts, self.cluster.clock())
+        finally:
+            socket.close()

@@ -1,0 +1,448 @@
+"""The OpenAI-compatible proxy: validate, tokenize, route, queue, forward, account.
+
+Forwarding commits at the first byte: until the worker has answered with a status line, a
+failure (refused connection, 5xx, timeout) sends the request to another worker; after it, the
+bytes already sent cannot be taken back, so a broken stream ends with a framed SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from router.errors import APIError, bad_request, unavailable
+from router.live import LiveCluster, LiveWorker, WorkerDown
+from router.monitor import Monitor
+from router.prompts import PromptEncoder, PromptError
+from router.request import Request
+from simulator.results import W_IN, W_OUT
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+    "content-encoding",
+}
+CLUSTER = web.AppKey("cluster", LiveCluster)
+SETTINGS = web.AppKey("settings", object)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+ENCODER = web.AppKey("encoder", PromptEncoder)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    model_name: str
+    max_model_len: int = 4096
+    default_max_tokens: int = 16
+    max_retries: int = 2
+    queue_timeout: float = 60.0  # waiting in the router's dispatch queue
+    connect_timeout: float = 5.0
+    first_byte_timeout: float = 60.0
+    request_timeout: float = 600.0
+    admin_token: str | None = None
+    policy_name: str = "?"
+    health_interval: float = 1.0
+
+
+_request_ids = itertools.count()
+
+
+def client_identity(request: web.Request, body: dict) -> str:
+    """Who to be fair to: X-Client-Id, else the OpenAI `user` field, else the API key."""
+    if cid := request.headers.get("X-Client-Id"):
+        return cid
+    if isinstance(body.get("user"), str) and body["user"]:
+        return body["user"]
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer ") and len(auth) > 7:
+        return "key:" + auth[7:][-8:]  # the key's tail: tells tenants apart, not a secret
+    return "anonymous"
+
+
+async def parse_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def build_request(
+    http: web.Request, body: dict, encoder: PromptEncoder, s: ProxySettings, chat: bool
+) -> Request:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad_request("'model' is required", "model")
+    if model != s.model_name:
+        raise APIError(
+            404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found"
+        )
+    try:
+        if chat:
+            ids = encoder.chat_ids(body.get("messages"))
+        else:
+            if "prompt" not in body:
+                raise bad_request("'prompt' is required", "prompt")
+            ids = encoder.completion_ids(body["prompt"])
+    except PromptError as e:
+        raise bad_request(str(e), e.param) from None
+    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = s.max_model_len - len(ids) if chat else s.default_max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise bad_request(f"'{key}' must be a positive integer", key)
+    if len(ids) + max_tokens > s.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {s.max_model_len} tokens. However, you "
+            f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length.",
+            key,
+        )
+    if max_tokens <= 0 or len(ids) == 0:
+        raise bad_request("the prompt is empty", "prompt")
+    weight = http.headers.get("X-Client-Weight")
+    try:
+        w = float(weight) if weight else 1.0
+    except ValueError:
+        raise bad_request("X-Client-Weight must be a number") from None
+    if w <= 0:
+        raise bad_request("X-Client-Weight must be positive")
+    return Request(
+        id=next(_request_ids),
+        arrival=time.monotonic(),
+        prompt_len=len(ids),
+        output_len=max_tokens,
+        block_hashes=encoder.block_hashes(ids),
+        client=client_identity(http, body),
+        weight=w,
+    )
+
+
+class Forward:
+    """One request's trip through the cluster, retried before the first byte."""
+
+    def __init__(self, app: web.Application, http: web.Request, body: dict, req: Request) -> None:
+        self.cluster: LiveCluster = app[CLUSTER]
+        self.settings: ProxySettings = app[SETTINGS]  # type: ignore[assignment]
+        self.session = app[SESSION]
+        self.http, self.body, self.req = http, body, req
+        self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
+        self.metrics = self.cluster.metrics
+        self.output_tokens = 0
+        self.first_byte_at: float | None = None
+
+    async def run(self, path: str) -> web.StreamResponse:
+        tried: set[int] = set()
+        last_error: APIError = unavailable("no healthy worker")
+        for _ in range(self.settings.max_retries + 1):
+            try:
+                worker, reason = self.cluster.route(self.req, exclude=tried)
+            except WorkerDown:
+                break
+            try:
+                await asyncio.wait_for(
+                    self.cluster.acquire(self.req, worker), self.settings.queue_timeout
+                )
+            except WorkerDown:
+                tried.add(worker.id)
+                self.cluster.abandon(worker, self.req)
+                continue
+            except asyncio.TimeoutError:
+                self.cluster.abandon(worker, self.req)
+                self._count(reason, worker, "queue_timeout")
+                raise APIError(
+                    503,
+                    "timed out waiting in the router queue",
+                    "service_unavailable",
+                    code="queue_timeout",
+                ) from None
+            try:
+                upstream, data = await self._send(worker, path)
+            except APIError as e:  # nothing reached the client yet: try elsewhere
+                self.cluster.release(worker, self.req, 0)
+                self.cluster.mark_failure(worker)
+                self._count(reason, worker, "retried")
+                self.metrics.retries.labels(worker.label).inc()
+                tried.add(worker.id)
+                last_error = e
+                continue
+            try:
+                if data is not None:
+                    return self._answer(upstream, data, worker, reason)
+                return await self._relay(upstream, worker, reason)
+            finally:
+                upstream.release()
+                self.cluster.release(worker, self.req, self.output_tokens)
+        raise last_error
+
+    async def _send(
+        self, worker: LiveWorker, path: str
+    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Send, and read a whole (non-streamed) answer too: failing anywhere before the client
+        has seen a byte is retryable. Returns the response and its body if it was read."""
+        s = self.settings
+        headers = {k: v for k, v in self.http.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["X-Request-Id"] = self.request_id
+        timeout = aiohttp.ClientTimeout(
+            total=s.request_timeout, sock_connect=s.connect_timeout, sock_read=s.first_byte_timeout
+        )
+        try:
+            resp = await self.session.post(
+                f"{worker.url}{path}", json=self.body, headers=headers, timeout=timeout
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise APIError(
+                502,
+                f"worker {worker.id} failed: {type(e).__name__}: {e}",
+                "bad_gateway",
+                code="worker_error",
+            ) from e
+        try:
+            if resp.status >= 500:
+                text = await resp.text()
+                raise APIError(
+                    502,
+                    f"worker {worker.id} answered {resp.status}: {text[:200]}",
+                    "bad_gateway",
+                    code="worker_error",
+                )
+            if resp.status >= 400 or "text/event-stream" not in resp.content_type:
+                return resp, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            resp.release()
+            raise APIError(
+                502,
+                f"worker {worker.id} failed mid-answer: {type(e).__name__}",
+                "bad_gateway",
+                code="worker_error",
+            ) from e
+        except APIError:
+            resp.release()
+            raise
+        return resp, None
+
+    def _answer(
+        self, upstream: aiohttp.ClientResponse, data: bytes, worker: LiveWorker, reason: str
+    ) -> web.Response:
+        self._mark_first_byte(worker)
+        if upstream.status < 400:
+            self.output_tokens = _usage_tokens(data)
+            self.cluster.tokens(worker, self.req, self.output_tokens)
+        self._finish(reason, worker, "ok" if upstream.status < 400 else f"http_{upstream.status}")
+        return web.Response(
+            body=data, status=upstream.status, headers=self._headers(upstream, worker)
+        )
+
+    def _headers(self, upstream: aiohttp.ClientResponse, worker: LiveWorker) -> dict[str, str]:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["X-Request-Id"] = self.request_id
+        headers["X-Fairway-Worker"] = worker.label
+        return headers
+
+    async def _relay(
+        self, upstream: aiohttp.ClientResponse, worker: LiveWorker, reason: str
+    ) -> web.StreamResponse:
+        req, metrics = self.req, self.metrics
+        response = web.StreamResponse(
+            status=upstream.status, headers=self._headers(upstream, worker)
+        )
+        await response.prepare(self.http)
+        last = time.monotonic()
+        try:
+            async for chunk in upstream.content.iter_any():
+                now = time.monotonic()
+                if self.first_byte_at is None:
+                    self._mark_first_byte(worker)
+                else:
+                    metrics.itl.labels(req.client).observe(now - last)
+                last = now
+                n = chunk.count(b"data: {")  # one event per generated token in vLLM streams
+                if n:
+                    self.output_tokens += n
+                    self.cluster.tokens(worker, req, n)
+                await response.write(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.cluster.mark_failure(worker)
+            error = APIError(
+                502,
+                f"worker {worker.id} broke off the stream: {type(e).__name__}",
+                "bad_gateway",
+                code="stream_broken",
+            )
+            with contextlib.suppress(ConnectionError):
+                await response.write(error.sse())
+            self._finish(reason, worker, "stream_broken")
+            return response
+        except ConnectionError:  # the client went away: closing upstream aborts the worker's
+            self._finish(reason, worker, "client_gone")  # request too
+            return response
+        self._finish(reason, worker, "ok")
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response
+
+    def _mark_first_byte(self, worker: LiveWorker) -> None:
+        self.first_byte_at = time.monotonic()
+        self.metrics.ttft.labels(self.req.client).observe(self.first_byte_at - self.req.arrival)
+        self.cluster.first_token(worker, self.req)
+
+    def _finish(self, reason: str, worker: LiveWorker, status: str) -> None:
+        req = self.req
+        self.metrics.e2e.labels(req.client).observe(time.monotonic() - req.arrival)
+        service = (W_IN * req.prompt_len + W_OUT * self.output_tokens) / req.weight
+        self.metrics.service.labels(req.client).inc(service)
+        self._count(reason, worker, status)
+
+    def _count(self, reason: str, worker: LiveWorker, status: str) -> None:
+        self.metrics.requests.labels(self.settings.policy_name, reason, worker.label, status).inc()
+
+
+def _usage_tokens(data: bytes) -> int:
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return int(json.loads(data)["usage"]["completion_tokens"])
+    return 0
+
+
+# ------------------------------------------------------------------------- handlers
+
+
+async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    app = request.app
+    try:
+        body = await parse_body(request)
+        req = build_request(request, body, app[ENCODER], app[SETTINGS], chat)  # type: ignore[arg-type]
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return await Forward(app, request, body, req).run(path)
+    except APIError as e:
+        return e.response()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    s: ProxySettings = request.app[SETTINGS]  # type: ignore[assignment]
+    card = {
+        "id": s.model_name,
+        "object": "model",
+        "owned_by": "fairway",
+        "max_model_len": s.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    healthy = len(cluster.healthy())
+    status = 200 if healthy else 503
+    return web.json_response(
+        {"healthy_workers": healthy, "workers": len(cluster.workers)}, status=status
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[CLUSTER].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _check_admin(request: web.Request) -> None:
+    token = request.app[SETTINGS].admin_token  # type: ignore[attr-defined]
+    if not token:
+        raise APIError(403, "admin API disabled: no admin token configured", "permission_error")
+    if request.headers.get("Authorization") != f"Bearer {token}":
+        raise APIError(401, "admin token required", "authentication_error")
+
+
+async def admin_workers(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    try:
+        _check_admin(request)
+        if request.method == "POST":
+            body = await parse_body(request)
+            url = body.get("url")
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise bad_request("'url' must be an http(s) URL", "url")
+            kv = body.get("kv_events")
+            worker = cluster.add_worker(url, kv if isinstance(kv, str) else None)
+            return web.json_response(_describe(cluster, worker), status=201)
+        if request.method == "DELETE":
+            wid = request.query.get("id")
+            if wid is None or not wid.isdigit() or int(wid) not in cluster.workers:
+                raise APIError(404, f"no worker {wid}", "not_found_error", "id")
+            cluster.remove_worker(int(wid))
+            return web.json_response({"removed": int(wid)})
+        return web.json_response(
+            {"workers": [_describe(cluster, w) for w in cluster.workers.values()]}
+        )
+    except APIError as e:
+        return e.response()
+
+
+def _describe(cluster: LiveCluster, w: LiveWorker) -> dict[str, object]:
+    state = cluster.view.workers[w.id]
+    return {
+        "id": w.id,
+        "url": w.url,
+        "healthy": state.healthy,
+        "queued": len(w.queue),
+        "in_flight": w.in_flight,
+        "window": w.window,
+        "kv_events": w.kv_events,
+        "index_blocks": cluster.view.index.num_blocks(w.id),
+        "reported": w.reported,
+    }
+
+
+def create_app(
+    cluster: LiveCluster, encoder: PromptEncoder, settings: ProxySettings, monitor: bool = True
+) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[CLUSTER] = cluster
+    app[ENCODER] = encoder
+    app[SETTINGS] = settings
+
+    async def session_ctx(app: web.Application):
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            app[SESSION] = session
+            watcher = Monitor(cluster, session, interval=settings.health_interval)
+            if monitor:
+                watcher.start()
+            yield
+            await watcher.stop()
+
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    for method in ("GET", "POST", "DELETE"):
+        app.router.add_route(method, "/admin/workers", admin_workers)
+    return app

