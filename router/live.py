@@ -129,8 +129,15 @@ class LiveCluster:
 
     # --------------------------------------------------------------- routing
 
-    def route(self, request: Request, exclude: Iterable[WorkerId] = ()) -> tuple[LiveWorker, str]:
-        """Choose a worker (not in `exclude`) and queue `request` there."""
+    def route(
+        self, request: Request, exclude: Iterable[WorkerId] = ()
+    ) -> tuple[LiveWorker, str, asyncio.Future[LiveWorker]]:
+        """Choose a worker (not in `exclude`) and queue `request` there.
+
+        The returned future resolves when the worker's dispatch queue releases the request
+        (or fails with WorkerDown). It exists from the moment the request is queued: a queue
+        pumped by another task in between must find it.
+        """
         view = self._refresh()
         excluded = set(exclude)
         if excluded:
@@ -157,19 +164,11 @@ class LiveCluster:
         if self.precise:
             hit = self.view.index.match(hashes).get(worker.id, 0) * view.block_size
             self.metrics.estimated_hit_tokens.labels(worker.label, "precise").inc(hit)
-        worker.queue.push(request)
-        return worker, decision.reason
-
-    async def acquire(self, request: Request, worker: LiveWorker) -> None:
-        """Wait until `worker`'s dispatch queue releases `request` (raises WorkerDown)."""
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         worker.waiters[request.id] = fut
+        worker.queue.push(request)
         self._pump(worker)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            self._forget_queued(worker, request)
-            raise
+        return worker, decision.reason, fut
 
     def release(self, worker: LiveWorker, request: Request, output_tokens: int) -> None:
         """`request` is done at `worker` (answered or failed); start the next one there."""

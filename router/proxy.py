@@ -157,13 +157,11 @@ class Forward:
         last_error: APIError = unavailable("no healthy worker")
         for _ in range(self.settings.max_retries + 1):
             try:
-                worker, reason = self.cluster.route(self.req, exclude=tried)
+                worker, reason, admitted = self.cluster.route(self.req, exclude=tried)
             except WorkerDown:
                 break
             try:
-                await asyncio.wait_for(
-                    self.cluster.acquire(self.req, worker), self.settings.queue_timeout
-                )
+                await asyncio.wait_for(admitted, self.settings.queue_timeout)
             except WorkerDown:
                 tried.add(worker.id)
                 self.cluster.abandon(worker, self.req)

@@ -49,6 +49,7 @@ class ServerActor:
 
     def start(self) -> str:
         with socket.socket() as probe:  # another server on our port would answer our health checks
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
             try:
                 probe.bind(("127.0.0.1", self.spec.port))
             except OSError:
