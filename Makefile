@@ -37,7 +37,9 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check sglang-router==0.3.2
 	$(VENV)/bin/fairway bench
+	$(VENV)/bin/fairway bench-proxy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

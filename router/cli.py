@@ -280,6 +280,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.trace, quick=args.quick)
 
 
+def cmd_bench_proxy(args: argparse.Namespace) -> int:
+    from router.bench_proxy import run_proxy_bench
+
+    return run_proxy_bench(quick=args.quick)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from traces.generators import GENERATORS
 
@@ -329,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-proxy", help="proxy overhead and throughput vs sglang-router")
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(func=cmd_bench_proxy)
     return parser
 
 
