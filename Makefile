@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 TINY_MODEL := build/tiny-model/model.safetensors
+# Debian packages the tests drive for real: Prometheus (dashboards) and Chromium (reports).
+SYSTEM_STAMP := build/.system-deps-stamp
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test test-fast bench lint format clean serve
 
@@ -30,7 +33,13 @@ $(VLLM_STAMP):
 $(TINY_MODEL): $(VLLM_STAMP) workers/tiny_model.py
 	$(VLLM_VENV)/bin/python workers/tiny_model.py build/tiny-model
 
-test: $(STAMP) $(TINY_MODEL) lint
+$(SYSTEM_STAMP):
+	command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium; }
+	mkdir -p build && touch $(SYSTEM_STAMP)
+
+test: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP) lint
 	$(PY) -m pytest
 
 test-fast: $(STAMP)

@@ -169,6 +169,76 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_one(args: argparse.Namespace, policy: str, out: str) -> str:
+    """One policy of `fairway compare` (runs in a worker process or a Ray task)."""
+    from simulator.results import write_results
+
+    result = run_simulation(args, load_workload(args), policy=policy)
+    write_results(Path(out), result.summary, result.records)
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    import policies
+    from dashboards.report import load_run, write_report
+
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in policies.global_policies]
+    if unknown:
+        raise ValueError(
+            f"--policies: unknown {unknown}; one of {policies.global_policies.names()}"
+        )
+    out = Path(args.out)
+    dirs = [str(out / name) for name in names]
+    ray = _ray_if_wanted(args.ray_address)
+    if ray is not None:
+        task = ray.remote(_simulate_one)
+        ray.get([task.remote(args, n, d) for n, d in zip(names, dirs, strict=True)])
+    else:
+        with ProcessPoolExecutor(max_workers=min(len(names), args.jobs)) as pool:
+            list(pool.map(_simulate_one, [args] * len(names), names, dirs))
+    runs = [load_run(d) for d in dirs]
+    print(format_table([summary_row(r.name, r.summary) for r in runs]))
+    report = write_report(runs, out / "report.html", title=f"Policies on {args.trace}")
+    print(f"report: {report} (and {report.with_suffix('.md')})")
+    return 0
+
+
+def _ray_if_wanted(address: str | None):
+    """Ray when an address is given, or when a Ray cluster is already running here."""
+    import os
+
+    import ray
+
+    if address is None and not os.path.exists("/tmp/ray/ray_current_cluster"):
+        return None
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=address or "auto", log_to_driver=False)
+    return ray
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dashboards.report import load_run, write_report
+
+    runs = [load_run(d) for d in args.runs]
+    report = write_report(runs, Path(args.out))
+    print(f"report: {report} (and {report.with_suffix('.md')})")
+    return 0
+
+
+def cmd_dashboards(args: argparse.Namespace) -> int:
+    from dashboards import grafana
+
+    if args.out:
+        for path in grafana.write(Path(args.out)):
+            print(f"wrote {path}")
+    else:
+        print(json.dumps(grafana.dashboard(), indent=2))
+    return 0
+
+
 def cmd_policies(args: argparse.Namespace) -> int:
     import policies
 
@@ -297,6 +367,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_args(p)
     p.add_argument("--out", help="write summary.json and requests.csv into this folder")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("compare", help="run several policies on one trace, then a report")
+    add_trace_args(p)
+    add_sim_args(p)
+    p.add_argument("--policies", required=True, help="comma-separated, e.g. lpm,preble,vtc")
+    p.add_argument("--out", required=True, help="folder for the runs and report.html")
+    p.add_argument("--jobs", type=int, default=2, help="parallel processes (without Ray)")
+    p.add_argument("--ray-address", help="run the policies as Ray tasks on this cluster")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("report", help="an HTML + Markdown report from existing run folders")
+    p.add_argument("runs", nargs="+", help="folders with requests.csv (simulated or live)")
+    p.add_argument("--out", default="report.html")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("dashboards", help="print or write the Grafana dashboard and scrape config")
+    p.add_argument("--out", help="folder to write fairway-dashboard.json and prometheus.yml")
+    p.set_defaults(func=cmd_dashboards)
 
     sub.add_parser("policies", help="list routing policies").set_defaults(func=cmd_policies)
     sub.add_parser("models", help="list model and GPU presets").set_defaults(func=cmd_models)

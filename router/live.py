@@ -85,6 +85,7 @@ class LiveCluster:
         self.workers[wid] = worker
         self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=self.kv_capacity_blocks)
         self.metrics.healthy.labels(worker.label).set(1)
+        self.metrics.retries.labels(worker.label)  # a zero series from the start, not on demand
         return worker
 
     def remove_worker(self, wid: WorkerId) -> None:

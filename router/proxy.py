@@ -12,9 +12,11 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -24,7 +26,7 @@ from router.live import LiveCluster, LiveWorker, WorkerDown
 from router.monitor import Monitor
 from router.prompts import PromptEncoder, PromptError
 from router.request import Request
-from simulator.results import W_IN, W_OUT
+from simulator.results import W_IN, W_OUT, RecordWriter, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ HOP_BY_HOP = {
 CLUSTER = web.AppKey("cluster", LiveCluster)
 SETTINGS = web.AppKey("settings", object)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+RECORDER = web.AppKey("recorder", object)
+STARTED = web.AppKey("started", float)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 
 
@@ -60,6 +64,7 @@ class ProxySettings:
     admin_token: str | None = None
     policy_name: str = "?"
     health_interval: float = 1.0
+    record_dir: str | None = None  # write requests.csv there, for `fairway report`
 
 
 _request_ids = itertools.count()
@@ -150,7 +155,11 @@ class Forward:
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.metrics = self.cluster.metrics
         self.output_tokens = 0
+        self.cached_tokens = 0
         self.first_byte_at: float | None = None
+        self.admitted_at: float | None = None
+        self.recorder: RecordWriter | None = app.get(RECORDER)  # type: ignore[assignment]
+        self.t0 = app[STARTED]
 
     async def run(self, path: str) -> web.StreamResponse:
         tried: set[int] = set()
@@ -162,6 +171,7 @@ class Forward:
                 break
             try:
                 await asyncio.wait_for(admitted, self.settings.queue_timeout)
+                self.admitted_at = time.monotonic()
             except WorkerDown:
                 tried.add(worker.id)
                 self.cluster.abandon(worker, self.req)
@@ -192,6 +202,9 @@ class Forward:
             finally:
                 upstream.release()
                 self.cluster.release(worker, self.req, self.output_tokens)
+        self.metrics.requests.labels(
+            self.settings.policy_name, "exhausted", "none", f"http_{last_error.status}"
+        ).inc()
         raise last_error
 
     async def _send(
@@ -245,7 +258,7 @@ class Forward:
     ) -> web.Response:
         self._mark_first_byte(worker)
         if upstream.status < 400:
-            self.output_tokens = _usage_tokens(data)
+            self.output_tokens, self.cached_tokens = _usage(data)
             self.cluster.tokens(worker, self.req, self.output_tokens)
         self._finish(reason, worker, "ok" if upstream.status < 400 else f"http_{upstream.status}")
         return web.Response(
@@ -276,6 +289,9 @@ class Forward:
                     metrics.itl.labels(req.client).observe(now - last)
                 last = now
                 n = chunk.count(b"data: {")  # one event per generated token in vLLM streams
+                if b'"cached_tokens"' in chunk:  # the usage event (stream_options.include_usage)
+                    n -= 1
+                    self.cached_tokens = _cached_in_stream(chunk)
                 if n:
                     self.output_tokens += n
                     self.cluster.tokens(worker, req, n)
@@ -307,7 +323,17 @@ class Forward:
 
     def _finish(self, reason: str, worker: LiveWorker, status: str) -> None:
         req = self.req
-        self.metrics.e2e.labels(req.client).observe(time.monotonic() - req.arrival)
+        now = time.monotonic()
+        self.metrics.e2e.labels(req.client).observe(now - req.arrival)
+        if self.recorder is not None and status == "ok" and self.first_byte_at is not None:
+            t0 = self.t0
+            self.recorder.write(RequestRecord(
+                id=req.id, client=req.client, session=None, worker=worker.id,
+                arrival=req.arrival - t0, admitted=(self.admitted_at or req.arrival) - t0,
+                first_token=self.first_byte_at - t0, finish=now - t0,
+                prompt_tokens=req.prompt_len, cached_tokens=self.cached_tokens,
+                output_tokens=self.output_tokens, preemptions=0, weight=req.weight,
+            ), flush=True)  # fmt: skip
         service = (W_IN * req.prompt_len + W_OUT * self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)
         self._count(reason, worker, status)
@@ -316,10 +342,18 @@ class Forward:
         self.metrics.requests.labels(self.settings.policy_name, reason, worker.label, status).inc()
 
 
-def _usage_tokens(data: bytes) -> int:
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        return int(json.loads(data)["usage"]["completion_tokens"])
-    return 0
+def _usage(data: bytes) -> tuple[int, int]:
+    """(completion tokens, cached prompt tokens) from a non-streamed answer's usage."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+        usage = json.loads(data)["usage"]
+        details = usage.get("prompt_tokens_details") or {}
+        return int(usage["completion_tokens"]), int(details.get("cached_tokens") or 0)
+    return 0, 0
+
+
+def _cached_in_stream(chunk: bytes) -> int:
+    match = re.search(rb'"cached_tokens":\s*(\d+)', chunk)
+    return int(match.group(1)) if match else 0
 
 
 # ------------------------------------------------------------------------- handlers
@@ -327,12 +361,19 @@ def _usage_tokens(data: bytes) -> int:
 
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
+    settings: ProxySettings = app[SETTINGS]  # type: ignore[assignment]
     try:
         body = await parse_body(request)
-        req = build_request(request, body, app[ENCODER], app[SETTINGS], chat)  # type: ignore[arg-type]
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        req = build_request(request, body, app[ENCODER], settings, chat)
+    except APIError as e:  # rejected before routing: no worker was involved
+        app[CLUSTER].metrics.requests.labels(
+            settings.policy_name, "rejected", "none", f"http_{e.status}"
+        ).inc()
+        return e.response()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    try:
         return await Forward(app, request, body, req).run(path)
-    except APIError as e:
+    except APIError as e:  # no worker could answer; counted where it happened
         return e.response()
 
 
@@ -424,6 +465,9 @@ def create_app(
     app[CLUSTER] = cluster
     app[ENCODER] = encoder
     app[SETTINGS] = settings
+    app[STARTED] = time.monotonic()
+    if settings.record_dir:
+        app[RECORDER] = RecordWriter(Path(settings.record_dir) / "requests.csv")
 
     async def session_ctx(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
@@ -434,6 +478,8 @@ def create_app(
                 watcher.start()
             yield
             await watcher.stop()
+            if settings.record_dir:
+                app[RECORDER].close()  # type: ignore[attr-defined]
 
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)

@@ -113,6 +113,7 @@ class ClusterConfig(Strict):
     health_interval: float = Field(1.0, gt=0)
     cost_preset: str = "llama-3-8b"
     cost_gpu: str = "a100-80g"
+    record_dir: str | None = Field(None, description="write requests.csv here for reports")
 
 
 def load_config(path: str | Path, **overrides: object) -> ClusterConfig:
@@ -268,6 +269,7 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
         admin_token=config.admin_token,
         policy_name=config.policy.name,
         health_interval=config.health_interval,
+        record_dir=config.record_dir,
     )
 
 

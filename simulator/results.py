@@ -163,14 +163,32 @@ def summarize(
     }
 
 
+class RecordWriter:
+    """requests.csv, one row per request as it completes (the simulator and the live proxy
+    write the same columns, so one report reads both)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._names = [f.name for f in fields(RequestRecord)]
+        self._file = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
+        self._csv = csv.writer(self._file)
+        self._csv.writerow([*self._names, "queue_time", "ttft", "tpot", "e2e"])
+
+    def write(self, r: RequestRecord, flush: bool = False) -> None:
+        row = [getattr(r, n) for n in self._names]
+        self._csv.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e])
+        if flush:
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def write_results(out: Path, summary: dict[str, object], records: Sequence[RequestRecord]) -> None:
     """DIR/summary.json and DIR/requests.csv (one row per completed request)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    names = [f.name for f in fields(RequestRecord)]
-    with open(out / "requests.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([*names, "queue_time", "ttft", "tpot", "e2e"])
-        for r in records:
-            row = [getattr(r, n) for n in names]
-            writer.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e])
+    writer = RecordWriter(out / "requests.csv")
+    for r in records:
+        writer.write(r)
+    writer.close()
