@@ -25,6 +25,7 @@ import aiohttp
 import numpy as np
 
 from router.tables import format_table
+from workers import emulated
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,17 +110,7 @@ def run_proxy_bench(quick: bool = False) -> int:
         workers = []
         for i in range(2):
             port = free_port()
-            argv = [
-                sys.executable,
-                "-m",
-                "workers.emulated",
-                "--port",
-                str(port),
-                "--model-dir",
-                str(model),
-                "--speed",
-                "50",
-            ]
+            argv = emulated.command(port, model, speed=50)
             stack.enter_context(
                 process(argv, 1, scratch / f"worker{i}.log", {"PYTHONPATH": str(ROOT)})
             )

@@ -26,6 +26,7 @@ from router.prompts import PromptEncoder
 from router.proxy import ProxySettings, create_app
 from simulator.cluster import make_policy
 from simulator.cost_model import GPUS, MODELS, roofline
+from workers import emulated
 from workers.pool import ServerSpec, WorkerPool
 
 log = logging.getLogger("fairway.serve")
@@ -164,25 +165,15 @@ def server_specs(config: ClusterConfig, model_dir: Path, scratch: Path) -> list[
         port = w.first_port + i
         log_path = str(scratch / f"worker-{i}.log")
         if w.backend == "emulated":
-            argv = [
-                sys.executable,
-                "-m",
-                "workers.emulated",
-                "--port",
-                str(port),
-                "--model-dir",
-                str(model_dir),
-                "--served-model-name",
+            argv = emulated.command(
+                port,
+                model_dir,
                 config.served_model_name,
-                "--block-size",
-                str(config.block_size),
-                "--preset",
+                config.block_size,
                 w.emulated_preset,
-                "--gpu",
                 w.emulated_gpu,
-                "--speed",
-                str(w.emulated_speed),
-            ]
+                w.emulated_speed,
+            )
             specs.append(ServerSpec(argv, port, {"PYTHONPATH": str(ROOT)}, None, log_path, 60.0))
             continue
         kv = f"ipc://{scratch}/kv-events-{i}"

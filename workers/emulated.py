@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import random
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -318,6 +319,22 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def command(
+    port: int,
+    model_dir: str | Path,
+    model_name: str = "tiny",
+    block_size: int = 128,
+    preset: str = "llama-3-8b",
+    gpu: str = "a100-80g",
+    speed: float = 1.0,
+) -> list[str]:
+    """The argv that starts one emulated server (for the Ray pool and the benchmarks)."""
+    return [sys.executable, "-m", "workers.emulated", "--port", str(port),
+            "--model-dir", str(model_dir), "--served-model-name", model_name,
+            "--block-size", str(block_size), "--preset", preset, "--gpu", gpu,
+            "--speed", str(speed)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
