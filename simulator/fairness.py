@@ -132,4 +132,8 @@ def service_by_window(curves: ServiceCurves, window: float) -> dict[str, list[fl
     stride = max(1, round(window / step))
     idx = np.arange(0, len(curves.times), stride)
     idx = np.append(idx, len(curves.times) - 1) if idx[-1] != len(curves.times) - 1 else idx
-    return {c: np.diff(curves.service[i, idx]).tolist() for i, c in enumerate(curves.clients)}
+    # Window k ends at idx[k + 1]; service delivered at time 0 belongs to the first window.
+    return {
+        c: np.diff(curves.service[i, idx[1:]], prepend=0.0).tolist()
+        for i, c in enumerate(curves.clients)
+    }
