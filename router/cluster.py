@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from router.prefix_index import PrefixIndex, WorkerId
@@ -54,7 +54,6 @@ class ClusterView:
     index: PrefixIndex
     block_size: int
     cost: CostEstimates | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def healthy_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]

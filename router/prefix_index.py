@@ -92,20 +92,6 @@ class PrefixIndex:
             node, pos = child, pos + common
         return matched
 
-    def longest_match(self, hashes: Sequence[BlockHash]) -> int:
-        """Blocks of `hashes` present in the tree at all (held by someone or not)."""
-        node, pos, n = self.root, 0, len(hashes)
-        while pos < n:
-            child = node.children.get(hashes[pos])
-            if child is None:
-                break
-            common = _common_prefix(child.key, hashes, pos)
-            pos += common
-            if common < len(child.key):
-                break
-            node = child
-        return pos
-
     def num_blocks(self, worker: WorkerId) -> int:
         return self._num_blocks.get(worker, 0)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -408,6 +407,3 @@ class Engine:
             # Between steps a sequence holds exactly its computed tokens' blocks (the planning
             # loop relies on it); once planned, also those of the step about to run.
             assert held == need if between_steps else held >= need, f"request {seq.req.id}"
-
-
-ListenerFactory = Callable[[int], EngineListener]

@@ -78,7 +78,6 @@ class TestMatchAgainstOracle:
         assert index.match([1, 2, 3, 4]) == {0: 4, 1: 2}
         assert index.match([1, 2, 9, 9]) == {0: 2, 1: 3}
         assert index.match([7]) == {}
-        assert index.longest_match([1, 2, 3, 8]) == 3
 
 
 class TestEviction:
