@@ -295,7 +295,15 @@ class Forward:
                 if n:
                     self.output_tokens += n
                     self.cluster.tokens(worker, req, n)
-                await response.write(chunk)
+                try:
+                    await response.write(chunk)
+                except ConnectionError:
+                    # The client went away. aiohttp's reset error is a ClientError too, so it is
+                    # told apart from the worker's errors here; closing upstream aborts the
+                    # worker's request as well.
+                    upstream.close()
+                    self._finish(reason, worker, "client_gone")
+                    return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.cluster.mark_failure(worker)
             error = APIError(
@@ -307,10 +315,6 @@ class Forward:
             with contextlib.suppress(ConnectionError):
                 await response.write(error.sse())
             self._finish(reason, worker, "stream_broken")
-            return response
-        except ConnectionError:  # the client went away: closing the upstream connection makes
-            upstream.close()  # the worker abort the request too
-            self._finish(reason, worker, "client_gone")
             return response
         self._finish(reason, worker, "ok")
         with contextlib.suppress(ConnectionError):

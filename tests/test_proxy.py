@@ -232,3 +232,34 @@ class TestAdmin:
                 assert list(cluster.workers) == [1]
 
         run(go)
+
+
+class TestClientDisconnect:
+    def test_client_leaving_mid_stream_frees_the_slot(self) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=1) as urls,
+                proxy(urls, window=1) as (
+                    base,
+                    cluster,
+                ),
+            ):
+                body = {"model": "tiny", "prompt": "x " * 50, "max_tokens": 400, "stream": True}
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"{base}/v1/completions", json=body) as r:
+                        await r.content.readany()  # the first token, then hang up
+                    for _ in range(200):
+                        if cluster.workers[0].in_flight == 0:
+                            break
+                        await asyncio.sleep(0.01)
+                    assert cluster.workers[0].in_flight == 0, "the window slot came back"
+                    status, answer = await post(
+                        s,
+                        f"{base}/v1/completions",
+                        {"model": "tiny", "prompt": "y", "max_tokens": 2},
+                    )
+                    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+                text = cluster.metrics.render().decode()
+                assert 'status="client_gone"' in text, text[:3000]
+
+        run(go)
