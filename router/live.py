@@ -200,6 +200,8 @@ class LiveCluster:
     # -------------------------------------------------------------- internals
 
     def _pump(self, worker: LiveWorker) -> None:
+        if worker.id not in self.workers:
+            return  # removed while requests were still in flight there
         queue = worker.queue
         while worker.in_flight < worker.window and self.view.workers[worker.id].healthy:
             request = queue.peek(lambda r: self.view.index.match(r.block_hashes).get(worker.id, 0))
@@ -233,6 +235,8 @@ class LiveCluster:
         return view
 
     def _publish(self, worker: LiveWorker) -> None:
+        if worker.id not in self.workers:
+            return
         self.metrics.queue_depth.labels(worker.label).set(len(worker.queue))
         self.metrics.in_flight.labels(worker.label).set(worker.in_flight)
         self.metrics.index_blocks.labels(worker.label, "approximate").set(
