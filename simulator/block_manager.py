@@ -106,14 +106,16 @@ class BlockManager:
         If another sequence computed the same block meanwhile, ours stays anonymous (a
         duplicate, as in vLLM) and the hashed run of this table ends there.
         """
-        ref = self._ref
-        while len(table.hashed) < min(num_computed_blocks, len(hashes)) and table.num_anonymous:
-            h = hashes[len(table.hashed)]
+        ref, hashed = self._ref, table.hashed
+        start = len(hashed)
+        stop = min(num_computed_blocks, len(hashes), start + table.num_anonymous)
+        for i in range(start, stop):
+            h = hashes[i]
             if h in ref:
-                return
+                break
             ref[h] = 1
-            table.hashed.append(h)
-            table.num_anonymous -= 1
+            hashed.append(h)
+        table.num_anonymous -= len(hashed) - start
 
     def free(self, table: BlockTable) -> None:
         """Release every block of `table`, tail first."""

@@ -211,10 +211,10 @@ class Engine:
         preempted = False
         running = self.running
         free = blocks.num_free
-        i = 0
+        i, n = 0, len(running)
         # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
         # running sequence holds exactly blocks_for(num_computed) blocks here.
-        while i < len(running) and budget > 0:
+        while i < n and budget > 0:
             seq = running[i]
             computed = seq.num_computed
             num_new = seq.prompt_len + seq.num_output - computed
@@ -224,7 +224,7 @@ class Engine:
             if need:
                 while need > free and running[-1] is not seq:
                     self._preempt(running.pop())
-                    preempted, free = True, blocks.num_free
+                    preempted, free, n = True, blocks.num_free, n - 1
                 if need > free:
                     self._preempt(running.pop())  # seq itself: nothing left to take from
                     preempted = True
