@@ -206,64 +206,12 @@ class Engine:
 
     def _plan(self) -> _Run:
         cfg, blocks = self.config, self.blocks
-        budget, bs = cfg.max_num_batched_tokens, cfg.block_size
         batch: list[tuple[Seq, int]] = []
-        preempted = False
-        running = self.running
-        free = blocks.num_free
-        i, n = 0, len(running)
-        # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
-        # running sequence holds exactly blocks_for(num_computed) blocks here.
-        while i < n and budget > 0:
-            seq = running[i]
-            computed = seq.num_computed
-            num_new = seq.prompt_len + seq.num_output - computed
-            if num_new > budget:
-                num_new = budget
-            need = (computed + num_new + bs - 1) // bs - (computed + bs - 1) // bs
-            if need:
-                while need > free and running[-1] is not seq:
-                    self._preempt(running.pop())
-                    preempted, free, n = True, blocks.num_free, n - 1
-                if need > free:
-                    self._preempt(running.pop())  # seq itself: nothing left to take from
-                    preempted = True
-                    break
-                blocks.allocate(seq.table, need)
-                free -= need
-            batch.append((seq, num_new))
-            budget -= num_new
-            i += 1
-
-        admission_blocked = False  # by memory or max_num_seqs, which a decode run cannot ease
+        budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
+        # Admission blocked by memory or max_num_seqs is something a decode run cannot ease.
+        admission_blocked = False
         if not preempted:
-            while budget > 0 and self.waiting:
-                if len(self.running) >= cfg.max_num_seqs:
-                    admission_blocked = True
-                    break
-                req = self.local.peek(self.cached_blocks)
-                if req is None:
-                    break
-                seq = self.waiting[req.id]
-                limit = min(len(seq.hashes), (seq.total_len - 1) // cfg.block_size)
-                hit = blocks.num_cached_prefix(seq.hashes, limit)
-                cached = hit * cfg.block_size
-                num_new = min(seq.total_len - cached, budget)
-                need = blocks.blocks_for(cached + num_new) - hit
-                if need > blocks.num_free_after_hit(seq.hashes, hit):
-                    admission_blocked = True
-                    break
-                self.local.pop(req, cached)
-                del self.waiting[req.id]
-                blocks.pin_prefix(seq.table, seq.hashes, hit)
-                blocks.allocate(seq.table, need)
-                self._set_computed(seq, cached)
-                if seq.admitted_at is None:
-                    seq.admitted_at = self.clock
-                    seq.num_cached_tokens = cached
-                self.running.append(seq)
-                batch.append((seq, num_new))
-                budget -= num_new
+            budget, admission_blocked = self._admit_waiting(batch, budget)
 
         if not batch:
             raise RuntimeError(
@@ -285,6 +233,69 @@ class Engine:
             durations = [self.cost.step_time(self._shape(batch))]
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
         return _Run(batch, ends)
+
+    def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
+        """Step 1: the running batch, in admission order; preempts from its tail for memory.
+        Returns the budget left and whether anything was preempted."""
+        blocks, bs = self.blocks, self.config.block_size
+        preempted = False
+        running = self.running
+        free = blocks.num_free
+        i, n = 0, len(running)
+        # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
+        # running sequence holds exactly blocks_for(num_computed) blocks here.
+        while i < n and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed
+            num_new = seq.prompt_len + seq.num_output - computed
+            if num_new > budget:
+                num_new = budget
+            need = (computed + num_new + bs - 1) // bs - (computed + bs - 1) // bs
+            if need:
+                while need > free and running[-1] is not seq:
+                    self._preempt(running.pop())
+                    preempted, free, n = True, blocks.num_free, n - 1
+                if need > free:
+                    self._preempt(running.pop())  # seq itself: nothing left to take from
+                    return budget, True
+                blocks.allocate(seq.table, need)
+                free -= need
+            batch.append((seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget, preempted
+
+    def _admit_waiting(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
+        """Step 2: waiting requests in the local policy's order, each from its longest cached
+        prefix. Returns the budget left and whether admission stopped for lack of memory or
+        sequence slots."""
+        cfg, blocks = self.config, self.blocks
+        while budget > 0 and self.waiting:
+            if len(self.running) >= cfg.max_num_seqs:
+                return budget, True
+            req = self.local.peek(self.cached_blocks)
+            if req is None:
+                break
+            seq = self.waiting[req.id]
+            limit = min(len(seq.hashes), (seq.total_len - 1) // cfg.block_size)
+            hit = blocks.num_cached_prefix(seq.hashes, limit)
+            cached = hit * cfg.block_size
+            num_new = min(seq.total_len - cached, budget)
+            need = blocks.blocks_for(cached + num_new) - hit
+            if need > blocks.num_free_after_hit(seq.hashes, hit):
+                return budget, True
+            self.local.pop(req, cached)
+            del self.waiting[req.id]
+            blocks.pin_prefix(seq.table, seq.hashes, hit)
+            blocks.allocate(seq.table, need)
+            self._set_computed(seq, cached)
+            if seq.admitted_at is None:
+                seq.admitted_at = self.clock
+                seq.num_cached_tokens = cached
+            self.running.append(seq)
+            batch.append((seq, num_new))
+            budget -= num_new
+        return budget, False
 
     def _plan_decode_run(self, batch: list[tuple[Seq, int]]) -> int:
         """How many decode steps can run with this batch before something must change."""
