@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import random
@@ -29,8 +28,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from policies.fcfs import FCFS
-from router.errors import APIError, bad_request
-from router.prompts import PromptEncoder, PromptError
+from router.errors import APIError
+from router.prompts import PromptEncoder
+from router.proxy import ProxySettings, build_request, parse_body
 from router.request import Request
 from simulator.cost_model import roofline
 from simulator.engine import Engine, EngineConfig, Seq
@@ -139,36 +139,19 @@ class WallClockEngine:
 ENGINE = web.AppKey("engine", WallClockEngine)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 MODEL = web.AppKey("model", str)
+LIMITS = web.AppKey("limits", ProxySettings)
 VOCAB = web.AppKey("vocab", list)
-_ids = itertools.count()
 
 
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
-    try:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            raise bad_request("request body is not valid JSON") from None
-        if body.get("model") != app[MODEL]:
-            raise APIError(
-                404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
-            )
-        encoder = app[ENCODER]
-        try:
-            ids = (
-                encoder.chat_ids(body.get("messages"))
-                if chat
-                else encoder.completion_ids(body.get("prompt"))
-            )
-        except PromptError as e:
-            raise bad_request(str(e), e.param) from None
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+    try:  # the proxy's own validation: one definition of a well-formed request
+        body = await parse_body(request)
+        req = build_request(request, body, app[ENCODER], app[LIMITS], chat)
     except APIError as e:
         return e.response()
 
     engine = app[ENGINE]
-    req = Request(next(_ids), 0.0, len(ids), int(max_tokens), encoder.block_hashes(ids))
     queue = engine.submit(req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
     created, model, vocab = int(time.time()), app[MODEL], app[VOCAB]
@@ -180,9 +163,9 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     def usage(n_out: int) -> dict:
         cached = engine.cached_tokens.pop(req.id, 0)
         return {
-            "prompt_tokens": len(ids),
+            "prompt_tokens": req.prompt_len,
             "completion_tokens": n_out,
-            "total_tokens": len(ids) + n_out,
+            "total_tokens": req.prompt_len + n_out,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
@@ -298,6 +281,7 @@ def create_app(
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, fast_forward=False)
     app[ENCODER] = encoder
     app[MODEL] = model_name
+    app[LIMITS] = ProxySettings(model_name=model_name, max_model_len=encoder.max_model_len)
     size = min(2000, encoder.tokenizer.get_vocab_size())
     vocab = [encoder.tokenizer.decode([i]) for i in range(size)]
     app[VOCAB] = [v for v in vocab if v.strip()] or ["x"]
