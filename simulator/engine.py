@@ -148,6 +148,24 @@ class Engine:
         if not self._wake.triggered and (self._run is None or self._run.is_multi_step):
             self._wake.succeed()
 
+    def abort(self, request_id: int) -> None:
+        """Stop a request (its client left). Waiting: dropped now, as if admitted and finished
+        at once for its queue discipline. Running: it ends with the tokens it has, at the next
+        step boundary."""
+        self.sync(self.env.now)
+        seq = self.waiting.pop(request_id, None)
+        if seq is not None:
+            self.local.pop(seq.req, 0)
+            self.local.on_finish(seq.req)
+            self._tokens_total -= seq.req.prompt_len + seq.req.output_len
+            return
+        for seq in self.running:
+            if seq.req.id == request_id:
+                seq.output_len = seq.num_output
+                if not self._wake.triggered and self._run is not None and self._run.is_multi_step:
+                    self._wake.succeed()  # the run assumed it would keep decoding: cut it
+                return
+
     def fill_state(self, state: WorkerState) -> None:
         state.num_waiting = len(self.waiting)
         state.num_running = len(self.running)

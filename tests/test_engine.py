@@ -133,3 +133,57 @@ class TestRoofline:
         with pytest.raises(ValueError, match="does not fit"):
             roofline("llama-3-70b", "a100-80g", tp=1)
         assert roofline("llama-3-70b", "h100").tp == 4
+
+
+class TestAbort:
+    """A client hanging up: the engine stops spending time on the request."""
+
+    def run_with_abort(self, abort_at: float, victim: int, fast_forward: bool = True):
+        import simpy
+
+        from policies.fcfs import FCFS
+        from simulator.engine import Engine
+
+        finished: dict[int, tuple[int, float]] = {}
+
+        class Listener:
+            counts_tokens = False
+
+            def on_first_token(self, seq, now):
+                pass
+
+            def on_tokens(self, seq, n, now):
+                pass
+
+            def on_finish(self, seq, now):
+                finished[seq.req.id] = (seq.num_output, now)
+
+        env = simpy.Environment()
+        config = EngineConfig(
+            block_size=BS, max_num_seqs=2, fast_forward=fast_forward, check_invariants=True
+        )
+        engine = Engine(env, 0, COST, config, FCFS(), Listener())
+        for i in range(3):
+            engine.submit(req(i, 0.0, [i * 100 + k for k in range(64)], 500))
+
+        def aborter():
+            yield env.timeout(abort_at)
+            engine.abort(victim)
+
+        env.process(aborter())
+        env.run()
+        engine.check_integrity(between_steps=True)
+        assert engine.blocks.num_used == 0, "every block came back"
+        return finished
+
+    def test_running_request_ends_at_the_next_step(self) -> None:
+        for ff in (True, False):
+            done = self.run_with_abort(1.0, victim=0, fast_forward=ff)
+            tokens, at = done[0]
+            assert 0 < tokens < 500 and 1.0 <= at < 1.05
+            assert done[1][0] == 500 and done[2][0] == 500
+
+    def test_waiting_request_is_dropped_at_once(self) -> None:
+        done = self.run_with_abort(0.5, victim=2)  # max_num_seqs=2: request 2 still waits
+        assert 2 not in done
+        assert done[0][0] == done[1][0] == 500

@@ -253,6 +253,14 @@ class TestClientDisconnect:
                             break
                         await asyncio.sleep(0.01)
                     assert cluster.workers[0].in_flight == 0, "the window slot came back"
+                    # The worker aborted it too (400 tokens would take about 5 s).
+                    for _ in range(100):
+                        async with s.get(f"{urls[0]}/metrics") as r:
+                            scraped = await r.text()
+                        if 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' in scraped:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' in scraped
                     status, answer = await post(
                         s,
                         f"{base}/v1/completions",

@@ -85,15 +85,25 @@ class WallClockEngine:
         return (time.monotonic() - self._t0) * self.speed
 
     def submit(self, req: Request) -> asyncio.Queue[int | None]:
-        now = self.sim_now()
-        if now > self.env.now:
-            self.env.run(until=now)
+        self._catch_up()
         req.arrival = self.env.now
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         self.streams[req.id] = queue
         self.engine.submit(req)
         self._wake.set()
         return queue
+
+    def abort(self, req: Request) -> None:
+        """The client left: stop spending the engine's time on it."""
+        self.streams.pop(req.id, None)
+        self._catch_up()
+        self.engine.abort(req.id)
+        self._wake.set()
+
+    def _catch_up(self) -> None:
+        now = self.sim_now()
+        if now > self.env.now:
+            self.env.run(until=now)
 
     async def run(self) -> None:
         while True:
@@ -129,7 +139,7 @@ class WallClockEngine:
     def on_finish(self, seq: Seq, now: float) -> None:
         if (queue := self.streams.pop(seq.req.id, None)) is not None:
             queue.put_nowait(None)
-        if self.metrics:
+        if self.metrics and seq.num_output >= seq.req.output_len:  # not aborted
             m = self.metrics
             m.success.labels(*m.labels).inc()
             m.e2e.labels(*m.labels).observe((now - seq.req.arrival) / self.speed)
@@ -227,7 +237,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionError:
-        pass  # the client left; the engine finishes the request on its own
+        engine.abort(req)  # the client left, as vLLM aborts on disconnect
     finally:
         engine.cached_tokens.pop(req.id, None)
     return response
