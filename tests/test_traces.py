@@ -124,6 +124,15 @@ class TestServeGen:
         assert {r.prompt_len for r in trace.requests} == {100, 300}
         assert load_trace(tmp_path, seed=1, start=0.0, duration=1200.0).requests == trace.requests
 
+    def test_bad_rows_name_file_and_line(self, tmp_path: Path) -> None:
+        (tmp_path / "chunk-0-trace.csv").write_text("0,1.0,1.0,Gamma,0.5,0.1\n600,fast,1,,0,0\n")
+        with pytest.raises(TraceError, match=r"chunk-0-trace\.csv:2: cannot read row"):
+            load_trace(tmp_path)
+        (tmp_path / "chunk-0-trace.csv").write_text("0,1.0,1.0,Gamma,0.5,0.1\n")
+        (tmp_path / "chunk-0-dataset.json").write_text('{"0": {"input_tokens": "{1: "}}')
+        with pytest.raises(TraceError, match=r"chunk-0-dataset\.json: window 0"):
+            load_trace(tmp_path, start=0.0)
+
     def test_public_folder(self) -> None:
         folder = Path(__file__).resolve().parents[2] / "shared/traces/servegen/language/m-small"
         if not folder.exists():
