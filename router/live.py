@@ -56,7 +56,7 @@ class LiveCluster:
         window: int = 8,
         cost: CostEstimates | None = None,
         metrics: RouterMetrics | None = None,
-        kv_capacity_blocks: int = 1 << 30,
+        kv_capacity_blocks: int = 1 << 20,
         precise: bool = False,
         fall: int = 2,
         clock: Callable[[], float] = time.monotonic,
@@ -156,7 +156,9 @@ class LiveCluster:
         hashes = request.block_hashes
         expected = self.approx_index.match(hashes).get(worker.id, 0) * view.block_size
         self.approx_index.insert(hashes, worker.id, view.now)
-        self.approx_index.evict(worker.id, self.kv_capacity_blocks)
+        # Mirror the worker's cache size (scraped from vLLM, else the configured bound), so the
+        # approximate index stays bounded however long the proxy runs.
+        self.approx_index.evict(worker.id, self.view.workers[worker.id].kv_capacity_blocks)
         self.policy.on_dispatch(request, worker.id, view)
         self._outstanding_tokens[request.id] = (worker.id, request.prompt_len + request.output_len)
         self.view.workers[worker.id].tokens_in_flight += request.prompt_len + request.output_len

@@ -96,6 +96,9 @@ class Monitor:
             text = await resp.text()
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
+            if family.name == "vllm:cache_config_info":
+                self._capacity(worker, family.samples)
+                continue
             key = REPORTED.get(family.name)
             if key is None:
                 continue
@@ -107,6 +110,13 @@ class Monitor:
         if queries:
             rate = values.get("prefix_hits", 0.0) / queries
             self.cluster.metrics.reported_hit_rate.labels(worker.label).set(rate)
+
+    def _capacity(self, worker: LiveWorker, samples: list) -> None:
+        """The worker's KV cache size in blocks, from vLLM's cache_config_info labels."""
+        for sample in samples:
+            blocks = sample.labels.get("num_gpu_blocks")
+            if blocks and blocks.isdigit() and worker.id in self.cluster.view.workers:
+                self.cluster.view.workers[worker.id].kv_capacity_blocks = int(blocks)
 
     async def _subscribe(self, worker: LiveWorker) -> None:
         indexer = KVEventIndexer(self.cluster.view.index, worker.id)

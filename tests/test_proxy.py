@@ -271,3 +271,24 @@ class TestClientDisconnect:
                 assert 'status="client_gone"' in text, text[:3000]
 
         run(go)
+
+
+class TestIndexBound:
+    def test_approximate_index_mirrors_the_workers_reported_cache_size(self) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=20, num_kv_blocks=12) as urls,
+                proxy(urls) as (base, cluster),
+            ):
+                for _ in range(100):  # the monitor reads vllm:cache_config_info
+                    if cluster.view.workers[0].kv_capacity_blocks == 12:
+                        break
+                    await asyncio.sleep(0.02)
+                assert cluster.view.workers[0].kv_capacity_blocks == 12
+                oa = client(base)
+                for i in range(10):  # ~3 full blocks each, all different
+                    await oa.completions.create(model="tiny", prompt=f"p{i} " * 200, max_tokens=1)
+                assert 0 < cluster.approx_index.num_blocks(0) <= 12
+                cluster.approx_index.check_integrity()
+
+        run(go)
