@@ -10,13 +10,6 @@ from router.registry import global_policies
 from router.request import Request
 
 
-def _healthy(view: ClusterView) -> list[WorkerState]:
-    workers = view.healthy_workers()
-    if not workers:
-        raise RuntimeError("no healthy worker to route to")
-    return workers
-
-
 def _load(worker: WorkerState) -> tuple[int, int, int]:
     # Outstanding tokens first; queue length and id break ties so the choice is deterministic.
     return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
@@ -32,7 +25,7 @@ class RoundRobin(GlobalPolicy):
         self._next = 0
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = sorted(w.id for w in _healthy(view))
+        workers = sorted(w.id for w in view.routable_workers())
         worker = next((w for w in workers if w >= self._next), workers[0])
         self._next = worker + 1
         return Decision(worker, "turn")
@@ -48,7 +41,7 @@ class Random(GlobalPolicy):
         self._rng = random.Random(seed)
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        return Decision(self._rng.choice(_healthy(view)).id, "random")
+        return Decision(self._rng.choice(view.routable_workers()).id, "random")
 
 
 @global_policies.register("least_load")
@@ -58,7 +51,7 @@ class LeastLoad(GlobalPolicy):
     default_local = "fcfs"
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        return Decision(min(_healthy(view), key=_load).id, "least tokens in flight")
+        return Decision(min(view.routable_workers(), key=_load).id, "least tokens in flight")
 
 
 @global_policies.register("power_of_two")
@@ -71,6 +64,6 @@ class PowerOfTwo(GlobalPolicy):
         self._rng = random.Random(seed)
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = _healthy(view)
+        workers = view.routable_workers()
         pair = self._rng.sample(workers, 2) if len(workers) > 1 else workers
         return Decision(min(pair, key=_load).id, "lesser of two")

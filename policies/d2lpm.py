@@ -58,9 +58,7 @@ class DistributedDLPM(GlobalPolicy):
         return min(d, 0.0) + self.quantum
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = view.healthy_workers()
-        if not workers:
-            raise RuntimeError("no healthy worker to route to")
+        workers = view.routable_workers()
         healthy = {w.id: w for w in workers}
         matched = {w: m for w, m in view.index.match(request.block_hashes).items() if w in healthy}
 

@@ -41,9 +41,7 @@ class LongestPrefixMatch(GlobalPolicy):
         self.balance_rel_threshold = balance_rel_threshold
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = view.healthy_workers()
-        if not workers:
-            raise RuntimeError("no healthy worker to route to")
+        workers = view.routable_workers()
         loads = [w.num_outstanding for w in workers]
         if is_imbalanced(loads, self.balance_abs_threshold, self.balance_rel_threshold):
             target = min(workers, key=lambda w: (w.num_outstanding, w.id))

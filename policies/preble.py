@@ -87,9 +87,7 @@ class PrebleE2(GlobalPolicy):
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         _require_cost(view)
-        workers = {w.id: w for w in view.healthy_workers()}
-        if not workers:
-            raise RuntimeError("no healthy worker to route to")
+        workers = {w.id: w for w in view.routable_workers()}
         self.load.expire(view.now)
         hashes = request.block_hashes
         matched = {w: m for w, m in view.index.match(hashes).items() if w in workers}

@@ -57,3 +57,10 @@ class ClusterView:
 
     def healthy_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]
+
+    def routable_workers(self) -> list[WorkerState]:
+        """The healthy workers; a policy's `route` starts here, so none means an error."""
+        workers = self.healthy_workers()
+        if not workers:
+            raise RuntimeError("no healthy worker to route to")
+        return workers
