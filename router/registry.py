@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -32,6 +33,21 @@ class Registry(Generic[T]):
 
     def create(self, name: str, **params: object) -> T:
         return self.get(name)(**params)
+
+    def build(self, name: str, params: Mapping[str, object], seed: int = 0) -> T:
+        """Create from user-given parameters, naming any it does not take; a factory with a
+        `seed` parameter gets `seed` unless the user set one."""
+        factory = self.get(name)
+        accepted = inspect.signature(factory).parameters
+        unknown = set(params) - set(accepted)
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r} takes no parameter {sorted(unknown)}; it "
+                f"takes {sorted(p for p in accepted if p != 'seed')}"
+            )
+        if "seed" in accepted and "seed" not in params:
+            params = {**params, "seed": seed}
+        return factory(**params)
 
     def names(self) -> list[str]:
         return sorted(self._factories)

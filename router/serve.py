@@ -24,7 +24,6 @@ import policies
 from router.live import LiveCluster
 from router.prompts import PromptEncoder
 from router.proxy import ProxySettings, create_app
-from simulator.cluster import make_policy
 from simulator.cost_model import GPUS, MODELS, roofline
 from workers import emulated
 from workers.pool import ServerSpec, WorkerPool
@@ -227,15 +226,13 @@ def _cores() -> int:
 
 
 def build_cluster(config: ClusterConfig) -> LiveCluster:
-    policy = make_policy(
-        policies.global_policies, config.policy.name, dict(config.policy.params), 0
-    )
+    policy = policies.global_policies.build(config.policy.name, config.policy.params)
     local_name = config.policy.local or getattr(policy, "default_local", "fcfs")
     params = dict(config.policy.local_params)
-    make_policy(policies.local_policies, local_name, params, 0)  # fail now, not per worker
+    policies.local_policies.build(local_name, params)  # fail now, not per worker
 
     def local_factory():
-        return make_policy(policies.local_policies, local_name, params, 0)
+        return policies.local_policies.build(local_name, params)
 
     return LiveCluster(
         policy,

@@ -11,7 +11,6 @@ sees never lags the engines.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -24,7 +23,6 @@ import policies
 from router.cluster import ClusterView, WorkerState
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex
-from router.registry import Registry
 from router.request import Request
 from simulator.cost_model import CostModel
 from simulator.engine import Engine, EngineConfig, Seq
@@ -63,33 +61,18 @@ class SimResult:
     summary: dict[str, object]
 
 
-def make_policy(registry: Registry, name: str, params: dict[str, object], seed: int):
-    """Build a registered policy, naming the parameter a user got wrong."""
-    factory = registry.get(name)
-    accepted = inspect.signature(factory).parameters
-    unknown = set(params) - set(accepted)
-    if unknown:
-        raise ValueError(
-            f"{registry.kind} {name!r} takes no parameter {sorted(unknown)}; it "
-            f"takes {sorted(p for p in accepted if p != 'seed')}"
-        )
-    if "seed" in accepted and "seed" not in params:
-        params = {**params, "seed": seed}
-    return registry.create(name, **params)
-
-
 class SimCluster:
     def __init__(self, trace: Trace, cost: CostModel, config: SimConfig) -> None:
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
-        self.policy: GlobalPolicy = make_policy(
-            policies.global_policies, config.policy, dict(config.policy_params), config.seed
+        self.policy: GlobalPolicy = policies.global_policies.build(
+            config.policy, config.policy_params, config.seed
         )
         # Engines call on_tokens once per sequence per step; skip it for policies that ignore it.
         self.counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
         local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
-        self.local_factory: Callable[[], LocalPolicy] = lambda: make_policy(
-            policies.local_policies, local_name, dict(config.local_params), config.seed
+        self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
+            local_name, config.local_params, config.seed
         )
         engine_config = EngineConfig(**{**_asdict(config.engine), "block_size": trace.block_size})
         self.engines = [
