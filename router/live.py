@@ -204,13 +204,19 @@ class LiveCluster:
     def _pump(self, worker: LiveWorker) -> None:
         if worker.id not in self.workers:
             return  # removed while requests were still in flight there
-        queue = worker.queue
+        queue, index = worker.queue, self.view.index
+        matched: dict[int, int] = {}  # the index does not change while a pump runs
+
+        def cached_blocks(r: Request) -> int:
+            if r.id not in matched:
+                matched[r.id] = index.match(r.block_hashes).get(worker.id, 0)
+            return matched[r.id]
+
         while worker.in_flight < worker.window and self.view.workers[worker.id].healthy:
-            request = queue.peek(lambda r: self.view.index.match(r.block_hashes).get(worker.id, 0))
+            request = queue.peek(cached_blocks)
             if request is None:
                 break
-            cached = self.view.index.match(request.block_hashes).get(worker.id, 0)
-            queue.pop(request, cached * self.view.block_size)
+            queue.pop(request, cached_blocks(request) * self.view.block_size)
             fut = worker.waiters.pop(request.id, None)
             if fut is None or fut.done():
                 continue  # its caller gave up; nothing to run
