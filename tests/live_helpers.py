@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
+from openai import AsyncOpenAI
 
 from router.live import LiveCluster
 from router.prompts import PromptEncoder
@@ -58,6 +59,11 @@ async def proxy(
     app = create_app(cluster, PromptEncoder(tokenizer_dir(), BLOCK), s)
     async with serving(app) as url:
         yield url, cluster
+
+
+def client(base: str, **kw) -> AsyncOpenAI:
+    """The OpenAI client as a user would point it at the proxy (no client-side retries)."""
+    return AsyncOpenAI(base_url=f"{base}/v1", api_key="test-key-1234", max_retries=0, **kw)
 
 
 def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 120.0) -> None:

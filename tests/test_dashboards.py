@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -13,10 +12,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from openai import AsyncOpenAI
 
 from dashboards import grafana
-from tests.live_helpers import emulated_workers, proxy, run
+from router.bench_proxy import free_port
+from tests.live_helpers import client, emulated_workers, proxy, run
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 
@@ -25,12 +24,6 @@ def test_committed_files_match_the_generator() -> None:
     assert json.loads((DASHBOARDS / "fairway-dashboard.json").read_text()) == grafana.dashboard()
     committed = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
     assert committed == grafana.prometheus_config()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -56,7 +49,7 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             try:
-                oa = AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0)
+                oa = client(base)
 
                 async def load(client: str) -> None:
                     for i in range(40):

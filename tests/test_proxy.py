@@ -8,13 +8,8 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
-from openai import AsyncOpenAI
 
-from tests.live_helpers import emulated_workers, proxy, run, serving
-
-
-def client(base: str, **kw) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base}/v1", api_key="test-key-1234", max_retries=0, **kw)
+from tests.live_helpers import client, emulated_workers, proxy, run, serving
 
 
 class TestOpenAIClient:

@@ -11,12 +11,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from openai import AsyncOpenAI
 
 from router.prompts import PromptEncoder
 from router.proxy import ProxySettings, create_app
 from router.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
-from tests.live_helpers import run, serving
+from tests.live_helpers import client, run, serving
 from workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
@@ -49,15 +48,11 @@ def live_proxy(pool: WorkerPool, policy: str, precise: bool = False):
     return cluster, create_app(cluster, PromptEncoder(MODEL, BLOCK), settings)
 
 
-def client(base: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0, timeout=60)
-
-
 def test_openai_client_plain_and_streaming(vllm_pool) -> None:
     async def go() -> None:
         _, app = live_proxy(vllm_pool, "lpm")
         async with serving(app) as base:
-            oa = client(base)
+            oa = client(base, timeout=60)
             c = await oa.completions.create(model="tiny", prompt="hello " * 20, max_tokens=8)
             assert c.usage.completion_tokens == 8
             chat = await oa.chat.completions.create(
@@ -85,7 +80,7 @@ def test_lpm_gets_more_cached_tokens_than_round_robin(vllm_pool) -> None:
     async def cached(policy: str, tag: str) -> int:
         _, app = live_proxy(vllm_pool, policy)
         async with serving(app) as base:
-            oa = client(base)
+            oa = client(base, timeout=60)
             total = 0
             for i in range(12):
                 doc = f"{tag} document {i % 3} " * 120  # three shared prefixes, ~6 blocks each
@@ -108,7 +103,7 @@ def test_precise_index_predicts_what_the_server_reports(vllm_pool) -> None:
         encoder = PromptEncoder(MODEL, BLOCK)
         async with serving(app) as base:
             await asyncio.sleep(1.5)  # the monitor subscribes to both workers' KV events
-            oa = client(base)
+            oa = client(base, timeout=60)
             prompt = "precise index " * 150
             await oa.completions.create(model="tiny", prompt=prompt, max_tokens=2)
             hashes = encoder.block_hashes(encoder.completion_ids(prompt))
@@ -132,7 +127,7 @@ def test_killing_a_server_mid_burst_loses_no_request(vllm_pool) -> None:
     async def go() -> None:
         cluster, app = live_proxy(vllm_pool, "round_robin")
         async with serving(app) as base:
-            oa = client(base)
+            oa = client(base, timeout=60)
 
             async def one(i: int) -> str:
                 try:
