@@ -21,9 +21,10 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from router.records import RequestRecord  # noqa: E402
 from router.tables import format_table  # noqa: E402
 from simulator.fairness import service_curves  # noqa: E402
-from simulator.results import RequestRecord, summarize  # noqa: E402
+from simulator.results import summarize  # noqa: E402
 
 
 @dataclass

@@ -25,8 +25,8 @@ from router.errors import APIError, bad_request, unavailable
 from router.live import LiveCluster, LiveWorker, WorkerDown
 from router.monitor import Monitor
 from router.prompts import PromptEncoder, PromptError
+from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
-from simulator.results import W_IN, W_OUT, RecordWriter, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class Forward:
                 prompt_tokens=req.prompt_len, cached_tokens=self.cached_tokens,
                 output_tokens=self.output_tokens, preemptions=0, weight=req.weight,
             ), flush=True)  # fmt: skip
-        service = (W_IN * req.prompt_len + W_OUT * self.output_tokens) / req.weight
+        service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)
         self._count(reason, worker, status)
 

@@ -23,10 +23,11 @@ import policies
 from router.cluster import ClusterView, WorkerState
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex
+from router.records import RequestRecord
 from router.request import Request
 from simulator.cost_model import CostModel
 from simulator.engine import Engine, EngineConfig, Seq
-from simulator.results import RequestRecord, WorkerRecord, summarize
+from simulator.results import WorkerRecord, summarize
 from traces.schema import Trace
 from traces.transform import InfiniteCache
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.results import W_IN, W_OUT, RequestRecord
+from router.records import W_IN, W_OUT, RequestRecord
 
 
 @dataclass(slots=True)

@@ -1,52 +1,15 @@
-"""Per-request records and the summary every report, test and table reads."""
+"""The run summary (and its per-worker records) every report, test and table reads."""
 
 from __future__ import annotations
 
-import csv
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-# Service a client received, in weighted tokens: input x W_IN + output x W_OUT (VTC's default).
-W_IN, W_OUT = 1.0, 2.0
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    id: int
-    client: str
-    session: str | None
-    worker: int
-    arrival: float
-    admitted: float
-    first_token: float
-    finish: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    preemptions: int
-    weight: float = 1.0
-
-    @property
-    def queue_time(self) -> float:
-        return self.admitted - self.arrival
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float:
-        return self.finish - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens <= 1:
-            return None
-        return (self.finish - self.first_token) / (self.output_tokens - 1)
+from router.records import RecordWriter, RequestRecord, service
 
 
 @dataclass(slots=True)
@@ -82,10 +45,6 @@ def jain_index(values: Sequence[float]) -> float | None:
     if len(a) == 0 or not a.any():
         return None
     return float(a.sum() ** 2 / (len(a) * (a**2).sum()))
-
-
-def service(record: RequestRecord) -> float:
-    return W_IN * record.prompt_tokens + W_OUT * record.output_tokens
 
 
 def summarize(
@@ -172,27 +131,6 @@ def summarize(
         "simulated_seconds": simulated_seconds,
         "wall_seconds": wall_seconds,
     }
-
-
-class RecordWriter:
-    """requests.csv, one row per request as it completes (the simulator and the live proxy
-    write the same columns, so one report reads both)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._names = [f.name for f in fields(RequestRecord)]
-        self._file = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
-        self._csv = csv.writer(self._file)
-        self._csv.writerow([*self._names, "queue_time", "ttft", "tpot", "e2e"])
-
-    def write(self, r: RequestRecord, flush: bool = False) -> None:
-        row = [getattr(r, n) for n in self._names]
-        self._csv.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e])
-        if flush:
-            self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def write_results(out: Path, summary: dict[str, object], records: Sequence[RequestRecord]) -> None:

@@ -7,12 +7,12 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.records import RequestRecord
 from router.request import Request
 from simulator.cluster import SimConfig, simulate
 from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
-from simulator.results import RequestRecord
 from traces.schema import Trace
 
 COST = roofline("llama-3-8b", "a100-80g")

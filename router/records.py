@@ -1,0 +1,75 @@
+"""One request's outcome, as the simulator and the live proxy both record it, and the service
+it counts as (the fairness definitions every layer shares)."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+# Service a client received, in weighted tokens: input x W_IN + output x W_OUT (VTC's default).
+W_IN, W_OUT = 1.0, 2.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    id: int
+    client: str
+    session: str | None
+    worker: int
+    arrival: float
+    admitted: float
+    first_token: float
+    finish: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    preemptions: int
+    weight: float = 1.0
+
+    @property
+    def queue_time(self) -> float:
+        return self.admitted - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+def weighted_tokens(prompt_tokens: int, output_tokens: int) -> float:
+    return W_IN * prompt_tokens + W_OUT * output_tokens
+
+
+def service(record: RequestRecord) -> float:
+    return weighted_tokens(record.prompt_tokens, record.output_tokens)
+
+
+class RecordWriter:
+    """requests.csv, one row per request as it completes (the simulator and the live proxy
+    write the same columns, so one report reads both)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._names = [f.name for f in fields(RequestRecord)]
+        self._file = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
+        self._csv = csv.writer(self._file)
+        self._csv.writerow([*self._names, "queue_time", "ttft", "tpot", "e2e"])
+
+    def write(self, r: RequestRecord, flush: bool = False) -> None:
+        row = [getattr(r, n) for n in self._names]
+        self._csv.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e])
+        if flush:
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
