@@ -48,7 +48,11 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                  f"--web.listen-address=127.0.0.1:{port}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
+            prom_url = f"http://127.0.0.1:{port}"
             try:
+                # A loaded 2-core machine can take seconds to start Prometheus; load sent before
+                # its first scrape would leave counters with too few samples for rate().
+                await wait_until_scraping(prom_url, jobs={"fairway", "vllm"})
                 oa = client(base)
 
                 async def load(client: str) -> None:
@@ -67,21 +71,56 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                 async with aiohttp.ClientSession() as s:
                     await s.post(f"{base}/v1/completions", json={"model": "tiny"})
                 await asyncio.gather(*loaders)
-                await asyncio.sleep(2.5)  # two more scrapes after the load
-                api = f"http://127.0.0.1:{port}/api/v1/query"
-                empty = []
-                async with aiohttp.ClientSession() as s:
-                    for panel in grafana.PANELS:
-                        for expr, _ in panel.exprs:
-                            async with s.get(api, params={"query": expr}) as r:
-                                answer = await r.json()
-                            assert answer["status"] == "success", (panel.title, expr, answer)
-                            if not answer["data"]["result"]:
-                                empty.append(f"{panel.title}: {expr}")
-                assert not empty, "panels without data:\n" + "\n".join(empty)
+                empty = await panels_without_data(prom_url, patience=60)
+                assert not empty, (
+                    "panels without data:\n" + "\n".join(empty) + "\ntargets:\n"
+                    + "\n".join(await target_states(prom_url))
+                )  # fmt: skip
             finally:
                 prom.terminate()
                 prom.wait(10)
                 shutil.rmtree(scratch, ignore_errors=True)
 
     run(go, timeout=180)
+
+
+async def target_states(prom_url: str) -> list[str]:
+    async with aiohttp.ClientSession() as s, s.get(f"{prom_url}/api/v1/targets") as r:
+        targets = (await r.json())["data"]["activeTargets"]
+    return [
+        f"{t['labels']['job']} {t['scrapeUrl']} {t['health']} {t.get('lastError', '')}"
+        for t in targets
+    ]
+
+
+async def wait_until_scraping(prom_url: str, jobs: set[str], patience: float = 60) -> None:
+    """Wait until Prometheus answers and every job has a target scraped successfully."""
+    deadline = asyncio.get_running_loop().time() + patience
+    states: list[str] = []
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            states = await target_states(prom_url)
+        except (aiohttp.ClientError, KeyError):
+            states = []
+        if jobs <= {line.split()[0] for line in states if line.split()[2] == "up"}:
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"Prometheus never scraped every job {sorted(jobs)}: {states}")
+
+
+async def panels_without_data(prom_url: str, patience: float) -> list[str]:
+    """Query every panel until all return series; a query that fails to parse fails at once."""
+    deadline = asyncio.get_running_loop().time() + patience
+    async with aiohttp.ClientSession() as s:
+        while True:
+            empty = []
+            for panel in grafana.PANELS:
+                for expr, _ in panel.exprs:
+                    async with s.get(f"{prom_url}/api/v1/query", params={"query": expr}) as r:
+                        answer = await r.json()
+                    assert answer["status"] == "success", (panel.title, expr, answer)
+                    if not answer["data"]["result"]:
+                        empty.append(f"{panel.title}: {expr}")
+            if not empty or asyncio.get_running_loop().time() > deadline:
+                return empty
+            await asyncio.sleep(1)
