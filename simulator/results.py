@@ -88,7 +88,10 @@ def summarize(
     per_client = {
         client: {
             "requests": len(rs),
-            "service": sum(service(r) for r in rs),
+            "weight": rs[0].weight,
+            # Divided by the weight, as VTC's counters and the service curves count it: equal
+            # figures mean each client got its weighted share.
+            "service": sum(service(r) / r.weight for r in rs),
             "prompt_tokens": sum(r.prompt_tokens for r in rs),
             "output_tokens": sum(r.output_tokens for r in rs),
             "backlogged_seconds": float(backlogged_s[client]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from simulator.cluster import SimConfig, simulate
 from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
+from simulator.results import summarize
 from traces.schema import Trace
 
 COST = roofline("llama-3-8b", "a100-80g")
@@ -27,8 +29,11 @@ def record(
     finish: float,
     prompt: int,
     output: int,
+    weight: float = 1.0,
 ) -> RequestRecord:
-    return RequestRecord(i, client, None, 0, arrival, admitted, first, finish, prompt, 0, output, 0)
+    return RequestRecord(
+        i, client, None, 0, arrival, admitted, first, finish, prompt, 0, output, 0, weight
+    )
 
 
 class TestServiceCurves:
@@ -38,6 +43,21 @@ class TestServiceCurves:
         assert at[0.5] == 0 and at[1.0] == 100 and at[3.0] == 100 + 10 and at[4.0] == 120
         # Backlogged only while waiting: from arrival until admission.
         assert curves.backlogged[0].tolist()[:4] == [True, True, False, False]
+
+    def test_summary_service_is_divided_by_the_client_weight(self) -> None:
+        # "gold" pays for twice the share: the same tokens count half against it.
+        recs = [
+            record(0, "gold", 0.0, 0.0, 1.0, 2.0, 100, 10, weight=2.0),
+            record(1, "free", 0.0, 0.0, 1.0, 2.0, 100, 10),
+        ]
+        summary = summarize(
+            recs, [], total=2, cache_bound=0.0, simulated_seconds=2.0, wall_seconds=0.0, config={}
+        )
+        gold, free = summary["per_client"]["gold"], summary["per_client"]["free"]
+        assert (gold["weight"], gold["service"]) == (2.0, 60.0)
+        assert (free["weight"], free["service"]) == (1.0, 120.0)
+        for client in (gold, free):
+            assert sum(client["service_by_window"]) == pytest.approx(client["service"])
 
     def test_gap_counts_only_intervals_where_both_wait(self) -> None:
         recs = [
