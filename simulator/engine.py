@@ -95,6 +95,7 @@ class _Run:
     batch: list[tuple[Seq, int]]
     ends: list[float]  # end time of each step
     applied: int = 0
+    end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
 
     @property
     def is_multi_step(self) -> bool:
@@ -126,7 +127,7 @@ class Engine:
         self.waiting: dict[int, Seq] = {}  # by request id; the local policy holds the order
         self.clock = 0.0  # exact time of the last step boundary
         self._run: _Run | None = None
-        self._wake = env.event()
+        self._start_pending = False
         # Load accounting for the router's view, kept incrementally.
         self._tokens_total = 0  # prompt + output tokens of every request here
         self._tokens_computed = 0  # num_computed summed over running sequences
@@ -136,7 +137,6 @@ class Engine:
         self.num_preemptions = 0
         self.peak_used_blocks = 0
         self.tokens_processed = 0
-        env.process(self._loop())
 
     # ------------------------------------------------------------- interface
 
@@ -144,9 +144,10 @@ class Engine:
         self.waiting[req.id] = Seq(req, self.id, self.config.block_size)
         self._tokens_total += req.prompt_len + req.output_len
         self.local.push(req)
-        # Idle, or inside a multi-step run the arrival may cut short: wake the loop.
-        if not self._wake.triggered and (self._run is None or self._run.is_multi_step):
-            self._wake.succeed()
+        if self._run is None:
+            self._start_soon()
+        elif self._run.is_multi_step:
+            self._cut_run()  # the arrival may join at the next step boundary
 
     def abort(self, request_id: int) -> None:
         """Stop a request (its client left). Waiting: dropped now, as if admitted and finished
@@ -162,8 +163,8 @@ class Engine:
         for seq in self.running:
             if seq.req.id == request_id:
                 seq.output_len = seq.num_output
-                if not self._wake.triggered and self._run is not None and self._run.is_multi_step:
-                    self._wake.succeed()  # the run assumed it would keep decoding: cut it
+                if self._run is not None and self._run.is_multi_step:
+                    self._cut_run()  # the run assumed it would keep decoding
                 return
 
     def fill_state(self, state: WorkerState) -> None:
@@ -198,27 +199,52 @@ class Engine:
         return not self.running and not self.waiting
 
     # ------------------------------------------------------------------ loop
+    # Driven by SimPy callbacks, not a process: a run's end is one Timeout. An arrival that cuts
+    # a multi-step run short schedules an earlier end, and the superseded Timeout fires later to
+    # no effect (SimPy cannot cancel events). That costs less than a process waiting on
+    # `timeout | wake`, which builds a Condition and two more events for every run.
 
-    def _loop(self) -> simpy.events.ProcessGenerator:
-        while True:
-            if self.is_idle:
-                self._wake = self.env.event()
-                yield self._wake
-                self.clock = self.env.now
-            run = self._plan()
-            self._run = run
-            self._wake = self.env.event()
-            self.num_events += 1
-            yield self.env.timeout(run.ends[-1] - self.env.now) | self._wake
-            if run.applied < len(run.ends) and run.ends[-1] > self.env.now:
-                # Woken by an arrival: finish the step in progress, then re-plan.
-                self.sync(self.env.now)
-                del run.ends[run.applied + 1 :]
-                self.num_events += 1
-                yield self.env.timeout(run.ends[-1] - self.env.now)
-            self.sync(run.ends[-1])
-            self.clock = run.ends[-1]
-            self._run = None
+    def _start_soon(self) -> None:
+        """Idle with work: start at this instant, once every arrival of this instant is in."""
+        if not self._start_pending:
+            self._start_pending = True
+            self.env.timeout(0).callbacks.append(self._on_start)
+
+    def _on_start(self, _event: simpy.Event) -> None:
+        self._start_pending = False
+        if self._run is None and not self.is_idle:
+            self.clock = self.env.now
+            self._begin_run()
+
+    def _begin_run(self) -> None:
+        run = self._plan()
+        self._run = run
+        self._schedule_end(run)
+
+    def _schedule_end(self, run: _Run) -> None:
+        self.num_events += 1
+        run.end_event = self.env.timeout(run.ends[-1] - self.env.now)
+        run.end_event.callbacks.append(self._on_run_end)
+
+    def _on_run_end(self, event: simpy.Event) -> None:
+        run = self._run
+        if run is None or event is not run.end_event:
+            return  # superseded by an earlier end
+        self.sync(run.ends[-1])
+        self.clock = run.ends[-1]
+        self._run = None
+        if not self.is_idle:
+            self._begin_run()
+
+    def _cut_run(self) -> None:
+        """Something arrived or left mid-run: end the run after the step in progress."""
+        run, now = self._run, self.env.now
+        if run is None or run.ends[-1] <= now:
+            return
+        self.sync(now)
+        if len(run.ends) > run.applied + 1:
+            del run.ends[run.applied + 1 :]
+            self._schedule_end(run)
 
     # --------------------------------------------------------------- planning
 
