@@ -266,14 +266,20 @@ class Engine:
         if cfg.check_invariants:
             self.check_integrity()
 
-        decode_only = len(batch) == cfg.max_num_batched_tokens - budget and all(
-            seq.num_output for seq, _ in batch
-        )  # one token each, and none of them a prompt's last token
-        if decode_only and (admission_blocked or not self.waiting):
-            num_steps = self._plan_decode_run(batch)
-            context = sum(seq.num_computed + 1 for seq, _ in batch)
-            durations = self.cost.decode_step_times(len(batch), context, num_steps)
-        else:
+        durations = None
+        # One token each (budget spent = batch size) and none of them a prompt's last token.
+        if len(batch) == cfg.max_num_batched_tokens - budget and (
+            admission_blocked or not self.waiting
+        ):
+            context = 0
+            for seq, _ in batch:
+                if not seq.num_output:
+                    break
+                context += seq.num_computed + 1
+            else:
+                num_steps = self._plan_decode_run(batch)
+                durations = self.cost.decode_step_times(len(batch), context, num_steps)
+        if durations is None:
             durations = [self.cost.step_time(self._shape(batch))]
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
         return _Run(batch, ends)
@@ -407,13 +413,14 @@ class Engine:
 
     def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
         now = run.ends[run.applied + num_steps - 1]
-        blocks = self.blocks
+        blocks, bs = self.blocks, self.config.block_size
         for seq, _ in run.batch:
-            need = blocks.blocks_for(seq.num_computed + num_steps) - len(seq.table)
-            if need > 0:
-                blocks.allocate(seq.table, need)
-            seq.num_computed += num_steps
+            table = seq.table
+            seq.num_computed = computed = seq.num_computed + num_steps
             seq.num_output += num_steps
+            need = (computed + bs - 1) // bs - len(table.hashed) - table.num_anonymous
+            if need > 0:
+                blocks.allocate(table, need)
             if self._local_counts_tokens:
                 self.local.on_token(seq.req, num_steps)
             if self._listener_counts_tokens:
