@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from router.monitor import Monitor
 from router.prompts import PromptEncoder, PromptError
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
+from router.sse import StreamAccount, client_wants_usage, with_usage_requested
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class Forward:
         self.settings: ProxySettings = app[SETTINGS]  # type: ignore[assignment]
         self.session = app[SESSION]
         self.http, self.body, self.req = http, body, req
+        self.upstream_body = with_usage_requested(body)
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.metrics = self.cluster.metrics
         self.output_tokens = 0
@@ -220,7 +221,7 @@ class Forward:
         )
         try:
             resp = await self.session.post(
-                f"{worker.url}{path}", json=self.body, headers=headers, timeout=timeout
+                f"{worker.url}{path}", json=self.upstream_body, headers=headers, timeout=timeout
             )
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise APIError(
@@ -279,6 +280,7 @@ class Forward:
             status=upstream.status, headers=self._headers(upstream, worker)
         )
         await response.prepare(self.http)
+        account = StreamAccount(forward_usage=client_wants_usage(self.body))
         last = time.monotonic()
         try:
             async for chunk in upstream.content.iter_any():
@@ -288,15 +290,13 @@ class Forward:
                 else:
                     metrics.itl.labels(req.client).observe(now - last)
                 last = now
-                n = chunk.count(b"data: {")  # one event per generated token in vLLM streams
-                if b'"cached_tokens"' in chunk:  # the usage event (stream_options.include_usage)
-                    n -= 1
-                    self.cached_tokens = _cached_in_stream(chunk)
+                events, n = account.feed(chunk)
                 if n:
                     self.output_tokens += n
                     self.cluster.tokens(worker, req, n)
                 try:
-                    await response.write(chunk)
+                    if events:
+                        await response.write(events)
                 except ConnectionError:
                     # The client went away. aiohttp's reset error is a ClientError too, so it is
                     # told apart from the worker's errors here; closing upstream aborts the
@@ -316,8 +316,16 @@ class Forward:
                 await response.write(error.sse())
             self._finish(reason, worker, "stream_broken")
             return response
+        if account.usage is not None:
+            # The worker's own count replaces the running estimate (charged as a correction).
+            exact = account.usage.completion_tokens
+            if exact != self.output_tokens:
+                self.cluster.tokens(worker, req, exact - self.output_tokens)
+            self.output_tokens, self.cached_tokens = exact, account.usage.cached_tokens
         self._finish(reason, worker, "ok")
         with contextlib.suppress(ConnectionError):
+            if rest := account.flush():
+                await response.write(rest)
             await response.write_eof()
         return response
 
@@ -354,11 +362,6 @@ def _usage(data: bytes) -> tuple[int, int]:
         details = usage.get("prompt_tokens_details") or {}
         return int(usage["completion_tokens"]), int(details.get("cached_tokens") or 0)
     return 0, 0
-
-
-def _cached_in_stream(chunk: bytes) -> int:
-    match = re.search(rb'"cached_tokens":\s*(\d+)', chunk)
-    return int(match.group(1)) if match else 0
 
 
 # ------------------------------------------------------------------------- handlers

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from router.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
 
 
@@ -287,3 +289,59 @@ class TestIndexBound:
                 cluster.approx_index.check_integrity()
 
         run(go)
+
+
+class TestStreamAccounting:
+    def test_events_split_across_chunks_count_once_and_usage_goes_only_to_who_asked(self) -> None:
+        role = b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+        token = b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+        usage = (
+            b'data: {"choices": [], "usage": {"completion_tokens": 2, '
+            b'"prompt_tokens_details": {"cached_tokens": 32}}}\n\n'
+        )
+        stream = role + token + token + usage + b"data: [DONE]\n\n"
+        for forward_usage in (False, True):
+            account = StreamAccount(forward_usage)
+            out, tokens = b"", 0
+            for i in range(0, len(stream), 7):  # chunk boundaries fall mid-event
+                events, n = account.feed(stream[i : i + 7])
+                out, tokens = out + events, tokens + n
+            assert tokens == 2 and account.usage == Usage(2, 32)
+            assert out == (stream if forward_usage else stream.replace(usage, b""))
+            assert account.flush() == b""
+
+    def test_upstream_always_asked_for_usage(self) -> None:
+        body = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+        sent = with_usage_requested(body)
+        assert sent["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+        assert not client_wants_usage(body) and "include_usage" not in body["stream_options"]
+        assert with_usage_requested({"stream": False}) == {"stream": False}
+
+    def test_recorded_output_tokens_are_exact_for_streams(self, tmp_path) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=20) as urls,
+                proxy(urls, "vtc", record_dir=str(tmp_path)) as (base, _),
+            ):
+                oa = client(base)
+                chat = await oa.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=7,
+                    stream=True,
+                )
+                chunks = [c async for c in chat]
+                assert all(c.usage is None for c in chunks), "usage the client did not ask for"
+                plain = await oa.completions.create(
+                    model="tiny",
+                    prompt="a b c",
+                    max_tokens=5,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = [c async for c in plain]
+                assert chunks[-1].usage.completion_tokens == 5
+
+        run(go)
+        rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+        assert [int(r["output_tokens"]) for r in rows] == [7, 5]

@@ -222,6 +222,9 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     n_out = 0
     try:
         while (n := await queue.get()) is not None:
+            if chat and n_out == 0:  # vLLM opens a chat stream with a role-only delta
+                opening = {"role": "assistant", "content": ""}
+                await response.write(event([{"index": 0, "delta": opening, "finish_reason": None}]))
             for _ in range(n):
                 n_out += 1
                 done = "length" if n_out == req.output_len else None
