@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from router.registry import call_with_params
 from router.tables import format_table, summary_row
 
 
@@ -113,9 +114,9 @@ def load_workload(args: argparse.Namespace):  # -> Trace
         params = _key_values(args.gen, "--gen")
         params.setdefault("seed", args.seed)
         try:
-            trace = GENERATORS[name](**params)
-        except TypeError as e:
-            raise SystemExit(f"fairway: generator {name}: {e}") from None
+            trace = call_with_params(GENERATORS[name], params, f"generator {name!r}")
+        except ValueError as e:
+            raise SystemExit(f"fairway: {e}") from None
     else:
         trace = load_trace(args.trace, args.format, seed=args.seed)
     if args.window:
@@ -286,7 +287,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _key_values(args.set, "--set")
     params.setdefault("seed", args.seed)
-    trace = GENERATORS[args.name](**params)
+    try:
+        trace = call_with_params(GENERATORS[args.name], params, f"generator {args.name!r}")
+    except ValueError as e:
+        raise SystemExit(f"fairway: {e}") from None
     write_native(trace, Path(args.out))
     print(f"wrote {len(trace)} requests ({len(trace.clients)} clients) to {args.out}")
     return 0

@@ -4,9 +4,38 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 T = TypeVar("T")
+
+
+def call_with_params(factory: Callable[..., T], params: Mapping[str, object], what: str) -> T:
+    """Call `factory` with user-given parameters (from the command line or a config file),
+    each checked against the factory's annotation; an error names the parameter."""
+    try:
+        accepted = inspect.signature(factory, eval_str=True).parameters
+    except NameError:  # an annotation only a type checker can resolve: pass values as given
+        accepted = inspect.signature(factory).parameters
+    unknown = set(params) - set(accepted)
+    if unknown:
+        raise ValueError(
+            f"{what} takes no parameter {sorted(unknown)}; it "
+            f"takes {sorted(p for p in accepted if p != 'seed')}"
+        )
+    checked: dict[str, Any] = {}
+    for key, value in params.items():
+        annotation = accepted[key].annotation
+        if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+            checked[key] = value
+            continue
+        try:
+            checked[key] = TypeAdapter(annotation).validate_python(value)
+        except ValidationError as e:
+            problem = e.errors()[0]["msg"]
+            raise ValueError(f"{what}: parameter {key!r}={value!r}: {problem}") from None
+    return factory(**checked)
 
 
 class Registry(Generic[T]):
@@ -38,16 +67,9 @@ class Registry(Generic[T]):
         """Create from user-given parameters, naming any it does not take; a factory with a
         `seed` parameter gets `seed` unless the user set one."""
         factory = self.get(name)
-        accepted = inspect.signature(factory).parameters
-        unknown = set(params) - set(accepted)
-        if unknown:
-            raise ValueError(
-                f"{self.kind} {name!r} takes no parameter {sorted(unknown)}; it "
-                f"takes {sorted(p for p in accepted if p != 'seed')}"
-            )
-        if "seed" in accepted and "seed" not in params:
+        if "seed" in inspect.signature(factory).parameters and "seed" not in params:
             params = {**params, "seed": seed}
-        return factory(**params)
+        return call_with_params(factory, params, f"{self.kind} {name!r}")
 
     def names(self) -> list[str]:
         return sorted(self._factories)

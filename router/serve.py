@@ -263,12 +263,12 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
 
 def serve(config: ClusterConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cluster = build_cluster(config)  # first: a bad policy parameter fails before any work
     model_dir = Path(config.model) if config.model else None
     if model_dir is None:
         need_weights = config.workers.backend == "vllm" and not config.workers.urls
         model_dir = ensure_tiny_model(weights=need_weights)
     scratch = Path(tempfile.mkdtemp(prefix="fairway-"))
-    cluster = build_cluster(config)
     pool = None
     if config.workers.urls:
         kv = list(config.workers.kv_events) + [None] * len(config.workers.urls)

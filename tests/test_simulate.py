@@ -98,6 +98,10 @@ class TestSimulateCommand:
             (["--trace", str(SAMPLE), "--workers", "0"], "workers: must be positive"),
             (["--trace", str(SAMPLE), "--param", "bogus=1"], "takes no parameter"),
             (
+                ["--trace", str(SAMPLE), "--policy", "lpm", "--param", "cache_threshold=high"],
+                "parameter 'cache_threshold'='high': Input should be a valid number",
+            ),
+            (
                 ["--trace", str(SAMPLE), "--local-policy", "dlpm", "--local-param", "quantum=-1"],
                 "quantum: must be positive",
             ),
@@ -106,6 +110,10 @@ class TestSimulateCommand:
     def test_bad_input_is_a_clear_error(self, argv: list[str], message: str, capsys) -> None:
         assert main(["simulate", *argv]) == 2
         assert message in capsys.readouterr().err
+
+    def test_bad_generator_parameter_names_it(self) -> None:
+        with pytest.raises(SystemExit, match="parameter 'num_tenants'='many'"):
+            main(["simulate", "--trace", "gen:shared_prefix", "--gen", "num_tenants=many"])
 
     def test_console_script_lists(self) -> None:
         out = subprocess.run(
