@@ -88,6 +88,19 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         help="local discipline parameter, e.g. quantum=4096",
     )
     g.add_argument("--workers", type=int, default=8)
+    g.add_argument(
+        "--index",
+        choices=["approximate", "precise"],
+        default="approximate",
+        help="router's prefix index: updated on routing, or from the engines' KV events",
+    )
+    g.add_argument(
+        "--kv-event-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --index precise: how late KV events reach the router",
+    )
     g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
     g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))
     g.add_argument("--tp", type=int, help="tensor-parallel GPUs per worker (default: model's)")
@@ -151,6 +164,8 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
             fast_forward=not args.no_fast_forward,
         ),
         closed_loop=args.closed_loop,
+        index=args.index,
+        kv_event_delay=args.kv_event_delay,
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )

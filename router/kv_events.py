@@ -41,33 +41,58 @@ class KVEventIndexer:
         for event in events:
             kind, fields = _normalize(event)
             if kind == "BlockStored":
-                self._stored(fields, now)
+                self._stored_tokens(fields, now)
             elif kind == "BlockRemoved":
-                for h in fields.get("block_hashes") or []:
-                    path = self._path(h)
-                    if path:
-                        self.index.remove_prefix(path, self.worker)
-                    self._blocks.pop(h, None)
+                self.removed(fields.get("block_hashes") or [])
             elif kind == "AllBlocksCleared":
-                self.index.remove_worker(self.worker)
-                self._blocks.clear()
+                self.cleared()
 
-    def _stored(self, fields: dict, now: float) -> None:
-        parent = fields.get("parent_block_hash")
+    def stored(
+        self, names: list[int], parent: int | None, ours: list[BlockHash], now: float
+    ) -> None:
+        """Blocks `names` (hashed by us as `ours`) now follow block `parent` on the worker.
+        The simulator's engines name blocks by our hashes already: there `names` is `ours`."""
         prefix = self._path(parent) if parent is not None else []
-        if parent is not None and not prefix:
-            return  # its parent was never seen (we joined late): nothing to chain it to
+        if parent is None or prefix:  # else its parent was never seen (we joined late)
+            self._store(names, parent, prefix, ours, now)
+
+    def removed(self, names: Iterable[int]) -> None:
+        for name in names:
+            path = self._path(name)
+            if path:
+                self.index.remove_prefix(path, self.worker)
+            self._blocks.pop(name, None)
+
+    def cleared(self) -> None:
+        self.index.remove_worker(self.worker)
+        self._blocks.clear()
+
+    def _stored_tokens(self, fields: dict, now: float) -> None:
+        parent = fields.get("parent_block_hash")
         names = list(fields.get("block_hashes") or [])
         size = int(fields.get("block_size") or 0)
         tokens = list(fields.get("token_ids") or [])
         if not names or size <= 0 or len(tokens) < size * len(names):
             return
+        prefix = self._path(parent) if parent is not None else []
+        if parent is not None and not prefix:
+            return  # its parent was never seen (we joined late): nothing to chain it to
         ours = hash_token_blocks(tokens[: size * len(names)], size, prefix[-1] if prefix else None)
+        self._store(names, parent, prefix, ours, now)
+
+    def _store(
+        self,
+        names: list[int],
+        parent: int | None,
+        prefix: list[BlockHash],
+        ours: list[BlockHash],
+        now: float,
+    ) -> None:
         previous = parent
         for name, h in zip(names, ours, strict=True):
             self._blocks[name] = (h, previous)
             previous = name
-        self.index.insert(prefix + ours, self.worker, now)
+        self.index.insert(prefix + list(ours), self.worker, now)
 
     def _path(self, name: int) -> list[BlockHash]:
         """Our hashes from the root to vLLM block `name` ([] if unknown)."""

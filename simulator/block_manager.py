@@ -16,8 +16,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from router.request import BlockHash
+
+
+class KVEventSink(Protocol):
+    """Where a block manager reports what it caches, as vLLM publishes KV events."""
+
+    def stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None: ...
+    def removed(self, hashes: list[BlockHash]) -> None: ...
 
 
 class BlockTable:
@@ -34,10 +42,11 @@ class BlockTable:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventSink | None = None) -> None:
         assert num_blocks > 0 and block_size > 0, "a KV cache needs blocks"
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.events = events
         self._ref: dict[BlockHash, int] = {}  # every hashed block, in use or free
         self._free_cached: OrderedDict[BlockHash, None] = OrderedDict()  # ref 0, oldest first
         self._num_empty = num_blocks
@@ -75,6 +84,10 @@ class BlockManager:
     def is_cached(self, h: BlockHash) -> bool:
         return h in self._ref
 
+    def cached_hashes(self) -> set[BlockHash]:
+        """Every block with an identity: in use or free and still reusable."""
+        return set(self._ref)
+
     # --------------------------------------------------------------- mutations
 
     def pin_prefix(self, table: BlockTable, hashes: Sequence[BlockHash], num_hit: int) -> None:
@@ -92,10 +105,15 @@ class BlockManager:
         assert num_new <= self.num_free, f"allocating {num_new} with {self.num_free} free"
         take_empty = min(num_new, self._num_empty)
         self._num_empty -= take_empty
-        for _ in range(num_new - take_empty):
-            h, _ = self._free_cached.popitem(last=False)
-            del self._ref[h]
-            self.num_evictions += 1
+        if num_new > take_empty:
+            evicted = [
+                self._free_cached.popitem(last=False)[0] for _ in range(num_new - take_empty)
+            ]
+            for h in evicted:
+                del self._ref[h]
+            self.num_evictions += len(evicted)
+            if self.events is not None:
+                self.events.removed(evicted)
         table.num_anonymous += num_new
 
     def commit_full_blocks(
@@ -116,6 +134,8 @@ class BlockManager:
             ref[h] = 1
             hashed.append(h)
         table.num_anonymous -= len(hashed) - start
+        if self.events is not None and len(hashed) > start:
+            self.events.stored(hashed[start - 1] if start else None, hashed[start:])
 
     def free(self, table: BlockTable) -> None:
         """Release every block of `table`, tail first."""

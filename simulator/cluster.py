@@ -21,10 +21,11 @@ from tqdm import tqdm
 
 import policies
 from router.cluster import ClusterView, WorkerState
+from router.kv_events import KVEventIndexer
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex
 from router.records import RequestRecord
-from router.request import Request
+from router.request import BlockHash, Request
 from simulator.cost_model import CostModel
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.results import WorkerRecord, summarize
@@ -41,6 +42,11 @@ class SimConfig:
     local_params: dict[str, object] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     closed_loop: bool = False
+    # How the router learns what engines cache: "approximate" believes every routed prompt is
+    # cached on its worker (within capacity); "precise" hears the engines' KV events (blocks
+    # stored, evicted), each `kv_event_delay` seconds after it happened.
+    index: str = "approximate"
+    kv_event_delay: float = 0.0
     seed: int = 0
     show_progress: bool = False
 
@@ -53,6 +59,10 @@ class SimConfig:
         if self.local_policy is not None and self.local_policy not in policies.local_policies:
             known = ", ".join(policies.local_policies.names())
             raise ValueError(f"local_policy: unknown {self.local_policy!r}; choose one of: {known}")
+        if self.index not in ("approximate", "precise"):
+            raise ValueError(f"index: 'approximate' or 'precise', got {self.index!r}")
+        if self.kv_event_delay < 0:
+            raise ValueError(f"kv_event_delay: must be >= 0, got {self.kv_event_delay}")
 
 
 @dataclass
@@ -76,17 +86,22 @@ class SimCluster:
             local_name, config.local_params, config.seed
         )
         engine_config = EngineConfig(**{**_asdict(config.engine), "block_size": trace.block_size})
-        self.engines = [
-            Engine(self.env, i, cost, engine_config, self.local_factory(), self)
-            for i in range(config.num_workers)
-        ]
         self.view = ClusterView(
             now=0.0,
-            workers={e.id: WorkerState(e.id) for e in self.engines},
+            workers={i: WorkerState(i) for i in range(config.num_workers)},
             index=PrefixIndex(),
             block_size=trace.block_size,
             cost=cost,
         )
+        self.precise = config.index == "precise"
+        self.engines: list[Engine] = []
+        for i in range(config.num_workers):
+            events = KVEventIndexer(self.view.index, i) if self.precise else None
+            sink = DelayedKVEvents(self, i, events) if events else None
+            self.engines.append(
+                Engine(self.env, i, cost, engine_config, self.local_factory(), self, sink)
+            )
+        self._predicted_hit_tokens = 0  # what the index promised at routing, for the summary
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self.routed: dict[int, int] = defaultdict(int)
@@ -121,6 +136,10 @@ class SimCluster:
             config=self._config_summary(),
         )
         summary["decisions"] = dict(sorted(self.decisions.items(), key=lambda kv: -kv[1]))
+        prompt = summary["tokens"]["prompt"]  # type: ignore[index]
+        summary["prefix_cache"]["predicted_hit_rate"] = (  # type: ignore[index]
+            self._predicted_hit_tokens / prompt if prompt else 0.0
+        )
         return SimResult(self.records, workers, summary)
 
     def _arrivals(self) -> simpy.events.ProcessGenerator:
@@ -159,10 +178,17 @@ class SimCluster:
         if state is None or not state.healthy:
             raise RuntimeError(f"policy {self.config.policy} chose unusable worker {worker}")
         self.bound.observe(req)
-        # Approximate index: believe the worker now holds the prompt, within its capacity.
-        hashes = req.block_hashes[: req.prompt_len // self.trace.block_size]
-        view.index.insert(hashes, worker, now)
-        view.index.evict(worker, state.kv_capacity_blocks)
+        bs = self.trace.block_size
+        hashes = req.block_hashes[: req.prompt_len // bs]
+        if self.precise:
+            promised = view.index.match(hashes).get(worker, 0)
+        else:
+            # Approximate index: believe the worker now holds the prompt, within its capacity.
+            # What a worker holds is prefix-closed, so what was not new is what it promised.
+            promised = len(hashes) - view.index.insert(hashes, worker, now)
+            view.index.evict(worker, state.kv_capacity_blocks)
+        # Capped as the engine caps a hit: the last prompt token is always computed.
+        self._predicted_hit_tokens += min(promised, (req.prompt_len - 1) // bs) * bs
         self.routed[worker] += 1
         self.policy.on_dispatch(req, worker, view)
         self.engines[worker].submit(req)
@@ -236,8 +262,33 @@ class SimCluster:
             "max_num_batched_tokens": e.config.max_num_batched_tokens,
             "fast_forward": e.config.fast_forward,
             "closed_loop": self.config.closed_loop,
+            "index": self.config.index,
+            "kv_event_delay": self.config.kv_event_delay,
             "seed": self.config.seed,
         }
+
+
+class DelayedKVEvents:
+    """An engine's KV events reaching the router's index `kv_event_delay` seconds after the
+    step that caused them, as vLLM's events reach a live router over ZMQ."""
+
+    def __init__(self, cluster: SimCluster, worker: int, indexer: KVEventIndexer) -> None:
+        self.cluster, self.worker, self.indexer = cluster, worker, indexer
+
+    def stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
+        hashes = list(hashes)  # the engine keeps appending to its list
+        self._at_delay(lambda now: self.indexer.stored(hashes, parent, hashes, now))
+
+    def removed(self, hashes: list[BlockHash]) -> None:
+        self._at_delay(lambda now: self.indexer.removed(hashes))
+
+    def _at_delay(self, apply: Callable[[float], None]) -> None:
+        env = self.cluster.env
+        due = self.cluster.engines[self.worker].event_time + self.cluster.config.kv_event_delay
+        if due <= env.now:  # engines apply steps lazily: this one is already due
+            apply(due)
+        else:
+            env.timeout(due - env.now).callbacks.append(lambda _: apply(due))
 
 
 def _asdict(config: EngineConfig) -> dict[str, object]:

@@ -28,7 +28,7 @@ import simpy
 from router.cluster import WorkerState
 from router.policy import LocalPolicy
 from router.request import Request
-from simulator.block_manager import BlockManager, BlockTable
+from simulator.block_manager import BlockManager, BlockTable, KVEventSink
 from simulator.cost_model import CostModel, StepShape
 
 
@@ -111,6 +111,7 @@ class Engine:
         config: EngineConfig,
         local: LocalPolicy,
         listener: EngineListener,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.env = env
         self.id = worker_id
@@ -122,7 +123,10 @@ class Engine:
         self._local_counts_tokens = type(local).on_token is not LocalPolicy.on_token
         self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, kv_events)
+        # When the block changes being made happen: step start while planning, step end while
+        # applying (what a KV-event listener stamps the blocks it hears about with).
+        self.event_time = 0.0
         self.running: list[Seq] = []
         self.waiting: dict[int, Seq] = {}  # by request id; the local policy holds the order
         self.clock = 0.0  # exact time of the last step boundary
@@ -250,6 +254,7 @@ class Engine:
 
     def _plan(self) -> _Run:
         cfg, blocks = self.config, self.blocks
+        self.event_time = self.clock
         batch: list[tuple[Seq, int]] = []
         budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
         # Admission blocked by memory or max_num_seqs is something a decode run cannot ease.
@@ -386,7 +391,7 @@ class Engine:
     # ---------------------------------------------------------------- applying
 
     def _apply_first_step(self, run: _Run) -> None:
-        now = run.ends[0]
+        now = self.event_time = run.ends[0]
         bs = self.config.block_size
         blocks, listener, local = self.blocks, self.listener, self.local
         computed_delta = 0
@@ -412,7 +417,7 @@ class Engine:
         self.num_steps += 1
 
     def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
-        now = run.ends[run.applied + num_steps - 1]
+        now = self.event_time = run.ends[run.applied + num_steps - 1]
         blocks, bs = self.blocks, self.config.block_size
         for seq, _ in run.batch:
             table = seq.table
