@@ -154,8 +154,9 @@ class LiveCluster:
         decision = self.policy.route(request, view)
         worker = self.workers[decision.worker]
         hashes = request.block_hashes
-        expected = self.approx_index.match(hashes).get(worker.id, 0) * view.block_size
-        self.approx_index.insert(hashes, worker.id, view.now)
+        # What a worker holds is prefix-closed: the blocks not new to it are its expected hit.
+        added = self.approx_index.insert(hashes, worker.id, view.now)
+        expected = (len(hashes) - added) * view.block_size
         # Mirror the worker's cache size (scraped from vLLM, else the configured bound), so the
         # approximate index stays bounded however long the proxy runs.
         self.approx_index.evict(worker.id, self.view.workers[worker.id].kv_capacity_blocks)
@@ -165,7 +166,7 @@ class LiveCluster:
         self.metrics.prompt_tokens.labels(worker.label).inc(request.prompt_len)
         self.metrics.estimated_hit_tokens.labels(worker.label, "approximate").inc(expected)
         if self.precise:
-            hit = self.view.index.match(hashes).get(worker.id, 0) * view.block_size
+            hit = self.view.index.touch(hashes, worker.id, view.now) * view.block_size
             self.metrics.estimated_hit_tokens.labels(worker.label, "precise").inc(hit)
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         worker.waiters[request.id] = fut

@@ -149,6 +149,26 @@ class PrefixIndex:
         self._num_blocks[worker] = self._num_blocks.get(worker, 0) + added
         return added
 
+    def touch(self, hashes: Sequence[BlockHash], worker: WorkerId, now: float) -> int:
+        """`worker` is about to reuse the part of `hashes` it holds: refresh that prefix's
+        recency and count a hit on it, as `insert` does, without claiming anything new. For
+        precise mode, where only the worker's KV events say what it holds (vLLM sends none on a
+        cache hit). Returns the blocks matched, as `match` would for `worker`."""
+        node, pos, n = self.root, 0, len(hashes)
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None or worker not in child.workers:
+                break
+            self._touch(child, worker, now)
+            child.hits.append(now)
+            self._expire_hits(child, now)
+            common = _common_prefix(child.key, hashes, pos)
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
     def evict(self, worker: WorkerId, capacity_blocks: int) -> int:
         """Drop `worker`'s least recently used leaves until it holds at most `capacity_blocks`.
 

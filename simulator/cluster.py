@@ -180,8 +180,8 @@ class SimCluster:
         self.bound.observe(req)
         bs = self.trace.block_size
         hashes = req.block_hashes[: req.prompt_len // bs]
-        if self.precise:
-            promised = view.index.match(hashes).get(worker, 0)
+        if self.precise:  # what it holds comes from KV events; the reuse counts as a hit
+            promised = view.index.touch(hashes, worker, now)
         else:
             # Approximate index: believe the worker now holds the prompt, within its capacity.
             # What a worker holds is prefix-closed, so what was not new is what it promised.

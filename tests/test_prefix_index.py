@@ -62,11 +62,16 @@ class TestMatchAgainstOracle:
                 oracle.remove_worker(w)
             elif prompt:
                 w = rng.randrange(4)
-                index.insert(prompt, w, now=float(step))
+                held = oracle.match(prompt).get(w, 0)
+                # What a worker holds is prefix-closed: what is not new is what it held.
+                assert index.insert(prompt, w, now=float(step)) == len(prompt) - held
                 oracle.insert(prompt, w)
             index.check_integrity()
             probe = random_prompt(rng, trunks)
             assert index.match(probe) == oracle.match(probe), f"step {step}"
+            w = rng.randrange(4)
+            assert index.touch(probe, w, now=step + 0.5) == oracle.match(probe).get(w, 0)
+            index.check_integrity()
             for w in range(4):
                 assert index.num_blocks(w) == oracle.num_blocks(w), f"worker {w} at step {step}"
 
@@ -141,3 +146,17 @@ class TestEviction:
         node = index.path([1, 2])[0]
         assert index.hit_count(node, now=5.0) == 3
         assert index.hit_count(node, now=11.5) == 1
+
+
+class TestTouch:
+    def test_a_reused_prefix_becomes_recent_without_new_blocks(self) -> None:
+        index = PrefixIndex()
+        index.insert([1, 2], worker=0, now=1.0)
+        index.insert([3, 4], worker=0, now=2.0)
+        assert index.touch([1, 2, 5], worker=0, now=3.0) == 2  # 5 is not claimed
+        assert index.num_blocks(0) == 4 and index.touch([1, 2], worker=1, now=3.0) == 0
+        (node,) = index.path([1, 2])
+        assert index.hit_count(node, now=3.0) == 2  # the insert and the reuse
+        index.evict(0, capacity_blocks=2)
+        assert index.match([1, 2]) == {0: 2} and index.match([3, 4]) == {}
+        index.check_integrity()
