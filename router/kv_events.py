@@ -92,7 +92,8 @@ class KVEventIndexer:
         for name, h in zip(names, ours, strict=True):
             self._blocks[name] = (h, previous)
             previous = name
-        self.index.insert(prefix + list(ours), self.worker, now)
+        # A store is the new blocks' first use; reuses of the prefix are counted on routing.
+        self.index.insert(prefix + list(ours), self.worker, now, hits_from=len(prefix))
 
     def _path(self, name: int) -> list[BlockHash]:
         """Our hashes from the root to vLLM block `name` ([] if unknown)."""

@@ -124,10 +124,14 @@ class PrefixIndex:
 
     # --------------------------------------------------------------- mutations
 
-    def insert(self, hashes: Sequence[BlockHash], worker: WorkerId, now: float) -> int:
+    def insert(
+        self, hashes: Sequence[BlockHash], worker: WorkerId, now: float, hits_from: int = 0
+    ) -> int:
         """Record that `worker` holds the whole prefix `hashes`, touched at `now`.
 
-        Every node on the path gets a hit at `now`. Returns the number of blocks newly held.
+        Every node on the path past the first `hits_from` blocks gets a hit at `now` (a KV
+        event extending a known prefix counts no reuse of that prefix). Returns the number of
+        blocks newly held.
         """
         node, pos, n = self.root, 0, len(hashes)
         added = 0
@@ -143,8 +147,9 @@ class PrefixIndex:
             if worker not in child.workers:
                 added += len(child.key)
             self._touch(child, worker, now)
-            child.hits.append(now)
-            self._expire_hits(child, now)
+            if pos + len(child.key) > hits_from:
+                child.hits.append(now)
+                self._expire_hits(child, now)
             node, pos = child, pos + len(child.key)
         self._num_blocks[worker] = self._num_blocks.get(worker, 0) + added
         return added

@@ -160,3 +160,12 @@ class TestTouch:
         index.evict(0, capacity_blocks=2)
         assert index.match([1, 2]) == {0: 2} and index.match([3, 4]) == {}
         index.check_integrity()
+
+    def test_extending_a_prefix_counts_no_reuse_of_it(self) -> None:
+        # A KV event storing blocks after a known prefix: the prefix was not used again.
+        index = PrefixIndex()
+        index.insert([1, 2], worker=0, now=1.0)
+        index.insert([1, 2, 3], worker=0, now=2.0, hits_from=2)
+        prefix, tail = index.path([1, 2, 3])
+        assert (index.hit_count(prefix, 2.0), index.hit_count(tail, 2.0)) == (1, 1)
+        assert prefix.workers[0] == 2.0, "still refreshed: the prefix is in use"
