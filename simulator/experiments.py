@@ -34,6 +34,8 @@ class Run:
     local_policy: str | None = None
     params: dict[str, object] = field(default_factory=dict)
     local_params: dict[str, object] = field(default_factory=dict)
+    index: str = "approximate"
+    kv_event_delay: float = 0.0
 
 
 def _shared_prefix(rate: float) -> Callable[[int], Trace]:
@@ -126,6 +128,19 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
             )
         ],
     ),
+    "index-modes": (
+        "Mooncake conversation trace, 8 workers: the router's index updated on routing "
+        "(approximate) or from the engines' KV events, on time or 1 s late (precise)",
+        [
+            Run(f"{policy} {label}", "mooncake", policy, 8, index=index, kv_event_delay=delay)
+            for policy in ("lpm", "preble", "d2lpm")
+            for label, index, delay in (
+                ("approximate", "approximate", 0.0),
+                ("precise", "precise", 0.0),
+                ("precise +1 s", "precise", 1.0),
+            )
+        ],
+    ),
 }
 
 
@@ -137,6 +152,8 @@ def _run_one(run: Run, seed: int) -> tuple[Run, dict[str, object]]:
         local_policy=run.local_policy,
         policy_params=run.params,
         local_params=run.local_params,
+        index=run.index,
+        kv_event_delay=run.kv_event_delay,
         seed=seed,
     )
     result = simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
@@ -151,6 +168,7 @@ def experiment_row(label: str, summary: dict[str, object]) -> dict[str, object]:
         row["calm TTFT s"] = sum(c["ttft"]["mean"] for c in calm) / len(calm)
         row["flood TTFT s"] = clients["flood"]["ttft"]["mean"]  # type: ignore[index]
     row["gap (k tok)"] = summary["fairness"]["max_service_gap"] / 1000  # type: ignore[index]
+    row["promised hit %"] = 100 * summary["prefix_cache"]["predicted_hit_rate"]  # type: ignore[index]
     for key in ("done", "TPOT ms", "imbalance", "bound %", "jain"):
         row.pop(key, None)
     return row

@@ -204,3 +204,22 @@ class TestIndexModes:
     def test_bad_mode_is_named(self) -> None:
         with pytest.raises(ValueError, match="index: 'approximate' or 'precise'"):
             SimConfig(index="exact")
+
+
+def test_every_experiment_run_is_a_valid_configuration() -> None:
+    import policies
+    from simulator.experiments import EXPERIMENTS, WORKLOADS
+
+    for _, runs in EXPERIMENTS.values():
+        for run in runs:
+            assert run.workload in WORKLOADS, run.label
+            SimConfig(
+                num_workers=run.workers,
+                policy=run.policy,
+                local_policy=run.local_policy,
+                index=run.index,
+                kv_event_delay=run.kv_event_delay,
+            )
+            policies.global_policies.build(run.policy, run.params)
+            local = run.local_policy or "fcfs"
+            policies.local_policies.build(local, run.local_params)
