@@ -154,13 +154,23 @@ class RooflineCost:
         return self._overhead + max(compute, memory) + comm
 
     def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
-        if num_steps == 1:  # the common case in a busy engine; skip numpy's call overhead
-            return [self.step_time(StepShape(num_seqs, context_tokens, context_tokens))]
-        # The same arithmetic as step_time, elementwise (IEEE ops in the same order, so equal).
+        # The same arithmetic as step_time, step by step (IEEE ops in the same order, so equal).
+        flops, comm = num_seqs * self._sec_per_token_flop, num_seqs * self._comm_per_token
+        if num_steps <= 64:  # most runs: below this, numpy's call overhead costs more (measured)
+            pair, kv, weights, overhead = (
+                self._sec_per_pair,
+                self._sec_per_kv_token,
+                self._weights_sec,
+                self._overhead,
+            )
+            times = []
+            for ctx in range(context_tokens, context_tokens + num_seqs * num_steps, num_seqs):
+                compute, memory = flops + ctx * pair, weights + ctx * kv
+                times.append(overhead + (compute if compute > memory else memory) + comm)
+            return times
         ctx = context_tokens + num_seqs * np.arange(num_steps, dtype=np.float64)
-        compute = num_seqs * self._sec_per_token_flop + ctx * self._sec_per_pair
+        compute = flops + ctx * self._sec_per_pair
         memory = self._weights_sec + ctx * self._sec_per_kv_token
-        comm = num_seqs * self._comm_per_token
         return (self._overhead + np.maximum(compute, memory) + comm).tolist()
 
     def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float:

@@ -114,10 +114,14 @@ class TestFastForward:
             out.append(simulate(t, COST, SimConfig(num_workers=2, engine=cfg, closed_loop=True)))
         self.assert_same(*out)
 
-    def test_vectorised_decode_times_equal_step_times(self) -> None:
-        times = COST.decode_step_times(7, 12_345, 50)
-        for j, t in enumerate(times):
-            assert t == COST.step_time(StepShape(7, 12_345 + 7 * j, 12_345 + 7 * j))
+    @pytest.mark.parametrize("num_steps", [1, 50, 500])  # the loop and the numpy path
+    def test_run_decode_times_equal_step_times(self, num_steps: int) -> None:
+        for cost in (COST, roofline("llama-3-70b", "h100")):  # memory- and compute-bound mixes
+            times = cost.decode_step_times(7, 12_345, num_steps)
+            assert times == [
+                cost.step_time(StepShape(7, 12_345 + 7 * j, 12_345 + 7 * j))
+                for j in range(num_steps)
+            ]
 
 
 class TestRoofline:
