@@ -117,6 +117,34 @@ def max_service_gap(curves: ServiceCurves) -> float:
     return worst
 
 
+def jain_while_backlogged(curves: ServiceCurves) -> float | None:
+    """Jain's index over the service of clients backlogged together, averaged over time.
+
+    The time grid splits into runs over which the set of backlogged clients stays the same; in
+    each run with two or more of them, Jain's index over what each received in it, weighted by
+    the run's length. Service over a whole run is not compared across clients with different
+    demand: a client that is waiting wants more than it gets, so fair means equal there. None
+    when no two clients ever wait together (nothing to be fair about).
+    """
+    waiting = curves.backlogged[:, :-1]
+    received = np.diff(curves.service, axis=1)
+    if waiting.shape[1] == 0:
+        return None
+    change = np.flatnonzero((waiting[:, 1:] != waiting[:, :-1]).any(axis=0)) + 1
+    bounds = np.concatenate([[0], change, [waiting.shape[1]]])
+    total = weight = 0.0
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        members = waiting[:, start]
+        if members.sum() < 2:
+            continue
+        got = received[members, start:stop].sum(axis=1)
+        if got.sum() <= 0:
+            continue
+        total += (stop - start) * float(got.sum() ** 2 / (len(got) * (got**2).sum()))
+        weight += stop - start
+    return total / weight if weight else None
+
+
 def vtc_bound(records: Sequence[RequestRecord], w_in: float = W_IN, w_out: float = W_OUT) -> float:
     """VTC's bound on the service gap: 2 x max(w_in x max input, w_out x max output)."""
     if not records:

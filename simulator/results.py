@@ -39,14 +39,6 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def jain_index(values: Sequence[float]) -> float | None:
-    """Jain's fairness index: 1 when all equal, 1/n when one takes everything."""
-    a = np.asarray(values, dtype=np.float64)
-    if len(a) == 0 or not a.any():
-        return None
-    return float(a.sum() ** 2 / (len(a) * (a**2).sum()))
-
-
 def summarize(
     records: Sequence[RequestRecord],
     workers: Sequence[WorkerRecord],
@@ -65,7 +57,13 @@ def summarize(
     by_client: dict[str, list[RequestRecord]] = {}
     for r in records:
         by_client.setdefault(r.client, []).append(r)
-    from simulator.fairness import max_service_gap, service_by_window, service_curves, vtc_bound
+    from simulator.fairness import (
+        jain_while_backlogged,
+        max_service_gap,
+        service_by_window,
+        service_curves,
+        vtc_bound,
+    )
 
     # The grid resolves the gap to a tenth of the run, or a second, whichever is finer.
     curves = service_curves(records, step=min(1.0, max(span, 1e-3) / 10))
@@ -127,7 +125,7 @@ def summarize(
         "workers": [asdict(w) for w in workers],
         "per_client": per_client,
         "fairness": {
-            "jain": jain_index([c["service"] for c in per_client.values()]),
+            "jain": jain_while_backlogged(fine),
             "max_service_gap": max_service_gap(curves),
             "vtc_bound": vtc_bound(records),
         },

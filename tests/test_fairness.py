@@ -13,7 +13,7 @@ from router.request import Request
 from simulator.cluster import SimConfig, simulate
 from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
-from simulator.fairness import max_service_gap, service_curves
+from simulator.fairness import jain_while_backlogged, max_service_gap, service_curves
 from simulator.results import summarize
 from traces.schema import Trace
 
@@ -126,3 +126,31 @@ class TestVTCBound:
             gaps[policy] = max_service_gap(service_curves(records, step=0.01))
         bound = 2 * (2000 + 2 * 100)
         assert gaps["vtc"] <= bound < gaps["least_load"]
+
+
+class TestJainWhileBacklogged:
+    def test_counts_only_clients_waiting_together(self) -> None:
+        # a and b wait together over [0, 2) and receive 100 each: fair. c never waits.
+        recs = [
+            record(0, "a", 0.0, 2.0, 2.0, 2.0, 100, 0),
+            record(1, "b", 0.0, 2.0, 2.0, 2.0, 100, 0),
+            record(2, "c", 0.0, 0.0, 0.0, 0.0, 9999, 0),
+        ]
+        assert jain_while_backlogged(service_curves(recs, step=0.5)) == pytest.approx(1.0)
+        # b gets nothing while both wait (admitted only after a's backlog ends): 1/2.
+        recs[1] = record(1, "b", 0.0, 3.0, 3.0, 3.0, 100, 0)
+        assert jain_while_backlogged(service_curves(recs, step=0.5)) == pytest.approx(0.5)
+
+    def test_none_without_two_clients_waiting(self) -> None:
+        recs = [record(0, "a", 0.0, 1.0, 1.0, 2.0, 100, 10)]
+        assert jain_while_backlogged(service_curves(recs, step=0.5)) is None
+
+    def test_vtc_is_fairer_than_fcfs_under_a_flood(self) -> None:
+        from simulator.experiments import WORKLOADS
+
+        jain = {}
+        for policy in ("least_load", "lpm", "vtc"):
+            config = SimConfig(num_workers=1, policy=policy)
+            summary = simulate(WORKLOADS["flood_1"](0), COST, config).summary
+            jain[policy] = summary["fairness"]["jain"]
+        assert max(jain["least_load"], jain["lpm"]) + 0.15 < jain["vtc"]
