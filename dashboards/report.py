@@ -303,6 +303,8 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         f"<tbody>{body}</tbody></table>"
         f"<p>Service: input + 2 x output tokens per client weight. Max service gap: the "
         f"largest difference in service two clients received while both had requests waiting. "
+        f"Jain: Jain's index over the service of the clients waiting at the same time (1: equal "
+        f"shares), averaged over time. "
         f"Bound: the hit rate of one unbounded cache shared by all workers.</p>"
         f"{figs}<h2>Runs</h2><ul>{sources}</ul></body></html>"
     )
