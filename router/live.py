@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router.cluster import ClusterView, CostEstimates, WorkerState
+from router.dispatch import DispatchQueue
 from router.metrics import RouterMetrics
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
@@ -33,10 +34,8 @@ class WorkerDown(Exception):
 class LiveWorker:
     id: WorkerId
     url: str
-    queue: LocalPolicy
-    window: int
+    dispatch: DispatchQueue
     kv_events: str | None = None  # ZMQ endpoint publishing vLLM KV events, if any
-    in_flight: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     waiters: dict[int, asyncio.Future[LiveWorker]] = field(default_factory=dict)
@@ -81,7 +80,7 @@ class LiveCluster:
 
     def add_worker(self, url: str, kv_events: str | None = None) -> LiveWorker:
         wid = next(self._ids)
-        worker = LiveWorker(wid, url.rstrip("/"), self.local_factory(), self.window, kv_events)
+        worker = LiveWorker(wid, url.rstrip("/"), self._new_dispatch(), kv_events)
         self.workers[wid] = worker
         self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=self.kv_capacity_blocks)
         self.metrics.healthy.labels(worker.label).set(1)
@@ -108,7 +107,7 @@ class LiveCluster:
             if not fut.done():
                 fut.set_exception(WorkerDown(f"worker {wid} went down"))
         worker.waiters.clear()
-        worker.queue = self.local_factory()
+        worker.dispatch.drop_queued(self.local_factory())
         self._publish(worker)
 
     def mark_failure(self, worker: LiveWorker) -> None:
@@ -170,7 +169,7 @@ class LiveCluster:
             self.metrics.estimated_hit_tokens.labels(worker.label, "precise").inc(hit)
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         worker.waiters[request.id] = fut
-        worker.queue.push(request)
+        worker.dispatch.push(request)
         self._pump(worker)
         return worker, decision.reason, fut
 
@@ -179,8 +178,7 @@ class LiveCluster:
         wid, tokens = self._outstanding_tokens.pop(request.id, (worker.id, 0))
         if wid in self.view.workers:
             self.view.workers[wid].tokens_in_flight -= tokens
-        worker.in_flight -= 1
-        worker.queue.on_finish(request)
+        worker.dispatch.done(request)
         self.view.now = self.clock()
         self.policy.on_finish(request, worker.id, self.view)
         self._pump(worker)
@@ -195,17 +193,20 @@ class LiveCluster:
 
     def tokens(self, worker: LiveWorker, request: Request, n: int) -> None:
         self.policy.on_token(request, worker.id, n, self.clock())
-        worker.queue.on_token(request, n)
+        worker.dispatch.on_token(request, n)
 
     def first_token(self, worker: LiveWorker, request: Request) -> None:
         self.policy.on_first_token(request, worker.id, self.clock())
 
     # -------------------------------------------------------------- internals
 
+    def _new_dispatch(self) -> DispatchQueue:
+        return DispatchQueue(self.local_factory(), self.window)
+
     def _pump(self, worker: LiveWorker) -> None:
-        if worker.id not in self.workers:
-            return  # removed while requests were still in flight there
-        queue, index = worker.queue, self.view.index
+        if worker.id not in self.workers or not self.view.workers[worker.id].healthy:
+            return  # removed while requests were still in flight there, or down
+        index = self.view.index
         matched: dict[int, int] = {}  # the index does not change while a pump runs
 
         def cached_blocks(r: Request) -> int:
@@ -213,22 +214,17 @@ class LiveCluster:
                 matched[r.id] = index.match(r.block_hashes).get(worker.id, 0)
             return matched[r.id]
 
-        while worker.in_flight < worker.window and self.view.workers[worker.id].healthy:
-            request = queue.peek(cached_blocks)
-            if request is None:
-                break
-            queue.pop(request, cached_blocks(request) * self.view.block_size)
+        for request in worker.dispatch.release(cached_blocks, self.view.block_size):
             fut = worker.waiters.pop(request.id, None)
             if fut is None or fut.done():
-                continue  # its caller gave up; nothing to run
-            worker.in_flight += 1
+                worker.dispatch.done(request)  # its caller gave up; nothing to run
+                continue
             fut.set_result(worker)
         self._publish(worker)
 
     def _forget_queued(self, worker: LiveWorker, request: Request) -> None:
-        fut = worker.waiters.pop(request.id, None)
-        if fut is not None and request in list(worker.queue):
-            worker.queue.pop(request, 0)
+        if worker.waiters.pop(request.id, None) is not None:
+            worker.dispatch.withdraw(request)
         self._publish(worker)
 
     def _refresh(self) -> ClusterView:
@@ -236,8 +232,8 @@ class LiveCluster:
         view.now = self.clock()
         for worker in self.workers.values():
             state = view.workers[worker.id]
-            state.num_waiting = len(worker.queue) + int(worker.reported.get("waiting", 0))
-            state.num_running = worker.in_flight
+            state.num_waiting = len(worker.dispatch) + int(worker.reported.get("waiting", 0))
+            state.num_running = worker.dispatch.in_flight
             state.kv_used_blocks = int(
                 worker.reported.get("kv_usage", 0.0) * state.kv_capacity_blocks
             )
@@ -246,8 +242,8 @@ class LiveCluster:
     def _publish(self, worker: LiveWorker) -> None:
         if worker.id not in self.workers:
             return
-        self.metrics.queue_depth.labels(worker.label).set(len(worker.queue))
-        self.metrics.in_flight.labels(worker.label).set(worker.in_flight)
+        self.metrics.queue_depth.labels(worker.label).set(len(worker.dispatch))
+        self.metrics.in_flight.labels(worker.label).set(worker.dispatch.in_flight)
         self.metrics.index_blocks.labels(worker.label, "approximate").set(
             self.approx_index.num_blocks(worker.id)
         )

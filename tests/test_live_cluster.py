@@ -32,9 +32,9 @@ def test_window_holds_the_rest_in_the_router_until_release() -> None:
         w, _, first = c.route(req(1))
         _, _, second = c.route(req(2))
         assert first.done() and not second.done()
-        assert len(w.queue) == 1 and w.in_flight == 1
+        assert len(w.dispatch) == 1 and w.dispatch.in_flight == 1
         c.release(w, req(1), 4)
-        assert second.done() and w.in_flight == 1 and len(w.queue) == 0
+        assert second.done() and w.dispatch.in_flight == 1 and len(w.dispatch) == 0
 
     asyncio.run(go())
 
@@ -62,7 +62,9 @@ def test_worker_going_down_hands_its_queue_back() -> None:
         assert running.done()
         with pytest.raises(WorkerDown):
             c.route(req(3))  # nobody healthy left
+        assert w.dispatch.in_flight == 1 and len(w.dispatch) == 0
         c.release(w, req(1), 4)  # the in-flight one still finishes cleanly
+        assert w.dispatch.in_flight == 0
 
     asyncio.run(go())
 

@@ -103,7 +103,7 @@ class TestBadInput:
                 assert got == status
                 assert set(answer["error"]) == {"message", "type", "param", "code"}
                 assert answer["error"]["param"] == param
-                assert all(w.in_flight == 0 for w in cluster.workers.values())
+                assert all(w.dispatch.in_flight == 0 for w in cluster.workers.values())
                 text = cluster.metrics.render().decode()
                 assert "fairway_prompt_tokens_total{" not in text, "no request was routed"
 
@@ -195,11 +195,11 @@ class TestDispatchQueues:
 
                 flood = [asyncio.create_task(ask("flood", 8)) for _ in range(10)]
                 for _ in range(200):
-                    if len(cluster.workers[0].queue) >= 5:
+                    if len(cluster.workers[0].dispatch) >= 5:
                         break
                     await asyncio.sleep(0.01)
-                assert len(cluster.workers[0].queue) >= 5, "requests wait in the router"
-                assert cluster.workers[0].in_flight == 1
+                assert len(cluster.workers[0].dispatch) >= 5, "requests wait in the router"
+                assert cluster.workers[0].dispatch.in_flight == 1
                 calm = asyncio.create_task(ask("calm", 8))
                 await asyncio.gather(calm, *flood)
                 assert done.index("calm") < 4, done
@@ -246,10 +246,10 @@ class TestClientDisconnect:
                     async with s.post(f"{base}/v1/completions", json=body) as r:
                         await r.content.readany()  # the first token, then hang up
                     for _ in range(200):
-                        if cluster.workers[0].in_flight == 0:
+                        if cluster.workers[0].dispatch.in_flight == 0:
                             break
                         await asyncio.sleep(0.01)
-                    assert cluster.workers[0].in_flight == 0, "the window slot came back"
+                    assert cluster.workers[0].dispatch.in_flight == 0, "the window slot came back"
                     # The worker aborted it too (400 tokens would take about 5 s).
                     for _ in range(100):
                         async with s.get(f"{urls[0]}/metrics") as r:
