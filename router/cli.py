@@ -101,6 +101,20 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="with --index precise: how late KV events reach the router",
     )
+    g.add_argument(
+        "--placement",
+        choices=["engine", "router"],
+        default="engine",
+        help="run the local discipline in each engine, or in the router's per-worker queue "
+        "in front of FCFS engines (as the live proxy does)",
+    )
+    g.add_argument(
+        "--dispatch-window",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --placement router: requests in flight per worker",
+    )
     g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
     g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))
     g.add_argument("--tp", type=int, help="tensor-parallel GPUs per worker (default: model's)")
@@ -166,6 +180,8 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
         closed_loop=args.closed_loop,
         index=args.index,
         kv_event_delay=args.kv_event_delay,
+        placement=args.placement,
+        window=args.dispatch_window,
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )

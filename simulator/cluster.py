@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import policies
 from router.cluster import ClusterView, WorkerState
+from router.dispatch import DispatchQueue
 from router.kv_events import KVEventIndexer
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex
@@ -47,6 +48,11 @@ class SimConfig:
     # stored, evicted), each `kv_event_delay` seconds after it happened.
     index: str = "approximate"
     kv_event_delay: float = 0.0
+    # Where the local discipline runs: inside each engine's scheduler ("engine"), or in the
+    # router's per-worker dispatch queue with at most `window` requests in flight at an FCFS
+    # engine ("router": how the live proxy keeps tenants fair in front of a stock vLLM).
+    placement: str = "engine"
+    window: int = 8
     seed: int = 0
     show_progress: bool = False
 
@@ -63,6 +69,10 @@ class SimConfig:
             raise ValueError(f"index: 'approximate' or 'precise', got {self.index!r}")
         if self.kv_event_delay < 0:
             raise ValueError(f"kv_event_delay: must be >= 0, got {self.kv_event_delay}")
+        if self.placement not in ("engine", "router"):
+            raise ValueError(f"placement: 'engine' or 'router', got {self.placement!r}")
+        if self.window < 1:
+            raise ValueError(f"window: must be at least 1, got {self.window}")
 
 
 @dataclass
@@ -79,11 +89,24 @@ class SimCluster:
         self.policy: GlobalPolicy = policies.global_policies.build(
             config.policy, config.policy_params, config.seed
         )
-        # Engines call on_tokens once per sequence per step; skip it for policies that ignore it.
-        self.counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
         local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
             local_name, config.local_params, config.seed
+        )
+        engine_local = self.local_factory
+        self.router_queues: list[DispatchQueue] | None = None
+        if config.placement == "router":
+            self.router_queues = [
+                DispatchQueue(self.local_factory(), config.window)
+                for _ in range(config.num_workers)
+            ]
+            self._queued_tokens = [0] * config.num_workers
+            engine_local = policies.local_policies.get("fcfs")  # a stock vLLM
+        # Engines call on_tokens once per sequence per step; skip it when nobody counts tokens.
+        self._policy_counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
+        self.counts_tokens = self._policy_counts_tokens or (
+            self.router_queues is not None
+            and type(self.router_queues[0].discipline).on_token is not LocalPolicy.on_token
         )
         engine_config = EngineConfig(**{**_asdict(config.engine), "block_size": trace.block_size})
         self.view = ClusterView(
@@ -99,7 +122,7 @@ class SimCluster:
             events = KVEventIndexer(self.view.index, i) if self.precise else None
             sink = DelayedKVEvents(self, i, events) if events else None
             self.engines.append(
-                Engine(self.env, i, cost, engine_config, self.local_factory(), self, sink)
+                Engine(self.env, i, cost, engine_config, engine_local(), self, sink)
             )
         self._predicted_hit_tokens = 0  # what the index promised at routing, for the summary
         self.bound = InfiniteCache(trace.block_size)
@@ -171,6 +194,10 @@ class SimCluster:
         for engine in self.engines:
             engine.sync(now)
             engine.fill_state(view.workers[engine.id])
+        if self.router_queues is not None:  # what waits in the router is load too
+            for i, queue in enumerate(self.router_queues):
+                view.workers[i].num_waiting += len(queue)
+                view.workers[i].tokens_in_flight += self._queued_tokens[i]
         decision = self.policy.route(req, view)
         worker = decision.worker
         self.decisions[decision.reason] += 1
@@ -191,7 +218,27 @@ class SimCluster:
         self._predicted_hit_tokens += min(promised, (req.prompt_len - 1) // bs) * bs
         self.routed[worker] += 1
         self.policy.on_dispatch(req, worker, view)
-        self.engines[worker].submit(req)
+        if self.router_queues is None:
+            self.engines[worker].submit(req)
+        else:
+            self.router_queues[worker].push(req)
+            self._queued_tokens[worker] += req.prompt_len + req.output_len
+            self._pump(worker)
+
+    def _pump(self, worker: int) -> None:
+        """Send what the worker's router queue releases (router placement)."""
+        assert self.router_queues is not None
+        index = self.view.index
+        matched: dict[int, int] = {}  # the index does not change while a pump runs
+
+        def cached_blocks(r: Request) -> int:
+            if r.id not in matched:
+                matched[r.id] = index.match(r.block_hashes).get(worker, 0)
+            return matched[r.id]
+
+        for req in self.router_queues[worker].release(cached_blocks, self.trace.block_size):
+            self._queued_tokens[worker] -= req.prompt_len + req.output_len
+            self.engines[worker].submit(req)
 
     # ------------------------------------------------------- engine listener
 
@@ -199,7 +246,10 @@ class SimCluster:
         self.policy.on_first_token(seq.req, seq.worker, now)
 
     def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
-        self.policy.on_token(seq.req, seq.worker, num_tokens, now)
+        if self._policy_counts_tokens:
+            self.policy.on_token(seq.req, seq.worker, num_tokens, now)
+        if self.router_queues is not None:
+            self.router_queues[seq.worker].on_token(seq.req, num_tokens)
 
     def on_finish(self, seq: Seq, now: float) -> None:
         req = seq.req
@@ -223,6 +273,9 @@ class SimCluster:
         )
         self.view.now = now
         self.policy.on_finish(req, seq.worker, self.view)
+        if self.router_queues is not None:
+            self.router_queues[seq.worker].done(req)
+            self._pump(seq.worker)
         if self._progress is not None:
             self._progress.update()
         if self.config.closed_loop and req.session is not None:
@@ -251,7 +304,9 @@ class SimCluster:
         return {
             "trace": self.trace.source,
             "policy": self.config.policy,
-            "local_policy": e.local.name,
+            "local_policy": (
+                self.router_queues[0].discipline.name if self.router_queues else e.local.name
+            ),
             "policy_params": dict(self.config.policy_params),
             "local_params": dict(self.config.local_params),
             "workers": self.config.num_workers,
@@ -262,6 +317,8 @@ class SimCluster:
             "max_num_batched_tokens": e.config.max_num_batched_tokens,
             "fast_forward": e.config.fast_forward,
             "closed_loop": self.config.closed_loop,
+            "placement": self.config.placement,
+            "window": self.config.window if self.router_queues is not None else None,
             "index": self.config.index,
             "kv_event_delay": self.config.kv_event_delay,
             "seed": self.config.seed,

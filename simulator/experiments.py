@@ -36,6 +36,8 @@ class Run:
     local_params: dict[str, object] = field(default_factory=dict)
     index: str = "approximate"
     kv_event_delay: float = 0.0
+    placement: str = "engine"
+    window: int = 8
 
 
 def _shared_prefix(rate: float) -> Callable[[int], Trace]:
@@ -141,6 +143,18 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
             )
         ],
     ),
+    "placement": (
+        "The flood on one worker with VTC in the engine's scheduler, or in the router's queue in "
+        "front of an FCFS engine with N requests in flight (the live proxy's arrangement)",
+        [
+            Run("fcfs in the engine", "flood_1", "least_load", 1),
+            Run("vtc in the engine", "flood_1", "vtc", 1),
+            *(
+                Run(f"vtc at the router, N={n}", "flood_1", "vtc", 1, placement="router", window=n)
+                for n in (1, 4, 16, 64, 256)
+            ),
+        ],
+    ),
 }
 
 
@@ -154,6 +168,8 @@ def _run_one(run: Run, seed: int) -> tuple[Run, dict[str, object]]:
         local_params=run.local_params,
         index=run.index,
         kv_event_delay=run.kv_event_delay,
+        placement=run.placement,
+        window=run.window,
         seed=seed,
     )
     result = simulate(trace, roofline("llama-3-8b", "a100-80g"), config)

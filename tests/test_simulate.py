@@ -219,7 +219,45 @@ def test_every_experiment_run_is_a_valid_configuration() -> None:
                 local_policy=run.local_policy,
                 index=run.index,
                 kv_event_delay=run.kv_event_delay,
+                placement=run.placement,
+                window=run.window,
             )
             policies.global_policies.build(run.policy, run.params)
             local = run.local_policy or "fcfs"
             policies.local_policies.build(local, run.local_params)
+
+
+class TestRouterPlacement:
+    """The local discipline in the router's per-worker queue, in front of FCFS engines."""
+
+    def test_fcfs_with_a_wide_window_is_the_engine_placement(self) -> None:
+        trace = shared_prefix(num_requests=200, num_tenants=3, rate=15.0, seed=1)
+        runs = [
+            simulate(trace, COST, SimConfig(num_workers=2, policy="least_load", **kw)).records
+            for kw in ({}, {"placement": "router", "window": 10_000})
+        ]
+        assert runs[0] == runs[1]
+
+    def test_the_window_bounds_what_an_engine_runs(self) -> None:
+        trace = shared_prefix(num_requests=60, num_tenants=3, rate=15.0, seed=1)
+        config = SimConfig(num_workers=1, policy="vtc", placement="router", window=2)
+        result = simulate(trace, COST, config)
+        assert result.summary["config"]["local_policy"] == "vtc"
+        events = sorted(
+            [(r.admitted, 1) for r in result.records] + [(r.finish, -1) for r in result.records]
+        )
+        running = peak = 0
+        for _, delta in events:
+            running += delta
+            peak = max(peak, running)
+        assert peak == 2
+
+    def test_a_narrow_window_keeps_vtc_fair_in_front_of_fcfs(self) -> None:
+        from simulator.experiments import WORKLOADS
+
+        gaps = {}
+        for window in (4, 256):
+            config = SimConfig(num_workers=1, policy="vtc", placement="router", window=window)
+            summary = simulate(WORKLOADS["flood_1"](0), COST, config).summary
+            gaps[window] = summary["fairness"]["max_service_gap"]
+        assert gaps[4] * 5 < gaps[256]
