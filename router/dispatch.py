@@ -10,16 +10,18 @@ same arrangement in front of FCFS engines.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from router.policy import LocalPolicy
+from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
 
 
 class DispatchQueue:
-    def __init__(self, discipline: LocalPolicy, window: int) -> None:
+    def __init__(self, worker: WorkerId, discipline: LocalPolicy, window: int) -> None:
         if window < 1:
             raise ValueError(f"window: must be at least 1, got {window}")
+        self.worker = worker
         self.discipline = discipline
         self.window = window
         self.in_flight = 0
@@ -27,11 +29,16 @@ class DispatchQueue:
     def push(self, request: Request) -> None:
         self.discipline.push(request)
 
-    def release(
-        self, cached_blocks: Callable[[Request], int], block_size: int
-    ) -> Iterator[Request]:
+    def release(self, index: PrefixIndex, block_size: int) -> Iterator[Request]:
         """The requests to send now, in the discipline's order, while the window has room.
-        `cached_blocks` is what the router believes the worker holds of a request's prompt."""
+        Locality-aware disciplines order by what `index` says the worker holds."""
+        matched: dict[int, int] = {}  # the index does not change while requests are released
+
+        def cached_blocks(r: Request) -> int:
+            if r.id not in matched:
+                matched[r.id] = index.match(r.block_hashes).get(self.worker, 0)
+            return matched[r.id]
+
         while self.in_flight < self.window:
             request = self.discipline.peek(cached_blocks)
             if request is None:

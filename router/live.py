@@ -80,7 +80,8 @@ class LiveCluster:
 
     def add_worker(self, url: str, kv_events: str | None = None) -> LiveWorker:
         wid = next(self._ids)
-        worker = LiveWorker(wid, url.rstrip("/"), self._new_dispatch(), kv_events)
+        dispatch = DispatchQueue(wid, self.local_factory(), self.window)
+        worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events)
         self.workers[wid] = worker
         self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=self.kv_capacity_blocks)
         self.metrics.healthy.labels(worker.label).set(1)
@@ -200,21 +201,10 @@ class LiveCluster:
 
     # -------------------------------------------------------------- internals
 
-    def _new_dispatch(self) -> DispatchQueue:
-        return DispatchQueue(self.local_factory(), self.window)
-
     def _pump(self, worker: LiveWorker) -> None:
         if worker.id not in self.workers or not self.view.workers[worker.id].healthy:
             return  # removed while requests were still in flight there, or down
-        index = self.view.index
-        matched: dict[int, int] = {}  # the index does not change while a pump runs
-
-        def cached_blocks(r: Request) -> int:
-            if r.id not in matched:
-                matched[r.id] = index.match(r.block_hashes).get(worker.id, 0)
-            return matched[r.id]
-
-        for request in worker.dispatch.release(cached_blocks, self.view.block_size):
+        for request in worker.dispatch.release(self.view.index, self.view.block_size):
             fut = worker.waiters.pop(request.id, None)
             if fut is None or fut.done():
                 worker.dispatch.done(request)  # its caller gave up; nothing to run

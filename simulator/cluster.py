@@ -97,8 +97,8 @@ class SimCluster:
         self.router_queues: list[DispatchQueue] | None = None
         if config.placement == "router":
             self.router_queues = [
-                DispatchQueue(self.local_factory(), config.window)
-                for _ in range(config.num_workers)
+                DispatchQueue(i, self.local_factory(), config.window)
+                for i in range(config.num_workers)
             ]
             self._queued_tokens = [0] * config.num_workers
             engine_local = policies.local_policies.get("fcfs")  # a stock vLLM
@@ -228,15 +228,8 @@ class SimCluster:
     def _pump(self, worker: int) -> None:
         """Send what the worker's router queue releases (router placement)."""
         assert self.router_queues is not None
-        index = self.view.index
-        matched: dict[int, int] = {}  # the index does not change while a pump runs
-
-        def cached_blocks(r: Request) -> int:
-            if r.id not in matched:
-                matched[r.id] = index.match(r.block_hashes).get(worker, 0)
-            return matched[r.id]
-
-        for req in self.router_queues[worker].release(cached_blocks, self.trace.block_size):
+        queue = self.router_queues[worker]
+        for req in queue.release(self.view.index, self.trace.block_size):
             self._queued_tokens[worker] -= req.prompt_len + req.output_len
             self.engines[worker].submit(req)
 
