@@ -116,6 +116,12 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         help="with --placement router: requests in flight per worker",
     )
     g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
+    g.add_argument(
+        "--cost",
+        metavar="PROFILE",
+        help="a profile from `fairway profile` (a real worker's fitted step costs) instead of "
+        "the --model/--gpu roofline",
+    )
     g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))
     g.add_argument("--tp", type=int, help="tensor-parallel GPUs per worker (default: model's)")
     g.add_argument("--kv-blocks", type=int, help="KV blocks per worker (default: memory's)")
@@ -161,10 +167,10 @@ def load_workload(args: argparse.Namespace):  # -> Trace
 
 def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
     from simulator.cluster import SimConfig, simulate
-    from simulator.cost_model import roofline
+    from simulator.cost_model import FittedCost, roofline
     from simulator.engine import EngineConfig
 
-    cost = roofline(args.model, args.gpu, args.tp)
+    cost = FittedCost.load(args.cost) if args.cost else roofline(args.model, args.gpu, args.tp)
     config = SimConfig(
         num_workers=args.workers,
         policy=policy or args.policy,
@@ -279,6 +285,29 @@ def cmd_policies(args: argparse.Namespace) -> int:
         doc = (factory.__doc__ or "").strip().splitlines()[0]
         print(f"{name:14} {doc}  [local: {getattr(factory, 'default_local', 'fcfs')}]")
     print("\nlocal disciplines: " + ", ".join(policies.local_policies.names()))
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from workers.profile import profile
+
+    cost, measurements = profile(args.url, args.repeats)
+    cost.save(Path(args.out), measurements)
+    rows = [
+        {
+            "measured": "request, prefill" if m.request else "decode step",
+            "tokens": m.shape.num_tokens,
+            "KV read": m.shape.kv_read_tokens,
+            "measured ms": 1000 * m.seconds,
+            "fitted ms": 1000
+            * (cost.step_time(m.shape) + m.request * cost.coefficients["request_overhead"]),
+        }
+        for m in measurements
+    ]
+    print(format_table(rows))
+    terms = ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients.items())
+    print(f"\n{cost.name}: {terms} (seconds); KV {cost.kv_capacity_tokens:,} tokens")
+    print(f"wrote {args.out}; replay with `fairway simulate --cost {args.out} ...`")
     return 0
 
 
@@ -449,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--precise", action="store_true", help="index from vLLM KV events")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("profile", help="fit the simulator's step costs to a running server")
+    p.add_argument("--url", required=True, help="an OpenAI-compatible vLLM (or emulated) server")
+    p.add_argument("--repeats", type=int, default=2, help="rounds of measurements")
+    p.add_argument("--out", required=True, help="profile JSON, for `simulate --cost`")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("demo", help="compare the policies on the bundled sample trace")
     p.add_argument("--workers", type=int, default=8)

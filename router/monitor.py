@@ -112,11 +112,9 @@ class Monitor:
             self.cluster.metrics.reported_hit_rate.labels(worker.label).set(rate)
 
     def _capacity(self, worker: LiveWorker, samples: list) -> None:
-        """The worker's KV cache size in blocks, from vLLM's cache_config_info labels."""
-        for sample in samples:
-            blocks = sample.labels.get("num_gpu_blocks")
-            if blocks and blocks.isdigit() and worker.id in self.cluster.view.workers:
-                self.cluster.view.workers[worker.id].kv_capacity_blocks = int(blocks)
+        blocks = kv_cache_blocks(samples)
+        if blocks is not None and worker.id in self.cluster.view.workers:
+            self.cluster.view.workers[worker.id].kv_capacity_blocks = blocks[0]
 
     async def _subscribe(self, worker: LiveWorker) -> None:
         indexer = KVEventIndexer(self.cluster.view.index, worker.id)
@@ -133,3 +131,13 @@ class Monitor:
                     indexer.feed(parts, self.cluster.clock())
         finally:
             socket.close()
+
+
+def kv_cache_blocks(samples: list) -> tuple[int, int] | None:
+    """(blocks, tokens per block) of a vLLM worker's KV cache, from the labels of its
+    `vllm:cache_config_info` samples; None when they do not say."""
+    for sample in samples:
+        blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+        if blocks and blocks.isdigit() and size and size.isdigit():
+            return int(blocks), int(size)
+    return None

@@ -1,17 +1,22 @@
-"""How long one engine step takes: a roofline model from model and hardware specs.
+"""How long one engine step takes: a roofline model from model and hardware specs, or a linear
+model fitted to a real worker's measurements (`fairway profile`).
 
 A step processes some prefill chunks and some decode tokens together (continuous batching). Its
 time is the larger of the compute time (FLOPs over achievable peak) and the memory time (weights
 plus the KV cache read, over achievable HBM bandwidth), plus a fixed per-step overhead (scheduler,
 sampling, kernel launches) and, under tensor parallelism, two all-reduces per layer.
 
-The engine describes a step by a `StepShape`, which is all a cost model may look at; a profiled
-model fitted from a real worker's measurements implements the same `CostModel` protocol.
+The engine describes a step by a `StepShape`, which is all a cost model may look at. The fitted
+model is the sum of a per-step overhead and one cost per token, per attention pair and per KV
+entry read, with non-negative coefficients; how well it predicts a real worker is the simulator's
+error against that worker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -102,7 +107,130 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
-class RooflineCost:
+class StepCost:
+    """What every cost model derives from its `step_time`."""
+
+    name: str
+    kv_capacity_tokens: int
+
+    def step_time(self, shape: StepShape) -> float:
+        raise NotImplementedError
+
+    def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
+        end = context_tokens + num_seqs * num_steps
+        return [
+            self.step_time(StepShape(num_seqs, ctx, ctx))
+            for ctx in range(context_tokens, end, num_seqs)
+        ]
+
+    def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float:
+        if num_new_tokens <= 0:
+            return 0.0
+        return self.step_time(StepShape.prefill(num_new_tokens, num_cached_tokens))
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        return self.step_time(StepShape(num_seqs, context_tokens, context_tokens))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed observation of a worker. A whole request's time (`request` true: a prompt
+    answered with one token) includes the request's own overhead (HTTP, tokenizing, queueing)
+    on top of its step; an inter-token gap of a stream is one step alone."""
+
+    shape: StepShape
+    seconds: float
+    request: bool
+
+
+class FittedCost(StepCost):
+    """step time = overhead + per_token x tokens + per_pair x attention pairs + per_kv_token x
+    KV entries read, least squares with non-negative coefficients over a worker's measurements.
+    `request_overhead` (fitted too) is what a whole request costs beyond its steps."""
+
+    COEFFICIENTS = ("overhead", "per_token", "per_pair", "per_kv_token", "request_overhead")
+
+    def __init__(self, coefficients: dict[str, float], kv_capacity_tokens: int, name: str) -> None:
+        missing = [c for c in self.COEFFICIENTS if c not in coefficients]
+        if missing:
+            raise ValueError(f"profile: coefficients missing {missing}")
+        if any(v < 0 for v in coefficients.values()):
+            raise ValueError(f"profile: coefficients must be >= 0, got {coefficients}")
+        if kv_capacity_tokens <= 0:
+            raise ValueError(f"profile: kv_capacity_tokens must be positive: {kv_capacity_tokens}")
+        self.coefficients = {c: float(coefficients[c]) for c in self.COEFFICIENTS}
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.name = name
+        c = self.coefficients
+        self._terms = (c["overhead"], c["per_token"], c["per_pair"], c["per_kv_token"])
+
+    def step_time(self, shape: StepShape) -> float:
+        overhead, per_token, per_pair, per_kv = self._terms
+        return (
+            overhead
+            + per_token * shape.num_tokens
+            + per_pair * shape.attention_pairs
+            + per_kv * shape.kv_read_tokens
+        )
+
+    @classmethod
+    def fit(cls, measurements: list[Measurement], kv_capacity_tokens: int, name: str) -> FittedCost:
+        if len(measurements) < len(cls.COEFFICIENTS):
+            raise ValueError(f"profile: {len(measurements)} measurements cannot fit 5 terms")
+        x = np.array(
+            [
+                (1.0, m.shape.num_tokens, m.shape.attention_pairs, m.shape.kv_read_tokens,
+                 float(m.request))
+                for m in measurements
+            ]
+        )  # fmt: skip
+        y = np.array([m.seconds for m in measurements])
+        return cls(dict(zip(cls.COEFFICIENTS, _nonnegative_lstsq(x, y), strict=True)),
+                   kv_capacity_tokens, name)  # fmt: skip
+
+    def save(self, path: Path, measurements: list[Measurement] = ()) -> None:
+        path.write_text(
+            json.dumps(
+                {
+                    "fairway_profile": 1,
+                    "name": self.name,
+                    "kv_capacity_tokens": self.kv_capacity_tokens,
+                    "coefficients": self.coefficients,
+                    "measurements": [
+                        {**asdict(m.shape), "seconds": m.seconds, "request": m.request}
+                        for m in measurements
+                    ],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> FittedCost:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(data["coefficients"], int(data["kv_capacity_tokens"]), data["name"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a Fairway profile ({type(e).__name__}: {e})") from None
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: drop the most negative term and refit until
+    none is negative (enough for five terms; columns scaled so their sizes do not matter)."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[active] = np.linalg.lstsq(xs[:, active], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef / scale
+        active.remove(int(np.argmin(coef)))
+
+
+class RooflineCost(StepCost):
     """Roofline step time for `model` on `tp` GPUs of kind `gpu`.
 
     Achievable fractions of peak (`compute_efficiency`, `memory_efficiency`) and the per-step
@@ -172,14 +300,6 @@ class RooflineCost:
         compute = flops + ctx * self._sec_per_pair
         memory = self._weights_sec + ctx * self._sec_per_kv_token
         return (self._overhead + np.maximum(compute, memory) + comm).tolist()
-
-    def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float:
-        if num_new_tokens <= 0:
-            return 0.0
-        return self.step_time(StepShape.prefill(num_new_tokens, num_cached_tokens))
-
-    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
-        return self.step_time(StepShape(num_seqs, context_tokens, context_tokens))
 
 
 def roofline(model: str, gpu: str, tp: int | None = None) -> RooflineCost:

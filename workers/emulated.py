@@ -262,7 +262,14 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "object": "list",
-            "data": [{"id": request.app[MODEL], "object": "model", "owned_by": "fairway-emulated"}],
+            "data": [
+                {
+                    "id": request.app[MODEL],
+                    "object": "model",
+                    "owned_by": "fairway-emulated",
+                    "max_model_len": request.app[LIMITS].max_model_len,  # as vLLM's card has it
+                }
+            ],
         }
     )
 
