@@ -207,6 +207,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dashboards.report import load_run
+    from router.replay import replay
+
+    trace = load_workload(args)
+    out = Path(args.out)
+    result = asyncio.run(replay(trace, args.url, out))
+    if result.records:
+        print(format_table([summary_row(out.name, load_run(out).summary)]))
+    failed = ", ".join(f"{n} {reason}" for reason, n in sorted(result.failures.items()))
+    print(f"{len(result.records)} of {len(trace)} requests answered; failed: {failed or 'none'}")
+    print(f"wrote {out / 'requests.csv'}; `fairway report {out} SIM_RUN...` compares it")
+    return 0 if not result.failures else 1
+
+
 def _simulate_one(args: argparse.Namespace, policy: str, out: str) -> str:
     """One policy of `fairway compare` (runs in a worker process or a Ray task)."""
     from simulator.results import write_results
@@ -431,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_args(p)
     p.add_argument("--out", help="write summary.json and requests.csv into this folder")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("replay", help="send a trace to a live endpoint and record the run")
+    add_trace_args(p)
+    p.add_argument("--url", required=True, help="the proxy (or one OpenAI-compatible server)")
+    p.add_argument("--out", required=True, help="folder for requests.csv (`fairway report` it)")
+    p.add_argument("--seed", type=int, default=0, help="for generators and tenant assignment")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("compare", help="run several policies on one trace, then a report")
     add_trace_args(p)

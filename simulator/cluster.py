@@ -219,7 +219,7 @@ class SimCluster:
         self.routed[worker] += 1
         self.policy.on_dispatch(req, worker, view)
         if self.router_queues is None:
-            self.engines[worker].submit(req)
+            self._submit(worker, req)
         else:
             self.router_queues[worker].push(req)
             self._queued_tokens[worker] += req.prompt_len + req.output_len
@@ -231,7 +231,17 @@ class SimCluster:
         queue = self.router_queues[worker]
         for req in queue.release(self.view.index, self.trace.block_size):
             self._queued_tokens[worker] -= req.prompt_len + req.output_len
-            self.engines[worker].submit(req)
+            self._submit(worker, req)
+
+    def _submit(self, worker: int, req: Request) -> None:
+        """Hand `req` to its engine, after the server's per-request overhead if the cost model
+        has one (a fitted profile measures it)."""
+        engine = self.engines[worker]
+        delay = self.cost.request_overhead
+        if delay <= 0:
+            engine.submit(req)
+        else:
+            self.env.timeout(delay).callbacks.append(lambda _: engine.submit(req))
 
     # ------------------------------------------------------- engine listener
 

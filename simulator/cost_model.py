@@ -45,6 +45,9 @@ class StepShape:
 class CostModel(Protocol):
     name: str
     kv_capacity_tokens: int
+    # Seconds from a request reaching the server to reaching its engine (HTTP, tokenizing): a
+    # delay before the engine sees it, not engine time.
+    request_overhead: float
 
     def step_time(self, shape: StepShape) -> float: ...
 
@@ -112,6 +115,7 @@ class StepCost:
 
     name: str
     kv_capacity_tokens: int
+    request_overhead: float = 0.0
 
     def step_time(self, shape: StepShape) -> float:
         raise NotImplementedError
@@ -161,6 +165,7 @@ class FittedCost(StepCost):
         self.coefficients = {c: float(coefficients[c]) for c in self.COEFFICIENTS}
         self.kv_capacity_tokens = kv_capacity_tokens
         self.name = name
+        self.request_overhead = self.coefficients["request_overhead"]
         c = self.coefficients
         self._terms = (c["overhead"], c["per_token"], c["per_pair"], c["per_kv_token"])
 

@@ -74,3 +74,19 @@ def test_profiling_an_emulated_worker_finds_its_cost_model(tmp_path: Path) -> No
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 50 and summary["config"]["cost_model"] == "fitted:tiny"
+
+
+def test_request_overhead_delays_the_engine_not_its_steps() -> None:
+    from router.request import Request
+    from simulator.cluster import SimConfig, simulate
+    from traces.schema import Trace
+
+    ttft = {}
+    for overhead in (0.0, 0.5):
+        terms = {"overhead": 0.01, "per_token": 1e-4, "per_pair": 0.0, "per_kv_token": 0.0,
+                 "request_overhead": overhead}  # fmt: skip
+        cost = FittedCost(terms, 100_000, "t")
+        trace = Trace([Request(0, 1.0, 100, 5), Request(1, 9.0, 200, 5)], 16)
+        records = simulate(trace, cost, SimConfig(num_workers=1)).records
+        ttft[overhead] = [r.ttft for r in records]
+    assert ttft[0.5] == pytest.approx([t + 0.5 for t in ttft[0.0]])

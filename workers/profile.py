@@ -5,9 +5,11 @@ Prompts are random token ids, so nothing hits the prefix cache, and `ignore_eos`
 answer as long as asked. Two kinds of measurement:
 - prefill: one request at a time, a prompt of L tokens answered with one token. Its wall time
   is one prefill step plus what the request costs around it (HTTP, tokenizing, scheduling).
-- decode: B streams started together, each a short prompt and N tokens. Once every prefill is
-  done, the gap between a stream's consecutive events is one decode step of B sequences; the
-  median gap of the middle half of the streams is taken.
+- decode: B streams started together, each a prompt of P tokens and N answer tokens. Once every
+  prefill is done, the gap between a stream's consecutive events is one decode step of B
+  sequences; the median gap of the middle half of the streams is taken. Short and long P tell
+  the cost of reading the KV cache apart from the per-step cost (prefills alone cannot: their
+  tokens and KV reads grow together).
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ from simulator.cost_model import FittedCost, Measurement, StepShape
 
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16)
-DECODE_PROMPT, DECODE_TOKENS = 32, 48
+DECODE_PROMPTS = (32, 1024)
+DECODE_TOKENS = 48
 
 
 class Profiler:
-    def __init__(self, url: str, session: aiohttp.ClientSession, seed: int = 0) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
         self.url = url.rstrip("/")
         self.session = session
-        self.rng = random.Random(seed)
+        # Seeded by the OS, not a fixed seed: a second profile of the same server must not find
+        # the first one's prompts in its prefix cache.
+        self.rng = random.Random()
         self.model = ""
         self.max_model_len = 2048
 
@@ -78,12 +83,12 @@ class Profiler:
                     stamps.append(time.perf_counter())  # a token (not the usage event)
         return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
-    async def decode(self, batch: int) -> Measurement:
-        bodies = [self._body(DECODE_PROMPT, DECODE_TOKENS, stream=True) for _ in range(batch)]
+    async def decode(self, batch: int, prompt_len: int) -> Measurement:
+        bodies = [self._body(prompt_len, DECODE_TOKENS, stream=True) for _ in range(batch)]
         streams = await asyncio.gather(*(self._stream_gaps(b) for b in bodies))
         quarter = DECODE_TOKENS // 4
         gaps = [g for s in streams for g in s[quarter : 3 * quarter]]  # all B surely decoding
-        context = batch * (DECODE_PROMPT + DECODE_TOKENS // 2)
+        context = batch * (prompt_len + DECODE_TOKENS // 2)
         return Measurement(StepShape(batch, context, context), statistics.median(gaps), False)
 
 
@@ -100,8 +105,10 @@ async def measure(url: str, repeats: int = 2) -> tuple[str, int, list[Measuremen
             for length in PREFILL_LENGTHS:
                 if length + 1 < p.max_model_len:
                     measurements.append(await p.prefill(length))
-            for batch in DECODE_BATCHES:
-                measurements.append(await p.decode(batch))
+            for prompt_len in DECODE_PROMPTS:
+                if prompt_len + DECODE_TOKENS < p.max_model_len:
+                    for batch in DECODE_BATCHES:
+                        measurements.append(await p.decode(batch, prompt_len))
         return p.model, capacity, measurements
 
 

@@ -1,0 +1,51 @@
+"""`fairway replay`: a trace sent to a live proxy, recorded in the simulator's columns."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboards.report import load_run
+from router.replay import prompt_tokens, replay
+from router.request import Request
+from tests.live_helpers import emulated_workers, proxy, run
+from traces.generators import shared_prefix
+from traces.schema import Trace
+
+
+def test_shared_blocks_become_shared_tokens() -> None:
+    a = Request(0, 0.0, 40, 4, [11, 22, 33])
+    b = Request(1, 0.0, 36, 4, [11, 22, 99])
+    ta, tb = prompt_tokens(a, 16), prompt_tokens(b, 16)
+    assert len(ta) == 40 and len(tb) == 36
+    assert ta[:32] == tb[:32] and ta[32:] != tb[32:36]
+
+
+def test_replay_through_the_proxy_records_every_request(tmp_path) -> None:
+    trace = shared_prefix(num_requests=30, num_tenants=3, prefix_tokens=600, rate=20.0, seed=2)
+    out = tmp_path / "live"
+
+    async def go() -> None:
+        async with emulated_workers(2, speed=20) as urls, proxy(urls, "lpm") as (base, _):
+            result = await replay(trace, base, out)
+            assert not result.failures and len(result.records) == 30
+
+    run(go)
+    live = load_run(out)
+    assert len(live.records) == 30 and live.name == "live (live)"
+    assert {r.worker for r in live.records} == {0, 1}, "the proxy's worker header is kept"
+    assert {r.client for r in live.records} == {"tenant-0", "tenant-1", "tenant-2"}
+    assert all(r.output_tokens == req.output_len for r, req in zip(
+        sorted(live.records, key=lambda r: r.id), trace.requests, strict=True))  # fmt: skip
+    assert live.summary["prefix_cache"]["hit_rate"] > 0.3, "shared documents hit the cache"
+
+
+def test_a_trace_the_model_cannot_hold_is_refused_before_sending(tmp_path) -> None:
+    trace = Trace([Request(0, 0.0, 100, 8), Request(1, 0.1, 9000, 8)], 16)
+
+    async def go() -> None:
+        async with emulated_workers(1, speed=20) as urls:
+            with pytest.raises(ValueError, match=r"1 of 2 requests need more than"):
+                await replay(trace, urls[0], tmp_path / "x")
+
+    run(go)
+    assert not (tmp_path / "x" / "requests.csv").exists()
