@@ -50,10 +50,11 @@ test: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP) lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-bench: $(STAMP)
+bench: $(STAMP) $(TINY_MODEL)
 	$(PY) -m pip install --quiet --disable-pip-version-check sglang-router==0.3.2
 	$(VENV)/bin/fairway bench
 	$(VENV)/bin/fairway bench-proxy
+	$(VENV)/bin/fairway bench-sim2real
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

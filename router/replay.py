@@ -4,7 +4,8 @@ live run beside simulated ones (the simulator's error against a real cluster, on
 
 Prompts are token ids made from the trace's block hashes: each hash seeds its block's tokens, so
 requests that share a prefix in the trace share it token for token at the server (the tokens mean
-nothing). Every answer is `output_len` tokens long (`ignore_eos`). Requests go out open loop, each
+nothing); a fresh salt per replay keeps one replay's prompts out of the next one's cache.
+Every answer is `output_len` tokens long (`ignore_eos`). Requests go out open loop, each
 at its arrival time, with its client in `X-Client-Id` so the proxy's fairness sees the tenants.
 Live records know no admission time: `admitted` is the arrival.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +29,15 @@ from traces.schema import Trace
 TOKEN_IDS = (10, 1000)  # ids every vocabulary has, clear of the special tokens at the start
 
 
-def prompt_tokens(req: Request, block_size: int) -> list[int]:
-    """`req.prompt_len` token ids: one seeded run per block hash, then the request's own tail."""
+def prompt_tokens(req: Request, block_size: int, salt: str = "") -> list[int]:
+    """`req.prompt_len` token ids: one seeded run per block hash, then the request's own tail.
+    Another `salt` gives other tokens for the same structure."""
     low, high = TOKEN_IDS
     ids: list[int] = []
     for h in req.block_hashes[: req.prompt_len // block_size]:
-        rng = random.Random(h)
+        rng = random.Random(f"{salt}:{h}")
         ids.extend(rng.randrange(low, high) for _ in range(block_size))
-    rng = random.Random(f"tail-{req.id}")
+    rng = random.Random(f"{salt}:tail:{req.id}")
     ids.extend(rng.randrange(low, high) for _ in range(req.prompt_len - len(ids)))
     return ids
 
@@ -54,8 +57,14 @@ async def _model_card(session: aiohttp.ClientSession, url: str) -> dict:
         return (await r.json())["data"][0]
 
 
-async def replay(trace: Trace, url: str, out: Path, timeout: float = 600.0) -> ReplayResult:
+async def replay(
+    trace: Trace, url: str, out: Path, salt: str | None = None, timeout: float = 600.0
+) -> ReplayResult:
+    """Replay `trace` against `url`. Each replay draws a fresh `salt` unless given one, so it
+    meets a cold prefix cache however often the server has seen this trace, as a simulation
+    starts cold."""
     url = url.rstrip("/")
+    salt = secrets.token_hex(8) if salt is None else salt
     result = ReplayResult()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         card = await _model_card(session, url)
@@ -73,7 +82,7 @@ async def replay(trace: Trace, url: str, out: Path, timeout: float = 600.0) -> R
         t0 = time.monotonic()
 
         async def send(req: Request) -> None:
-            record = await _one(session, url, card["id"], req, trace.block_size, t0, result)
+            record = await _one(session, url, card["id"], req, trace.block_size, salt, t0, result)
             if record is not None:
                 result.records.append(record)
                 writer.write(record, flush=True)
@@ -95,12 +104,13 @@ async def _one(
     model: str,
     req: Request,
     block_size: int,
+    salt: str,
     t0: float,
     result: ReplayResult,
 ) -> RequestRecord | None:
     body = {
         "model": model,
-        "prompt": prompt_tokens(req, block_size),
+        "prompt": prompt_tokens(req, block_size, salt),
         "max_tokens": req.output_len,
         "ignore_eos": True,
         "temperature": 0,
