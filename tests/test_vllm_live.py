@@ -123,6 +123,35 @@ def test_precise_index_predicts_what_the_server_reports(vllm_pool) -> None:
     run(go)
 
 
+def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
+    """What measures the simulator against vLLM uses vLLM's API as it is: token-id prompts,
+    ignore_eos, usage with cached tokens, the model card's length, the KV size in /metrics."""
+    from dashboards.report import load_run
+    from router.replay import replay
+    from simulator.cluster import SimConfig, simulate
+    from simulator.cost_model import FittedCost
+    from traces.generators import shared_prefix
+    from workers.profile import measure
+
+    url = vllm_pool.specs[0].url
+    model, capacity, measurements = asyncio.run(measure(url, repeats=1))
+    assert model == "tiny" and capacity > 0 and len(measurements) >= 10
+    cost = FittedCost.fit(measurements, capacity, "fitted")
+    # Slow arrivals: no request meets another's prefill half done, so hits are deterministic.
+    trace = shared_prefix(
+        num_requests=16, num_tenants=3, prefix_tokens=600, rate=2.0, block_size=BLOCK, seed=4
+    )
+    result = asyncio.run(replay(trace, url, tmp_path / "live"))
+    assert not result.failures and len(result.records) == 16
+    live = load_run(tmp_path / "live")
+    assert all(r.output_tokens == trace.requests[r.id].output_len for r in live.records)
+    simulated = simulate(trace, cost, SimConfig(num_workers=1)).summary
+    assert live.summary["prefix_cache"]["hit_rate"] == pytest.approx(
+        simulated["prefix_cache"]["hit_rate"], abs=0.02
+    )
+    assert live.summary["prefix_cache"]["hit_rate"] > 0.3
+
+
 def test_killing_a_server_mid_burst_loses_no_request(vllm_pool) -> None:
     async def go() -> None:
         cluster, app = live_proxy(vllm_pool, "round_robin")
