@@ -52,9 +52,12 @@ class ReplayResult:
 
 
 async def _model_card(session: aiohttp.ClientSession, url: str) -> dict:
-    async with session.get(f"{url}/v1/models") as r:
-        r.raise_for_status()
-        return (await r.json())["data"][0]
+    try:
+        async with session.get(f"{url}/v1/models") as r:
+            r.raise_for_status()
+            return (await r.json())["data"][0]
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{url}: no model list at /v1/models ({type(e).__name__}: {e})") from None
 
 
 async def replay(
@@ -88,8 +91,10 @@ async def replay(
                 writer.write(record, flush=True)
 
         tasks = []
-        for req in sorted(trace.requests, key=lambda r: r.arrival):
-            delay = req.arrival - (time.monotonic() - t0)
+        requests = sorted(trace.requests, key=lambda r: r.arrival)
+        first = requests[0].arrival if requests else 0.0  # a trace cut from later starts now
+        for req in requests:
+            delay = req.arrival - first - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(loop.create_task(send(req)))
