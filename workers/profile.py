@@ -88,6 +88,12 @@ class Profiler:
         streams = await asyncio.gather(*(self._stream_gaps(b) for b in bodies))
         quarter = DECODE_TOKENS // 4
         gaps = [g for s in streams for g in s[quarter : 3 * quarter]]  # all B surely decoding
+        if not gaps:
+            lengths = sorted({len(s) + 1 for s in streams})
+            raise ValueError(
+                f"{self.url}: streams of {DECODE_TOKENS} tokens ended after {lengths} events; "
+                f"the server must honour ignore_eos (vLLM does)"
+            )
         context = batch * (prompt_len + DECODE_TOKENS // 2)
         return Measurement(StepShape(batch, context, context), statistics.median(gaps), False)
 
