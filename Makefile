@@ -36,7 +36,7 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 $(TINY_MODEL): $(VLLM_STAMP) workers/tiny_model.py
-	$(VLLM_VENV)/bin/python workers/tiny_model.py build/tiny-model
+	$(VLLM_VENV)/bin/python -m workers.tiny_model build/tiny-model
 
 $(SYSTEM_STAMP):
 	command -v prometheus >/dev/null && command -v chromium >/dev/null || { \

@@ -306,7 +306,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from workers.profile import profile
+    from workers.profiler import profile
 
     cost, measurements = profile(args.url, args.repeats)
     cost.save(Path(args.out), measurements)

@@ -139,10 +139,11 @@ def validate_config(raw: dict, source: str = "config") -> ClusterConfig:
 
 def ensure_tiny_model(out: Path = DEFAULT_MODEL_DIR, weights: bool = True) -> Path:
     """Build the tiny test model once (weights need torch: the vLLM venv's Python)."""
-    script = ROOT / "workers" / "tiny_model.py"
     python = str(VLLM_PYTHON) if weights and VLLM_PYTHON.exists() else sys.executable
-    argv = [python, str(script), str(out)] + ([] if weights else ["--tokenizer-only"])
-    subprocess.run(argv, check=True)
+    # As a module from the project root: run as a script, its folder would come first on the
+    # path, and a module there could shadow the standard library's for torch.
+    argv = [python, "-m", "workers.tiny_model", str(out)]
+    subprocess.run(argv + ([] if weights else ["--tokenizer-only"]), check=True, cwd=ROOT)
     return out
 
 

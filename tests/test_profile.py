@@ -11,7 +11,7 @@ import pytest
 from router.cli import main
 from simulator.cost_model import FittedCost, Measurement, StepShape, roofline
 from tests.live_helpers import emulated_workers, run
-from workers.profile import measure
+from workers.profiler import measure
 
 
 def test_fit_recovers_the_coefficients_that_made_the_measurements() -> None:

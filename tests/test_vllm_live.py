@@ -131,7 +131,7 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     from simulator.cluster import SimConfig, simulate
     from simulator.cost_model import FittedCost
     from traces.generators import shared_prefix
-    from workers.profile import measure
+    from workers.profiler import measure
 
     url = vllm_pool.specs[0].url
     model, capacity, measurements = asyncio.run(measure(url, repeats=1))

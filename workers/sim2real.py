@@ -20,7 +20,7 @@ from router.serve import ClusterConfig, ensure_tiny_model, server_specs
 from router.tables import format_table
 from simulator.cluster import SimConfig, simulate
 from traces.generators import shared_prefix
-from workers.profile import profile
+from workers.profiler import profile
 
 RATES = (4.0, 12.0)  # requests/s: light, and near what one CPU core serves
 METRICS = [

@@ -1,14 +1,14 @@
 """Build the tiny test model: no model hub is reachable, so tests make their own.
 
-    python workers/tiny_model.py DIR            # tokenizer + random-weight Llama (needs torch,
+    python -m workers.tiny_model DIR            # tokenizer + random-weight Llama (needs torch,
                                                 # transformers: run it with the vLLM venv)
-    python workers/tiny_model.py DIR --tokenizer-only   # tokenizer files only (`tokenizers`)
+    python -m workers.tiny_model DIR --tokenizer-only   # tokenizer files only (`tokenizers`)
 
 The tokenizer is byte-level BPE (vocabulary 4,000) trained on text that is on every machine: the
 Python standard library's sources. The model is a LlamaConfig (hidden 256, 4 layers, 4 heads,
 2 KV heads, 4,096 positions) with random bf16 weights: its text is gibberish, but timing,
 batching, prefix caching and KV events are real. This file imports nothing from Fairway, so the
-vLLM venv can run it by path.
+vLLM venv (which does not install Fairway) can run it from the project root.
 """
 
 from __future__ import annotations
