@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -210,17 +211,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dashboards.report import load_run
     from router.replay import replay
+    from simulator.results import summarize, write_results
+    from traces.transform import InfiniteCache
 
     trace = load_workload(args)
     out = Path(args.out)
+    started = time.perf_counter()
     result = asyncio.run(replay(trace, args.url, out))
-    if result.records:
-        print(format_table([summary_row(out.name, load_run(out).summary)]))
+    bound = InfiniteCache(trace.block_size)
+    for req in sorted(trace.requests, key=lambda r: r.arrival):
+        bound.observe(req)
+    records = sorted(result.records, key=lambda r: r.id)
+    summary = summarize(
+        records, [], total=len(trace), cache_bound=bound.hit_rate,
+        simulated_seconds=max((r.finish for r in records), default=0.0),
+        wall_seconds=time.perf_counter() - started,
+        config={"live": True, "url": args.url, "trace": trace.source, "failures": result.failures},
+    )  # fmt: skip
+    write_results(out, summary, records)
+    print(format_table([summary_row(out.name, summary)]))
     failed = ", ".join(f"{n} {reason}" for reason, n in sorted(result.failures.items()))
-    print(f"{len(result.records)} of {len(trace)} requests answered; failed: {failed or 'none'}")
-    print(f"wrote {out / 'requests.csv'}; `fairway report {out} SIM_RUN...` compares it")
+    print(f"{len(records)} of {len(trace)} requests answered; failed: {failed or 'none'}")
+    print(f"wrote {out}/summary.json and requests.csv; `fairway report {out} SIM_RUN...`")
     return 0 if not result.failures else 1
 
 
