@@ -24,7 +24,7 @@ import policies
 from router.live import LiveCluster
 from router.prompts import PromptEncoder
 from router.proxy import ProxySettings, create_app
-from simulator.cost_model import GPUS, MODELS, roofline
+from simulator.cost_model import GPUS, MODELS, FittedCost, roofline
 from workers import emulated
 from workers.pool import ServerSpec, WorkerPool
 
@@ -113,7 +113,19 @@ class ClusterConfig(Strict):
     health_interval: float = Field(1.0, gt=0)
     cost_preset: str = "llama-3-8b"
     cost_gpu: str = "a100-80g"
+    cost_profile: str | None = Field(
+        None,
+        description="a `fairway profile` of the workers, for cost-aware policies (Preble); "
+        "else the cost_preset / cost_gpu roofline",
+    )
     record_dir: str | None = Field(None, description="write requests.csv here for reports")
+
+    @field_validator("cost_profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        if v is not None:
+            FittedCost.load(v)  # a bad file fails here, named by its field
+        return v
 
 
 def load_config(path: str | Path, **overrides: object) -> ClusterConfig:
@@ -240,7 +252,11 @@ def build_cluster(config: ClusterConfig) -> LiveCluster:
         local_factory,
         config.block_size,
         config.window,
-        cost=roofline(config.cost_preset, config.cost_gpu),
+        cost=(
+            FittedCost.load(config.cost_profile)
+            if config.cost_profile
+            else roofline(config.cost_preset, config.cost_gpu)
+        ),
         precise=config.index_mode == "precise",
     )
 

@@ -27,6 +27,7 @@ def test_the_example_config_is_valid() -> None:
         ({"index_mode": "psychic"}, "index_mode"),
         ({"colour": "blue"}, "colour"),
         ({"timeouts": {"queue": -1}}, "timeouts.queue"),
+        ({"cost_profile": "/nonexistent/profile.json"}, "cost_profile"),
     ],
 )
 def test_errors_name_the_field(raw: dict, field: str) -> None:
@@ -39,3 +40,14 @@ def test_bad_yaml_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_text("workers: [unclosed\n")
     with pytest.raises(ValueError, match="cannot read config"):
         load_config(bad)
+
+
+def test_a_profile_prices_the_live_policies(tmp_path: Path) -> None:
+    from router.serve import build_cluster
+    from simulator.cost_model import FittedCost
+
+    terms = dict.fromkeys(FittedCost.COEFFICIENTS, 0.001)
+    FittedCost(terms, 50_000, "fitted:tiny").save(tmp_path / "p.json")
+    profile = str(tmp_path / "p.json")
+    config = validate_config({"policy": {"name": "preble"}, "cost_profile": profile})
+    assert build_cluster(config).view.cost.name == "fitted:tiny"
