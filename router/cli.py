@@ -218,7 +218,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     trace = load_workload(args)
     out = Path(args.out)
     started = time.perf_counter()
-    result = asyncio.run(replay(trace, args.url, out))
+    result = asyncio.run(replay(trace, args.url, out, closed_loop=args.closed_loop))
     bound = InfiniteCache(trace.block_size)
     for req in sorted(trace.requests, key=lambda r: r.arrival):
         bound.observe(req)

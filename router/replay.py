@@ -5,8 +5,9 @@ live run beside simulated ones (the simulator's error against a real cluster, on
 Prompts are token ids made from the trace's block hashes: each hash seeds its block's tokens, so
 requests that share a prefix in the trace share it token for token at the server (the tokens mean
 nothing); a fresh salt per replay keeps one replay's prompts out of the next one's cache.
-Every answer is `output_len` tokens long (`ignore_eos`). Requests go out open loop, each
-at its arrival time, with its client in `X-Client-Id` so the proxy's fairness sees the tenants.
+Every answer is `output_len` tokens long (`ignore_eos`). Requests go out open loop, each at its
+arrival time, or closed loop by session; each carries its client in `X-Client-Id` so the proxy's
+fairness sees the tenants.
 Live records know no admission time: `admitted` is the arrival.
 """
 
@@ -61,11 +62,17 @@ async def _model_card(session: aiohttp.ClientSession, url: str) -> dict:
 
 
 async def replay(
-    trace: Trace, url: str, out: Path, salt: str | None = None, timeout: float = 600.0
+    trace: Trace,
+    url: str,
+    out: Path,
+    closed_loop: bool = False,
+    salt: str | None = None,
+    timeout: float = 600.0,
 ) -> ReplayResult:
-    """Replay `trace` against `url`. Each replay draws a fresh `salt` unless given one, so it
-    meets a cold prefix cache however often the server has seen this trace, as a simulation
-    starts cold."""
+    """Replay `trace` against `url`: open loop, every request at its arrival, or `closed_loop`,
+    each session's next turn `think_time` after the previous answer (as the simulator's closed
+    loop). Each replay draws a fresh `salt` unless given one, so it meets a cold prefix cache
+    however often the server has seen this trace, as a simulation starts cold."""
     url = url.rstrip("/")
     salt = secrets.token_hex(8) if salt is None else salt
     result = ReplayResult()
@@ -90,15 +97,23 @@ async def replay(
                 result.records.append(record)
                 writer.write(record, flush=True)
 
-        tasks = []
         requests = sorted(trace.requests, key=lambda r: r.arrival)
         first = requests[0].arrival if requests else 0.0  # a trace cut from later starts now
+        chains: dict[object, list[Request]] = {}  # one chain per session, or per request
         for req in requests:
-            delay = req.arrival - first - (time.monotonic() - t0)
+            key = req.session if closed_loop and req.session is not None else ("request", req.id)
+            chains.setdefault(key, []).append(req)
+
+        async def run_chain(turns: list[Request]) -> None:
+            delay = turns[0].arrival - first - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(loop.create_task(send(req)))
-        await asyncio.gather(*tasks)
+            for i, req in enumerate(turns):
+                if i:
+                    await asyncio.sleep(req.think_time or 0.0)
+                await send(req)
+
+        await asyncio.gather(*(loop.create_task(run_chain(c)) for c in chains.values()))
         writer.close()
     return result
 

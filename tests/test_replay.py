@@ -57,3 +57,26 @@ def test_an_endpoint_that_is_not_there_is_a_clear_error(tmp_path) -> None:
     trace = Trace([Request(0, 0.0, 100, 8)], 16)
     with pytest.raises(ValueError, match="no model list at /v1/models"):
         run(lambda: replay(trace, f"http://127.0.0.1:{free_port()}", tmp_path / "x"))
+
+
+def test_closed_loop_sends_each_turn_after_the_previous_answer(tmp_path) -> None:
+    from traces.generators import chat_sessions
+
+    trace = chat_sessions(num_sessions=4, mean_turns=3, system_tokens=200, user_tokens=50,
+                          output_tokens=20, think_time=0.2, rate=10.0, seed=1)  # fmt: skip
+    assert any(r.id != min(q.id for q in trace.requests if q.session == r.session)
+               for r in trace.requests), "some sessions have later turns"  # fmt: skip
+
+    async def go() -> None:
+        async with emulated_workers(1, speed=20) as urls:
+            result = await replay(trace, urls[0], tmp_path / "live", closed_loop=True)
+            assert not result.failures
+
+    run(go)
+    by_session: dict = {}
+    for r in sorted(load_run(tmp_path / "live").records, key=lambda r: r.arrival):
+        by_session.setdefault(r.session, []).append(r)
+    think = {r.id: r.think_time or 0.0 for r in trace.requests}
+    for turns in by_session.values():
+        for previous, turn in zip(turns, turns[1:], strict=False):
+            assert turn.arrival >= previous.finish + think[turn.id] - 1e-3
