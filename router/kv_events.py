@@ -57,7 +57,10 @@ class KVEventIndexer:
             self._store(names, parent, prefix, ours, now)
 
     def removed(self, names: Iterable[int]) -> None:
-        for name in names:
+        # Caches evict a chain's blocks deepest first; taken in reverse, the first removal of a
+        # chain drops the blocks below it too, and theirs find their path gone at once. Any
+        # order leaves the same index: a removal takes the subtree below the block with it.
+        for name in reversed(list(names)):
             path = self._path(name)
             if path:
                 self.index.remove_prefix(path, self.worker)
