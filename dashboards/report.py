@@ -12,6 +12,7 @@ import csv
 import html
 import io
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -243,6 +244,8 @@ def verdict(rows: list[dict[str, object]]) -> list[str]:
 
 def _fmt(v: object) -> str:
     if isinstance(v, float):
+        if math.isnan(v):
+            return "-"  # not known for this run (a live recording has no trace bound)
         return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 
 def _cell(value: object) -> str:
-    if value is None:
-        return "-"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"  # not known for this run
     if isinstance(value, float):
         if value == 0:
             return "0"
