@@ -222,8 +222,8 @@ def test_every_experiment_run_is_a_valid_configuration() -> None:
                 placement=run.placement,
                 window=run.window,
             )
-            policies.global_policies.build(run.policy, run.params)
-            local = run.local_policy or "fcfs"
+            policy = policies.global_policies.build(run.policy, run.params)
+            local = run.local_policy or getattr(policy, "default_local", "fcfs")
             policies.local_policies.build(local, run.local_params)
 
 
