@@ -9,7 +9,8 @@ imbalance guard (queues apart by more than `balance_abs_threshold` requests and 
 spread load away from a holder. The chosen pair is charged the
 request's extend tokens x w_in at dispatch and w_out per generated token (over the client's
 weight). A worker whose active clients (those with requests outstanding there) are all in
-deficit gives each of them the quantum Q^u, as often as needed for one to turn positive. A client
+deficit gives each of them the quantum Q^u, as often as needed for one to turn positive; this is
+checked when the worker is considered for a request and after each dispatch to it. A client
 that becomes active on a worker starts with its debt there plus one quantum, so a newcomer may
 use a worker at once. Each worker runs local DLPM.
 """
@@ -73,6 +74,9 @@ class DistributedDLPM(GlobalPolicy):
         if is_imbalanced([w.num_outstanding for w in workers], *self.balance):
             holders = []
         for w in holders:
+            # A holder nobody is in credit at refills now: refilling only on dispatch would
+            # starve it, since only clients in credit are sent to holders.
+            self._refill(w)
             if self.deficit(request.client, w) > 0:
                 self._matched[request.id] = matched[w]
                 return Decision(w, "holds prefix, client in credit")

@@ -223,6 +223,16 @@ class TestD2LPM:
         decision = policy.route(make_req(1, [1, 2, 3, 4]), view)
         assert decision.worker == 2 and "shortest queue" in decision.reason
 
+    def test_a_holder_where_every_active_client_is_in_deficit_refills(self) -> None:
+        policy = policies.global_policies.create("d2lpm", quantum=1000)
+        view = self.setup_view()
+        policy.active[0] = {"a": 1, "other": 1}
+        policy.deficits[("a", 0)] = -10.0
+        policy.deficits[("other", 0)] = -1500.0
+        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 0
+        # One quantum lifts the richest, "a", to credit; everyone there got the same.
+        assert policy.deficits[("a", 0)] == 990.0 and policy.deficits[("other", 0)] == -500.0
+
     def test_dispatch_charges_the_chosen_workers_deficit(self) -> None:
         policy = policies.global_policies.create("d2lpm", quantum=1000)
         view = self.setup_view()
@@ -230,10 +240,10 @@ class TestD2LPM:
         policy.deficits[("a", 1)] = -10.0
         policy.active[1] = {"other": 1}
         policy.deficits[("other", 1)] = 5.0
-        policy.active[0] = {"a": 1}
+        policy.active[0] = {"a": 1, "x": 1}
         policy.deficits[("a", 0)] = -1.0
-        policy.deficits[("x", 0)] = 0.0
-        assert policy.route(r, view).worker == 1  # worker 0: a in deficit there
+        policy.deficits[("x", 0)] = 5.0
+        assert policy.route(r, view).worker == 1  # worker 0: a in deficit there, x not
         policy.on_dispatch(r, 1, view)
         # a joins worker 1 with its debt plus one quantum, then pays the 24 extend tokens.
         assert policy.deficits[("a", 1)] == -10.0 + 1000 - 24
