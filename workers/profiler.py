@@ -7,7 +7,8 @@ answer as long as asked. Two kinds of measurement:
   is one prefill step plus what the request costs around it (HTTP, tokenizing, scheduling).
 - decode: B streams started together, each a prompt of P tokens and N answer tokens. Once every
   prefill is done, the gap between a stream's consecutive events is one decode step of B
-  sequences; the median gap of the middle half of the streams is taken. Short and long P tell
+  sequences; a stream's mean gap over its middle half is taken (robust to events read
+  together), the median over the streams. Short and long P tell
   the cost of reading the KV cache apart from the per-step cost (prefills alone cannot: their
   tokens and KV reads grow together).
 """
@@ -74,28 +75,30 @@ class Profiler:
             await r.read()
         return Measurement(StepShape.prefill(prompt_len, 0), time.perf_counter() - started, True)
 
-    async def _stream_gaps(self, body: dict) -> list[float]:
+    async def _stream_stamps(self, body: dict) -> list[float]:
         stamps = []
         async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.content:
                 if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
                     stamps.append(time.perf_counter())  # a token (not the usage event)
-        return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return stamps
 
     async def decode(self, batch: int, prompt_len: int) -> Measurement:
         bodies = [self._body(prompt_len, DECODE_TOKENS, stream=True) for _ in range(batch)]
-        streams = await asyncio.gather(*(self._stream_gaps(b) for b in bodies))
-        quarter = DECODE_TOKENS // 4
-        gaps = [g for s in streams for g in s[quarter : 3 * quarter]]  # all B surely decoding
-        if not gaps:
-            lengths = sorted({len(s) + 1 for s in streams})
+        streams = await asyncio.gather(*(self._stream_stamps(b) for b in bodies))
+        # Over the middle half of each stream (all B surely decoding), the mean step: events
+        # read together (a busy client) bend single gaps, not the span of many.
+        start, stop = DECODE_TOKENS // 4, 3 * DECODE_TOKENS // 4
+        if any(len(s) <= stop for s in streams):
+            lengths = sorted({len(s) for s in streams})
             raise ValueError(
                 f"{self.url}: streams of {DECODE_TOKENS} tokens ended after {lengths} events; "
                 f"the server must honour ignore_eos (vLLM does)"
             )
+        steps = [(s[stop] - s[start]) / (stop - start) for s in streams]
         context = batch * (prompt_len + DECODE_TOKENS // 2)
-        return Measurement(StepShape(batch, context, context), statistics.median(gaps), False)
+        return Measurement(StepShape(batch, context, context), statistics.median(steps), False)
 
 
 async def measure(url: str, repeats: int = 2) -> tuple[str, int, list[Measurement]]:
