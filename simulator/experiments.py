@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from router.tables import format_table, summary_row
@@ -29,15 +29,11 @@ MOONCAKE = Path("../shared/traces/mooncake/conversation_trace.jsonl")
 class Run:
     label: str
     workload: str  # a key of WORKLOADS
-    policy: str
-    workers: int
-    local_policy: str | None = None
-    params: dict[str, object] = field(default_factory=dict)
-    local_params: dict[str, object] = field(default_factory=dict)
-    index: str = "approximate"
-    kv_event_delay: float = 0.0
-    placement: str = "engine"
-    window: int = 8
+    config: SimConfig  # its seed is the experiment's
+
+
+def _run(label: str, workload: str, policy: str, workers: int, **config: object) -> Run:
+    return Run(label, workload, SimConfig(num_workers=workers, policy=policy, **config))
 
 
 def _shared_prefix(rate: float) -> Callable[[int], Trace]:
@@ -90,7 +86,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
         "Tenants with long shared documents, Poisson arrivals at 8 and 24 req/s, 8 workers "
         "(Preble's setting)",
         [
-            Run(f"{rate} req/s {policy}", f"shared_prefix_{rate}", policy, 8)
+            _run(f"{rate} req/s {policy}", f"shared_prefix_{rate}", policy, 8)
             for rate in (8, 24)
             for policy in ("round_robin", "least_load", "lpm", "preble")
         ],
@@ -99,24 +95,31 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
         "One client floods over a 4k-token shared prefix next to 4 calm clients: one worker "
         "(local disciplines), then four (global + local)",
         [
-            Run("1w fcfs", "flood_1", "least_load", 1),
-            Run("1w lpm", "flood_1", "lpm", 1),
-            Run("1w vtc", "flood_1", "vtc", 1),
+            _run("1w fcfs", "flood_1", "least_load", 1),
+            _run("1w lpm", "flood_1", "lpm", 1),
+            _run("1w vtc", "flood_1", "vtc", 1),
             *(
-                Run(f"1w dlpm Q={q}", "flood_1", "lpm", 1, "dlpm", local_params={"quantum": q})
+                _run(
+                    f"1w dlpm Q={q}",
+                    "flood_1",
+                    "lpm",
+                    1,
+                    local_policy="dlpm",
+                    local_params={"quantum": q},
+                )  # fmt: skip
                 for q in (256, 2048, 16384, 131072)
             ),
-            Run("4w least_load", "flood_4", "least_load", 4),
-            Run("4w lpm", "flood_4", "lpm", 4),
-            Run("4w vtc", "flood_4", "vtc", 4),
-            Run("4w dlpm", "flood_4", "dlpm", 4),
-            Run("4w d2lpm", "flood_4", "d2lpm", 4),
+            _run("4w least_load", "flood_4", "least_load", 4),
+            _run("4w lpm", "flood_4", "lpm", 4),
+            _run("4w vtc", "flood_4", "vtc", 4),
+            _run("4w dlpm", "flood_4", "dlpm", 4),
+            _run("4w d2lpm", "flood_4", "d2lpm", 4),
         ],
     ),
     "mooncake": (
         "Mooncake conversation trace (12,031 requests, 1 hour), 8 workers",
         [
-            Run(name, "mooncake", name, 8)
+            _run(name, "mooncake", name, 8)
             for name in (
                 "round_robin",
                 "random",
@@ -134,7 +137,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
         "Mooncake conversation trace, 8 workers: the router's index updated on routing "
         "(approximate) or from the engines' KV events, on time or 1 s late (precise)",
         [
-            Run(f"{policy} {label}", "mooncake", policy, 8, index=index, kv_event_delay=delay)
+            _run(f"{policy} {label}", "mooncake", policy, 8, index=index, kv_event_delay=delay)
             for policy in ("lpm", "preble", "d2lpm")
             for label, index, delay in (
                 ("approximate", "approximate", 0.0),
@@ -147,10 +150,10 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
         "The flood on one worker with VTC in the engine's scheduler, or in the router's queue in "
         "front of an FCFS engine with N requests in flight (the live proxy's arrangement)",
         [
-            Run("fcfs in the engine", "flood_1", "least_load", 1),
-            Run("vtc in the engine", "flood_1", "vtc", 1),
+            _run("fcfs in the engine", "flood_1", "least_load", 1),
+            _run("vtc in the engine", "flood_1", "vtc", 1),
             *(
-                Run(f"vtc at the router, N={n}", "flood_1", "vtc", 1, placement="router", window=n)
+                _run(f"vtc at the router, N={n}", "flood_1", "vtc", 1, placement="router", window=n)
                 for n in (1, 4, 16, 64, 256)
             ),
         ],
@@ -159,16 +162,16 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
         "Shared documents at 24 req/s on 8 workers (more documents than one worker's cache, "
         "overloaded): fairness against locality, D²LPM's quantum swept",
         [
-            Run("vtc", "shared_prefix_24", "vtc", 8),
-            Run("lpm", "shared_prefix_24", "lpm", 8),
-            Run("dlpm", "shared_prefix_24", "dlpm", 8),
+            _run("vtc", "shared_prefix_24", "vtc", 8),
+            _run("lpm", "shared_prefix_24", "lpm", 8),
+            _run("dlpm", "shared_prefix_24", "dlpm", 8),
             *(
-                Run(
+                _run(
                     f"d2lpm Q={q}",
                     "shared_prefix_24",
                     "d2lpm",
                     8,
-                    params={"quantum": q},
+                    policy_params={"quantum": q},
                     local_params={"quantum": q},
                 )  # fmt: skip
                 for q in (2048, 8192, 32768)
@@ -180,18 +183,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
 
 def _run_one(run: Run, seed: int) -> tuple[Run, dict[str, object]]:
     trace = WORKLOADS[run.workload](seed)
-    config = SimConfig(
-        num_workers=run.workers,
-        policy=run.policy,
-        local_policy=run.local_policy,
-        policy_params=run.params,
-        local_params=run.local_params,
-        index=run.index,
-        kv_event_delay=run.kv_event_delay,
-        placement=run.placement,
-        window=run.window,
-        seed=seed,
-    )
+    config = replace(run.config, seed=seed)
     result = simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
     return run, result.summary
 

@@ -210,21 +210,13 @@ def test_every_experiment_run_is_a_valid_configuration() -> None:
     import policies
     from simulator.experiments import EXPERIMENTS, WORKLOADS
 
-    for _, runs in EXPERIMENTS.values():
+    for _, runs in EXPERIMENTS.values():  # each run's SimConfig validated itself on import
         for run in runs:
             assert run.workload in WORKLOADS, run.label
-            SimConfig(
-                num_workers=run.workers,
-                policy=run.policy,
-                local_policy=run.local_policy,
-                index=run.index,
-                kv_event_delay=run.kv_event_delay,
-                placement=run.placement,
-                window=run.window,
-            )
-            policy = policies.global_policies.build(run.policy, run.params)
-            local = run.local_policy or getattr(policy, "default_local", "fcfs")
-            policies.local_policies.build(local, run.local_params)
+            config = run.config
+            policy = policies.global_policies.build(config.policy, config.policy_params)
+            local = config.local_policy or getattr(policy, "default_local", "fcfs")
+            policies.local_policies.build(local, config.local_params)
 
 
 class TestRouterPlacement:
