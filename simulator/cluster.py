@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import simpy
 from tqdm import tqdm
@@ -108,7 +108,7 @@ class SimCluster:
             self.router_queues is not None
             and type(self.router_queues[0].discipline).on_token is not LocalPolicy.on_token
         )
-        engine_config = EngineConfig(**{**_asdict(config.engine), "block_size": trace.block_size})
+        engine_config = replace(config.engine, block_size=trace.block_size)
         self.view = ClusterView(
             now=0.0,
             workers={i: WorkerState(i) for i in range(config.num_workers)},
@@ -349,10 +349,6 @@ class DelayedKVEvents:
             apply(due)
         else:
             env.timeout(due - env.now).callbacks.append(lambda _: apply(due))
-
-
-def _asdict(config: EngineConfig) -> dict[str, object]:
-    return {f: getattr(config, f) for f in config.__dataclass_fields__}
 
 
 def simulate(trace: Trace, cost: CostModel, config: SimConfig) -> SimResult:
