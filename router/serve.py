@@ -13,12 +13,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 import policies
 from router.live import LiveCluster
@@ -38,6 +46,19 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _one_of(known: Mapping[str, object], what: str) -> Callable[[str], str]:
+    def check(v: str) -> str:
+        if v not in known:
+            raise ValueError(f"unknown {what} {v!r}; one of {sorted(known)}")
+        return v
+
+    return check
+
+
+ModelPreset = Annotated[str, AfterValidator(_one_of(MODELS, "preset"))]
+GPUPreset = Annotated[str, AfterValidator(_one_of(GPUS, "gpu"))]
+
+
 class WorkersConfig(Strict):
     backend: Literal["vllm", "emulated"] = "emulated"
     count: int = Field(2, ge=1, le=256)
@@ -49,23 +70,9 @@ class WorkersConfig(Strict):
     vllm_python: str | None = None
     vllm_args: list[str] = Field(default_factory=list)
     kv_cache_bytes: int = Field(256 * 1024 * 1024, gt=0)
-    emulated_preset: str = "llama-3-8b"
-    emulated_gpu: str = "a100-80g"
+    emulated_preset: ModelPreset = "llama-3-8b"
+    emulated_gpu: GPUPreset = "a100-80g"
     emulated_speed: float = Field(1.0, gt=0)
-
-    @field_validator("emulated_preset")
-    @classmethod
-    def _preset(cls, v: str) -> str:
-        if v not in MODELS:
-            raise ValueError(f"unknown preset {v!r}; one of {sorted(MODELS)}")
-        return v
-
-    @field_validator("emulated_gpu")
-    @classmethod
-    def _gpu(cls, v: str) -> str:
-        if v not in GPUS:
-            raise ValueError(f"unknown gpu {v!r}; one of {sorted(GPUS)}")
-        return v
 
 
 class PolicyConfig(Strict):
@@ -111,8 +118,8 @@ class ClusterConfig(Strict):
     max_retries: int = Field(2, ge=0)
     admin_token: str | None = None
     health_interval: float = Field(1.0, gt=0)
-    cost_preset: str = "llama-3-8b"
-    cost_gpu: str = "a100-80g"
+    cost_preset: ModelPreset = "llama-3-8b"
+    cost_gpu: GPUPreset = "a100-80g"
     cost_profile: str | None = Field(
         None,
         description="a `fairway profile` of the workers, for cost-aware policies (Preble); "

@@ -28,6 +28,8 @@ def test_the_example_config_is_valid() -> None:
         ({"colour": "blue"}, "colour"),
         ({"timeouts": {"queue": -1}}, "timeouts.queue"),
         ({"cost_profile": "/nonexistent/profile.json"}, "cost_profile"),
+        ({"cost_preset": "gpt-9"}, "cost_preset"),
+        ({"workers": {"emulated_gpu": "tpu"}}, "workers.emulated_gpu"),
     ],
 )
 def test_errors_name_the_field(raw: dict, field: str) -> None:
