@@ -25,9 +25,11 @@ class DispatchQueue:
         self.discipline = discipline
         self.window = window
         self.in_flight = 0
+        self.queued_tokens = 0  # prompt + output tokens of the requests waiting here
 
     def push(self, request: Request) -> None:
         self.discipline.push(request)
+        self.queued_tokens += request.prompt_len + request.output_len
 
     def release(self, index: PrefixIndex, block_size: int) -> Iterator[Request]:
         """The requests to send now, in the discipline's order, while the window has room.
@@ -44,6 +46,7 @@ class DispatchQueue:
             if request is None:
                 return
             self.discipline.pop(request, cached_blocks(request) * block_size)
+            self.queued_tokens -= request.prompt_len + request.output_len
             self.in_flight += 1
             yield request
 
@@ -57,12 +60,14 @@ class DispatchQueue:
         if request not in list(self.discipline):
             return False
         self.discipline.pop(request, 0)
+        self.queued_tokens -= request.prompt_len + request.output_len
         return True
 
     def drop_queued(self, fresh: LocalPolicy) -> None:
         """Forget every queued request (the worker went down and their callers were told);
         requests in flight stay counted until they finish."""
         self.discipline = fresh
+        self.queued_tokens = 0
 
     def on_token(self, request: Request, num_tokens: int) -> None:
         self.discipline.on_token(request, num_tokens)

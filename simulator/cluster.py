@@ -100,7 +100,6 @@ class SimCluster:
                 DispatchQueue(i, self.local_factory(), config.window)
                 for i in range(config.num_workers)
             ]
-            self._queued_tokens = [0] * config.num_workers
             engine_local = policies.local_policies.get("fcfs")  # a stock vLLM
         # Engines call on_tokens once per sequence per step; skip it when nobody counts tokens.
         self._policy_counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
@@ -197,7 +196,7 @@ class SimCluster:
         if self.router_queues is not None:  # what waits in the router is load too
             for i, queue in enumerate(self.router_queues):
                 view.workers[i].num_waiting += len(queue)
-                view.workers[i].tokens_in_flight += self._queued_tokens[i]
+                view.workers[i].tokens_in_flight += queue.queued_tokens
         decision = self.policy.route(req, view)
         worker = decision.worker
         self.decisions[decision.reason] += 1
@@ -222,15 +221,12 @@ class SimCluster:
             self._submit(worker, req)
         else:
             self.router_queues[worker].push(req)
-            self._queued_tokens[worker] += req.prompt_len + req.output_len
             self._pump(worker)
 
     def _pump(self, worker: int) -> None:
         """Send what the worker's router queue releases (router placement)."""
         assert self.router_queues is not None
-        queue = self.router_queues[worker]
-        for req in queue.release(self.view.index, self.trace.block_size):
-            self._queued_tokens[worker] -= req.prompt_len + req.output_len
+        for req in self.router_queues[worker].release(self.view.index, self.trace.block_size):
             self._submit(worker, req)
 
     def _submit(self, worker: int, req: Request) -> None:

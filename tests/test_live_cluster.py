@@ -78,3 +78,19 @@ def test_removed_worker_in_flight_request_finishes_cleanly() -> None:
         assert not c.workers and running.done()
 
     asyncio.run(go())
+
+
+def test_dispatch_queue_counts_what_waits() -> None:
+    from policies.fcfs import FCFS
+    from router.dispatch import DispatchQueue
+    from router.prefix_index import PrefixIndex
+
+    queue = DispatchQueue(0, FCFS(), window=1)
+    first, second = req(1), req(2)
+    queue.push(first)
+    queue.push(second)
+    waiting = first.prompt_len + first.output_len + second.prompt_len + second.output_len
+    assert queue.queued_tokens == waiting
+    assert list(queue.release(PrefixIndex(), 16)) == [first]  # the window holds one
+    assert queue.queued_tokens == second.prompt_len + second.output_len
+    assert queue.withdraw(second) and queue.queued_tokens == 0 and len(queue) == 0
