@@ -148,8 +148,7 @@ class PrefixIndex:
                 added += len(child.key)
             self._touch(child, worker, now)
             if pos + len(child.key) > hits_from:
-                child.hits.append(now)
-                self._expire_hits(child, now)
+                self._hit(child, now)
             node, pos = child, pos + len(child.key)
         self._num_blocks[worker] = self._num_blocks.get(worker, 0) + added
         return added
@@ -165,8 +164,7 @@ class PrefixIndex:
             if child is None or worker not in child.workers:
                 break
             self._touch(child, worker, now)
-            child.hits.append(now)
-            self._expire_hits(child, now)
+            self._hit(child, now)
             common = _common_prefix(child.key, hashes, pos)
             pos += common
             if common < len(child.key):
@@ -284,6 +282,10 @@ class PrefixIndex:
         for worker, touch in upper.workers.items():
             self._lru[worker].add((touch, -upper.depth, upper.uid, upper))
         return upper
+
+    def _hit(self, node: Node, now: float) -> None:
+        node.hits.append(now)
+        self._expire_hits(node, now)
 
     def _expire_hits(self, node: Node, now: float) -> None:
         horizon = now - self.hit_window
