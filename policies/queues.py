@@ -30,6 +30,10 @@ class FifoQueue(LocalPolicy):
         else:
             self._queue.remove(request)
 
+    def remove(self, request: Request) -> None:
+        if request in self._queue:
+            self._queue.remove(request)
+
     def __len__(self) -> int:
         return len(self._queue)
 

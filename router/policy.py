@@ -12,6 +12,13 @@ Call order for one request, in both backends:
     on_first_token(req, worker, now)
     on_token(req, worker, n, now)       n output tokens were produced (batched)
     on_finish(req, worker, view)        completed or failed; the request is gone
+    on_withdraw(req, worker, view)      instead of the three above: the request left the
+                                        worker's dispatch queue without ever running there
+                                        (queue timeout, worker down); undo what on_dispatch
+                                        charged, so a request that never ran costs nothing
+
+Hooks must not raise for a worker that went down or was removed, nor for a request or client a
+policy has forgotten: the backends call them from failure paths too.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ class GlobalPolicy:
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         pass
 
+    def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        """`request` was dispatched to `worker` but never ran there; by default, as finished."""
+        self.on_finish(request, worker, view)
+
 
 class LocalPolicy:
     """One worker's waiting queue and the order it releases requests in.
@@ -79,8 +90,15 @@ class LocalPolicy:
         """Remove `request` (the one `peek` returned) from the queue: it has started."""
         raise NotImplementedError
 
+    def remove(self, request: Request) -> None:
+        """Take a waiting request that never started out of the queue (withdrawn: its caller
+        gave up, or its worker went down). Charges nothing; a later `on_finish` for it is not
+        sent. A request that is not here is ignored."""
+        raise NotImplementedError
+
     def on_token(self, request: Request, num_tokens: int) -> None:
-        pass
+        """`num_tokens` output tokens of a started request. Must not raise for a request or
+        client the discipline does not know (it may have been rebuilt under running requests)."""
 
     def on_finish(self, request: Request) -> None:
         pass
