@@ -29,8 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from policies.fcfs import FCFS
 from router.errors import APIError
+from router.openai_request import build_request, parse_body
 from router.prompts import PromptEncoder
-from router.proxy import ProxySettings, build_request, parse_body
+from router.proxy import ProxySettings
 from router.request import Request
 from simulator.cost_model import roofline
 from simulator.engine import Engine, EngineConfig, Seq
