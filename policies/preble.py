@@ -233,6 +233,12 @@ class HitRatioGroups(LocalPolicy):
         self.passes[g] += 1.0 / (g + 1)
         self._len -= 1
 
+    def remove(self, request: Request) -> None:
+        g = self._group_of.pop(request.id, None)
+        # Ungrouped until the engine first peeks; a stranger is in neither queue.
+        if _discard(self._ungrouped if g is None else self.groups[g], request):
+            self._len -= 1
+
     def on_finish(self, request: Request) -> None:
         self._group_of.pop(request.id, None)
 
@@ -251,3 +257,12 @@ class HitRatioGroups(LocalPolicy):
         yield from self._ungrouped
         for queue in self.groups:
             yield from queue
+
+
+def _discard(queue: deque[Request], request: Request) -> bool:
+    """Take `request` itself (not an equal one) out of `queue`; False if it is not there."""
+    for i, r in enumerate(queue):
+        if r is request:
+            del queue[i]
+            return True
+    return False
