@@ -62,6 +62,13 @@ class DeficitLongestPrefixMatch(FifoQueue):
             extend = request.prompt_len - num_cached_tokens
             self.deficits[request.client] -= self.w_in * extend / request.weight
 
+    def remove(self, request: Request) -> None:
+        # Withdrawn before it started: no charge; the client leaves the waiting count (and,
+        # if that was its last request, its unused credit, as when its queue empties on a pop).
+        if request in self._queue:
+            super().remove(request)
+            self._count(request.client, -1)
+
     def on_token(self, request: Request, num_tokens: int) -> None:
         self.deficits[request.client] -= self.w_out * num_tokens / request.weight
 

@@ -48,6 +48,9 @@ class ClientQueues:
             return True
         return False
 
+    def __contains__(self, request: Request) -> bool:
+        return request in self.queues.get(request.client, ())
+
     def is_backlogged(self, client: str) -> bool:
         return client in self.queues
 
@@ -94,6 +97,12 @@ class VirtualTokenCounter(LocalPolicy):
             self._charged.add(request.id)
             self.counters[request.client] += self.w_in * request.prompt_len / request.weight
         if self.waiting.remove(request):
+            self._last_departed = self.counters[request.client]
+
+    def remove(self, request: Request) -> None:
+        # Withdrawn before it started: no charge. A client whose queue empties leaves it as
+        # after a pop (its counter is the last departed), so the next arrival is lifted right.
+        if request in self.waiting and self.waiting.remove(request):
             self._last_departed = self.counters[request.client]
 
     def on_token(self, request: Request, num_tokens: int) -> None:

@@ -1,0 +1,108 @@
+"""The fairness disciplines (VTC, DLPM, D²LPM) and the LPM order against their contract and papers:
+withdrawal charges nothing, hooks survive failure paths, bounds hold on random workloads."""
+
+from __future__ import annotations
+
+import pytest
+
+import policies
+from router.policy import LocalPolicy
+from router.request import Request
+
+BS = 16
+
+
+def make_req(
+    i: int, blocks: list[int], client: str = "a", tail: int = 8, out: int = 10, weight: float = 1.0
+) -> Request:
+    return Request(i, 0.0, len(blocks) * BS + tail, out, list(blocks), client=client, weight=weight)
+
+
+def no_cache(_: Request) -> int:
+    return 0
+
+
+def accounts(q: LocalPolicy) -> dict[str, float]:
+    """A discipline's per-client service accounts: VTC's counters, DLPM's deficits."""
+    return dict(getattr(q, "counters", None) or getattr(q, "deficits", {}))
+
+
+def drain(q: LocalPolicy) -> list[Request]:
+    """Admit everything waiting, in the discipline's order, with nothing cached."""
+    out = []
+    while (r := q.peek(no_cache)) is not None:
+        q.pop(r, 0)
+        out.append(r)
+    return out
+
+
+FAIR_LOCALS = ["vtc", "dlpm"]
+ALL_LOCALS = ["fcfs", "lpm", "vtc", "dlpm"]
+
+
+# ------------------------------------------------------------------- defect 3: withdrawal
+
+
+class TestRemoveChargesNothing:
+    @pytest.mark.parametrize("name", FAIR_LOCALS)
+    def test_remove_leaves_the_accounts_as_they_were(self, name: str) -> None:
+        q = policies.local_policies.create(name)
+        served = make_req(1, [1], "a")
+        q.push(served)
+        q.pop(served, 0)  # a has been served: a non-trivial account
+        q.push(make_req(2, [2], "a"))
+        q.push(make_req(3, [3], "b"))
+        withdrawn = make_req(4, [4], "b", tail=500)
+        q.push(withdrawn)
+        before = accounts(q)
+        q.remove(withdrawn)
+        assert accounts(q) == before, "a withdrawn request must cost its client nothing"
+        assert withdrawn not in list(q) and len(q) == 2
+
+    @pytest.mark.parametrize("name", FAIR_LOCALS)
+    def test_a_withdrawn_request_is_forgotten(self, name: str) -> None:
+        """Removed, then sent again (a retry with the same id): charged once, in full."""
+        q = policies.local_policies.create(name)
+        r = make_req(1, [1], "a")
+        q.push(r)
+        q.push(make_req(2, [2], "a"))  # a stays backlogged throughout
+        before = accounts(q)["a"]
+        q.remove(r)
+        q.push(r)
+        q.pop(r, 0)
+        charged = abs(accounts(q)["a"] - before)
+        assert charged == r.prompt_len, "the retry is charged its input once, not twice"
+
+    @pytest.mark.parametrize("name", ALL_LOCALS)
+    def test_remove_of_the_last_request_empties_the_client(self, name: str) -> None:
+        q = policies.local_policies.create(name)
+        r = make_req(1, [1], "a")
+        q.push(r)
+        q.remove(r)
+        assert len(q) == 0 and list(q) == [] and q.peek(no_cache) is None
+        q.remove(r)  # not here any more: ignored
+        other = make_req(2, [2], "b")
+        q.push(other)
+        assert drain(q) == [other]
+
+    def test_vtc_client_emptied_by_withdrawal_is_no_longer_backlogged(self) -> None:
+        q = policies.local_policies.create("vtc")
+        q.counters.update(a=1000.0, b=0.0)
+        a, b = make_req(1, [], "a"), make_req(2, [], "b")
+        q.push(a)
+        q.push(b)
+        q.remove(b)
+        # b left the queue: the newcomer c is lifted to the smallest *backlogged* counter, a's.
+        q.push(make_req(3, [], "c"))
+        assert q.counters["c"] == 1000.0
+
+    def test_dlpm_withdrawal_leaves_the_waiting_counts_right(self) -> None:
+        """A client emptied by withdrawal is out of the refill: refills go to those waiting."""
+        q = policies.local_policies.create("dlpm", quantum=100)
+        a, b = make_req(1, [1], "a"), make_req(2, [2], "b")
+        q.push(a)
+        q.push(b)
+        q.deficits.update(a=-250.0, b=-120.0)
+        q.remove(b)
+        assert q.peek(no_cache) is a
+        assert q.deficits == {"a": 50.0, "b": -120.0}, "only a, still waiting, is refilled"
