@@ -64,6 +64,22 @@ class WindowedLoad:
             if not entries:
                 self.total[worker] = 0.0  # drop accumulated rounding
 
+    def move(self, group: BlockHash, src: WorkerId, dst: WorkerId) -> None:
+        """Charge `group`'s entries on `src` to `dst` instead: its load follows it."""
+        entries = self._entries.get(src, deque())
+        moving = [e for e in entries if e[2] == group]
+        if not moving:
+            return
+        self._entries[src] = deque(e for e in entries if e[2] != group)
+        cost = sum(e[1] for e in moving)
+        self.total[src] -= cost
+        del self.by_group[src][group]
+        merged = sorted([*self._entries.get(dst, ()), *moving], key=lambda e: e[0])
+        self._entries[dst] = deque(merged)
+        self.total[dst] = self.total.get(dst, 0.0) + cost
+        groups = self.by_group.setdefault(dst, {})
+        groups[group] = groups.get(group, 0.0) + cost
+
     def of(self, worker: WorkerId) -> float:
         return self.total.get(worker, 0.0)
 
@@ -180,6 +196,7 @@ class PrebleE2(GlobalPolicy):
         if movable:
             group, _ = max(movable, key=lambda gl: gl[1])
             self.moved[group] = light
+            self.load.move(group, heavy, light)
 
 
 def _require_cost(view: ClusterView) -> CostEstimates:

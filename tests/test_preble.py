@@ -105,3 +105,38 @@ class TestLocalRemove:
         assert q.peek(cached_none) is a
         q.pop(a, 0)
         assert len(q) == 0
+
+
+# ------------------------------------------------------------------ global: rebalancing
+
+
+def dispatch(policy, view: ClusterView, req: Request) -> int:
+    """Route `req` and dispatch it as the backends do: the index learns the prompt first."""
+    worker = policy.route(req, view).worker
+    view.index.insert(req.block_hashes, worker, now=view.now)
+    policy.on_dispatch(req, worker, view)
+    return worker
+
+
+def prefix(g: int) -> list[int]:
+    return [1000 * g + k for k in range(8)]
+
+
+class TestRebalancing:
+    def test_a_moved_group_takes_its_load_along(self) -> None:
+        """Twelve prefix groups all start on worker 0. Rebalancing must split them between the
+        two workers, not move every group one after the other (the hotspot relocating)."""
+        policy = policies.global_policies.create("preble", rebalance_ratio=1.5)
+        view = make_view(0, 0)
+        for g in range(12):
+            view.index.insert(prefix(g), 0, now=0.0)
+        rid = 0
+        for _ in range(4):
+            last_round = {}
+            for g in range(12):
+                rid += 1
+                last_round[g] = dispatch(policy, view, make_req(rid, [*prefix(g), -rid]))
+        on_light = sum(1 for w in last_round.values() if w == 1)
+        assert 3 <= on_light <= 9, f"{on_light} of 12 groups served by worker 1"
+        high, low = sorted((policy.load.of(0), policy.load.of(1)), reverse=True)
+        assert high <= 1.5 * low + 1e-9, f"loads {high:.3f} vs {low:.3f} stay imbalanced"
