@@ -50,6 +50,7 @@ class DistributedDLPM(GlobalPolicy):
         self.deficits: dict[tuple[str, WorkerId], float] = {}
         self.active: dict[WorkerId, dict[str, int]] = {}  # worker -> client -> outstanding
         self._matched: dict[int, int] = {}  # request id -> blocks matched on the chosen worker
+        self._outstanding: dict[int, WorkerId] = {}  # request id -> the worker it was sent to
 
     def deficit(self, client: str, worker: WorkerId) -> float:
         """The client's deficit on `worker` as a new request would find it."""
@@ -90,14 +91,21 @@ class DistributedDLPM(GlobalPolicy):
         if request.client not in clients:
             self.deficits[key] = self.deficit(request.client, worker)
         clients[request.client] = clients.get(request.client, 0) + 1
+        self._outstanding[request.id] = worker
         extend = request.prompt_len - self._matched.pop(request.id, 0) * view.block_size
         self.deficits[key] -= self.w_in * max(extend, 1) / request.weight
         self._refill(worker)
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
-        self.deficits[(request.client, worker)] -= self.w_out * num_tokens / request.weight
+        # Hooks come from failure paths too: a request this policy did not send is ignored.
+        if self._outstanding.get(request.id) == worker:
+            self.deficits[(request.client, worker)] -= self.w_out * num_tokens / request.weight
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        self._matched.pop(request.id, None)
+        if self._outstanding.get(request.id) != worker:
+            return  # not sent there by this policy, or already finished or withdrawn
+        del self._outstanding[request.id]
         clients = self.active[worker]
         clients[request.client] -= 1
         if not clients[request.client]:

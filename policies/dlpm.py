@@ -34,7 +34,7 @@ class DeficitLongestPrefixMatch(FifoQueue):
         self.quantum, self.w_in, self.w_out, self.max_scan = quantum, w_in, w_out, max_scan
         self.deficits: dict[str, float] = {}
         self._num_waiting: dict[str, int] = {}
-        self._charged: set[int] = set()
+        self._admitted: set[int] = set()  # started, not finished: input charged once
 
     def push(self, request: Request) -> None:
         super().push(request)
@@ -57,8 +57,8 @@ class DeficitLongestPrefixMatch(FifoQueue):
     def pop(self, request: Request, num_cached_tokens: int) -> None:
         super().pop(request, num_cached_tokens)
         self._count(request.client, -1)
-        if request.id not in self._charged:
-            self._charged.add(request.id)
+        if request.id not in self._admitted:
+            self._admitted.add(request.id)
             extend = request.prompt_len - num_cached_tokens
             self.deficits[request.client] -= self.w_in * extend / request.weight
 
@@ -70,10 +70,12 @@ class DeficitLongestPrefixMatch(FifoQueue):
             self._count(request.client, -1)
 
     def on_token(self, request: Request, num_tokens: int) -> None:
-        self.deficits[request.client] -= self.w_out * num_tokens / request.weight
+        # Only requests this queue admitted (see VirtualTokenCounter.on_token).
+        if request.id in self._admitted:
+            self.deficits[request.client] -= self.w_out * num_tokens / request.weight
 
     def on_finish(self, request: Request) -> None:
-        self._charged.discard(request.id)
+        self._admitted.discard(request.id)
 
     def _refill(self, richest: float) -> None:
         """Every waiting client is in deficit: add Q^u to each, as many times as the richest

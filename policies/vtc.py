@@ -72,7 +72,7 @@ class VirtualTokenCounter(LocalPolicy):
         self.counters: dict[str, float] = {}
         self.waiting = ClientQueues()
         self._last_departed = 0.0  # counter of the client whose queue emptied last
-        self._charged: set[int] = set()
+        self._admitted: set[int] = set()  # started, not finished: input charged once
 
     def push(self, request: Request) -> None:
         client = request.client
@@ -93,8 +93,8 @@ class VirtualTokenCounter(LocalPolicy):
         return self.waiting.head(client)
 
     def pop(self, request: Request, num_cached_tokens: int) -> None:
-        if request.id not in self._charged:
-            self._charged.add(request.id)
+        if request.id not in self._admitted:
+            self._admitted.add(request.id)
             self.counters[request.client] += self.w_in * request.prompt_len / request.weight
         if self.waiting.remove(request):
             self._last_departed = self.counters[request.client]
@@ -106,10 +106,13 @@ class VirtualTokenCounter(LocalPolicy):
             self._last_departed = self.counters[request.client]
 
     def on_token(self, request: Request, num_tokens: int) -> None:
-        self.counters[request.client] += self.w_out * num_tokens / request.weight
+        # Only requests this queue admitted: one rebuilt under running requests (its worker
+        # was marked down) keeps accounts of what it admitted itself.
+        if request.id in self._admitted:
+            self.counters[request.client] += self.w_out * num_tokens / request.weight
 
     def on_finish(self, request: Request) -> None:
-        self._charged.discard(request.id)
+        self._admitted.discard(request.id)
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 
 import policies
+from router.cluster import ClusterView, WorkerState
 from router.policy import LocalPolicy
+from router.prefix_index import PrefixIndex
 from router.request import Request
+from simulator.cost_model import roofline
 
 BS = 16
+COST = roofline("llama-3-8b", "a100-80g")
 
 
 def make_req(
@@ -106,3 +110,66 @@ class TestRemoveChargesNothing:
         q.remove(b)
         assert q.peek(no_cache) is a
         assert q.deficits == {"a": 50.0, "b": -120.0}, "only a, still waiting, is refilled"
+
+
+# ------------------------------------------------- defect 4: hooks on failure paths never raise
+
+
+def make_view(*outstanding: int) -> ClusterView:
+    workers = {
+        i: WorkerState(i, num_waiting=n, tokens_in_flight=100 * n, kv_capacity_blocks=10_000)
+        for i, n in enumerate(outstanding)
+    }
+    return ClusterView(0.0, workers, PrefixIndex(), BS, COST)
+
+
+class TestHooksOnForgottenRequests:
+    @pytest.mark.parametrize("name", ALL_LOCALS)
+    def test_local_hooks_for_a_request_never_seen(self, name: str) -> None:
+        q = policies.local_policies.create(name)
+        stranger = make_req(1, [1], "nobody")
+        q.on_token(stranger, 5)
+        q.on_finish(stranger)
+        q.remove(stranger)
+        assert accounts(q) == {} and len(q) == 0
+
+    @pytest.mark.parametrize("name", ALL_LOCALS)
+    def test_local_discipline_rebuilt_under_running_requests(self, name: str) -> None:
+        """A worker marked down gets a fresh discipline while its requests still run: their
+        tokens and finishes reach a discipline that never admitted them, and charge nothing."""
+        old = policies.local_policies.create(name)
+        running = [make_req(i, [i], f"c{i % 2}") for i in range(4)]
+        for r in running:
+            old.push(r)
+        drain(old)
+        fresh = policies.local_policies.create(name)
+        waiting = make_req(10, [10], "c0")
+        fresh.push(waiting)
+        before = accounts(fresh)
+        for r in running:
+            fresh.on_token(r, 7)
+            fresh.on_finish(r)
+        assert accounts(fresh) == before
+        assert drain(fresh) == [waiting]
+
+    def test_d2lpm_hooks_for_unknown_requests_clients_and_workers(self) -> None:
+        policy = policies.global_policies.create("d2lpm")
+        view = make_view(0, 0)
+        stranger = make_req(1, [1], "nobody")
+        policy.on_first_token(stranger, 0, 1.0)
+        policy.on_token(stranger, 0, 5, 1.0)
+        policy.on_token(stranger, 9, 5, 1.0)  # a worker it never heard of
+        policy.on_finish(stranger, 9, view)
+        policy.on_withdraw(stranger, 9, view)
+        policy.on_finish(stranger, 0, view)
+        assert policy.deficits == {} and not any(policy.active.values())
+
+    def test_d2lpm_finish_after_withdraw_is_ignored(self) -> None:
+        policy = policies.global_policies.create("d2lpm")
+        view = make_view(0, 0)
+        r, other = make_req(1, [1], "a"), make_req(2, [2], "a")
+        for req in (r, other):
+            policy.on_dispatch(req, policy.route(req, view).worker, view)
+        policy.on_withdraw(r, 0, view)
+        policy.on_finish(r, 0, view)  # a late duplicate from a failure path
+        assert policy.active[0] == {"a": 1}, "other is still outstanding on worker 0"
