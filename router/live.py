@@ -1,9 +1,9 @@
-"""The live cluster: the same ClusterView and policy objects as the simulator, fed by real state.
+"""The live cluster: the router core (router.core.Router) driven from asyncio.
 
-    request ─▶ policy.route(view) ─▶ worker's dispatch queue (LocalPolicy order)
-                                        │  at most `window` requests in flight per worker
-                                        ▼
-                                     forwarded ─▶ release() ─▶ next in queue
+    request ─▶ Router.route ─▶ worker's dispatch queue (LocalPolicy order)
+                                  │  at most `window` requests in flight per worker
+                                  ▼
+                      future resolved ─▶ proxy forwards ─▶ release() ─▶ next in queue
 
 The router's own accounting (queued, in flight, tokens outstanding) is exact and immediate;
 worker-reported gauges (`/metrics`) and KV events refine the view in the background. Nothing
@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from router.cluster import ClusterView, CostEstimates, WorkerState
+from router.cluster import CostEstimates
+from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
 from router.metrics import RouterMetrics
 from router.policy import GlobalPolicy, LocalPolicy
@@ -47,6 +48,12 @@ class LiveWorker:
 
 
 class LiveCluster:
+    """The proxy's driver of the router core: monotonic time, HTTP workers, asyncio futures.
+
+    Each routed request gets a future that resolves when its worker's dispatch queue releases it
+    (or fails with WorkerDown); the proxy awaits it, forwards, and reports back here.
+    """
+
     def __init__(
         self,
         policy: GlobalPolicy,
@@ -61,54 +68,58 @@ class LiveCluster:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fall = fall
-        self.policy = policy
-        self.local_factory = local_factory
-        self.window = window
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
-        self.kv_capacity_blocks = kv_capacity_blocks
         self.precise = precise
-        self.view = ClusterView(clock(), {}, PrefixIndex(), block_size, cost)
-        # Precise mode keeps what workers report in its own index; the approximate one (updated
-        # on routing) stays alongside so the metrics can compare the two.
-        self.approx_index = self.view.index if not precise else PrefixIndex()
+        self.router = Router(
+            policy,
+            local_factory,
+            block_size,
+            window=window,
+            cost=cost,
+            precise=precise,
+            keep_approximate=True,
+            kv_capacity_blocks=kv_capacity_blocks,
+            strict=False,
+        )
+        self.view = self.router.view
+        self.policy = policy
         self.workers: dict[WorkerId, LiveWorker] = {}
         self._ids = itertools.count()
-        self._outstanding_tokens: dict[int, tuple[WorkerId, int]] = {}
+
+    @property
+    def approx_index(self) -> PrefixIndex:
+        assert self.router.approx_index is not None
+        return self.router.approx_index
 
     # ------------------------------------------------------------ membership
 
     def add_worker(self, url: str, kv_events: str | None = None) -> LiveWorker:
         wid = next(self._ids)
-        dispatch = DispatchQueue(wid, self.local_factory(), self.window)
+        dispatch = self.router.add_worker(wid)
         worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events)
         self.workers[wid] = worker
-        self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=self.kv_capacity_blocks)
         self.metrics.healthy.labels(worker.label).set(1)
         self.metrics.retries.labels(worker.label)  # a zero series from the start, not on demand
         return worker
 
     def remove_worker(self, wid: WorkerId) -> None:
         self.mark_down(wid)
+        self.router.remove_worker(wid, self.clock())
         del self.workers[wid]
-        del self.view.workers[wid]
 
     def mark_down(self, wid: WorkerId) -> None:
         """Stop routing to `wid`, forget what it cached, and hand its queue back to callers."""
-        state = self.view.workers[wid]
-        if not state.healthy:
+        state = self.view.workers.get(wid)
+        if state is None or not state.healthy:
             return
-        state.healthy = False
-        self.view.index.remove_worker(wid)
-        if self.approx_index is not self.view.index:
-            self.approx_index.remove_worker(wid)
         worker = self.workers[wid]
+        withdrawn = self.router.worker_down(wid, self.clock())
         self.metrics.healthy.labels(worker.label).set(0)
-        for fut in worker.waiters.values():
-            if not fut.done():
+        for request in withdrawn:
+            fut = worker.waiters.pop(request.id, None)
+            if fut is not None and not fut.done():
                 fut.set_exception(WorkerDown(f"worker {wid} went down"))
-        worker.waiters.clear()
-        worker.dispatch.drop_queued(self.local_factory())
         self._publish(worker)
 
     def mark_failure(self, worker: LiveWorker) -> None:
@@ -119,10 +130,10 @@ class LiveCluster:
             self.mark_down(worker.id)
 
     def mark_up(self, wid: WorkerId) -> None:
-        state = self.view.workers[wid]
-        if state.healthy:
+        state = self.view.workers.get(wid)
+        if state is None or state.healthy:
             return
-        state.healthy = True
+        self.router.worker_up(wid)
         self.metrics.healthy.labels(self.workers[wid].label).set(1)
 
     def healthy(self) -> list[LiveWorker]:
@@ -139,95 +150,70 @@ class LiveCluster:
         (or fails with WorkerDown). It exists from the moment the request is queued: a queue
         pumped by another task in between must find it.
         """
-        view = self._refresh()
-        excluded = set(exclude)
-        if excluded:
-            view = ClusterView(
-                view.now,
-                {k: v for k, v in view.workers.items() if k not in excluded},
-                view.index,
-                view.block_size,
-                view.cost,
-            )
-        if not any(w.healthy for w in view.workers.values()):
-            raise WorkerDown("no healthy worker")
-        decision = self.policy.route(request, view)
-        worker = self.workers[decision.worker]
-        hashes = request.block_hashes
-        # What a worker holds is prefix-closed: the blocks not new to it are its expected hit.
-        added = self.approx_index.insert(hashes, worker.id, view.now)
-        expected = (len(hashes) - added) * view.block_size
-        # Mirror the worker's cache size (scraped from vLLM, else the configured bound), so the
-        # approximate index stays bounded however long the proxy runs.
-        self.approx_index.evict(worker.id, self.view.workers[worker.id].kv_capacity_blocks)
-        self.policy.on_dispatch(request, worker.id, view)
-        self._outstanding_tokens[request.id] = (worker.id, request.prompt_len + request.output_len)
-        self.view.workers[worker.id].tokens_in_flight += request.prompt_len + request.output_len
-        self.metrics.prompt_tokens.labels(worker.label).inc(request.prompt_len)
-        self.metrics.estimated_hit_tokens.labels(worker.label, "approximate").inc(expected)
-        if self.precise:
-            hit = self.view.index.touch(hashes, worker.id, view.now) * view.block_size
-            self.metrics.estimated_hit_tokens.labels(worker.label, "precise").inc(hit)
+        for worker in self.workers.values():
+            self._report(worker)
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
+        try:
+            routed = self.router.route(request, self.clock(), exclude)
+        except NoHealthyWorker:
+            raise WorkerDown("no healthy worker") from None
+        worker = self.workers[routed.decision.worker]
         worker.waiters[request.id] = fut
-        worker.dispatch.push(request)
-        self._pump(worker)
-        return worker, decision.reason, fut
+        bs = self.view.block_size
+        self.metrics.prompt_tokens.labels(worker.label).inc(request.prompt_len)
+        self.metrics.estimated_hit_tokens.labels(worker.label, "approximate").inc(
+            routed.approximate_hit_blocks * bs
+        )
+        if self.precise:
+            self.metrics.estimated_hit_tokens.labels(worker.label, "precise").inc(
+                routed.hit_blocks * bs
+            )
+        self._send(worker, routed.released)
+        return worker, routed.decision.reason, fut
 
     def release(self, worker: LiveWorker, request: Request, output_tokens: int) -> None:
         """`request` is done at `worker` (answered or failed); start the next one there."""
-        wid, tokens = self._outstanding_tokens.pop(request.id, (worker.id, 0))
-        if wid in self.view.workers:
-            self.view.workers[wid].tokens_in_flight -= tokens
-        worker.dispatch.done(request)
-        self.view.now = self.clock()
-        self.policy.on_finish(request, worker.id, self.view)
-        self._pump(worker)
+        self._send(worker, self.router.finish(request, self.clock()))
 
     def abandon(self, worker: LiveWorker, request: Request) -> None:
-        """`request` was routed to `worker` but never dispatched (timed out or went elsewhere)."""
-        self._forget_queued(worker, request)
-        wid, tokens = self._outstanding_tokens.pop(request.id, (worker.id, 0))
-        if wid in self.view.workers:
-            self.view.workers[wid].tokens_in_flight -= tokens
-        self.policy.on_finish(request, worker.id, self.view)
+        """`request` was routed to `worker` and its caller gives up before it ran (timed out,
+        or the worker went down): withdrawn uncharged, or, if it was just released, finished."""
+        worker.waiters.pop(request.id, None)
+        if not self.router.withdraw(request, self.clock()):
+            self._send(worker, self.router.finish(request, self.clock()))
+        self._publish(worker)
 
     def tokens(self, worker: LiveWorker, request: Request, n: int) -> None:
-        self.policy.on_token(request, worker.id, n, self.clock())
-        worker.dispatch.on_token(request, n)
+        self.router.tokens(request, n, self.clock())
 
     def first_token(self, worker: LiveWorker, request: Request) -> None:
-        self.policy.on_first_token(request, worker.id, self.clock())
+        self.router.first_token(request, self.clock())
 
     # -------------------------------------------------------------- internals
 
-    def _pump(self, worker: LiveWorker) -> None:
-        if worker.id not in self.workers or not self.view.workers[worker.id].healthy:
-            return  # removed while requests were still in flight there, or down
-        for request in worker.dispatch.release(self.view.index, self.view.block_size):
-            fut = worker.waiters.pop(request.id, None)
-            if fut is None or fut.done():
-                worker.dispatch.done(request)  # its caller gave up; nothing to run
-                continue
-            fut.set_result(worker)
+    def _send(self, worker: LiveWorker, released: list[Request]) -> None:
+        """Wake the callers of released requests; a caller that gave up frees its slot."""
+        while released:
+            more: list[Request] = []
+            for request in released:
+                fut = worker.waiters.pop(request.id, None)
+                if fut is None or fut.done():
+                    more += self.router.finish(request, self.clock())
+                else:
+                    fut.set_result(worker)
+            released = more
         self._publish(worker)
 
-    def _forget_queued(self, worker: LiveWorker, request: Request) -> None:
-        if worker.waiters.pop(request.id, None) is not None:
-            worker.dispatch.withdraw(request)
-        self._publish(worker)
-
-    def _refresh(self) -> ClusterView:
-        view = self.view
-        view.now = self.clock()
-        for worker in self.workers.values():
-            state = view.workers[worker.id]
-            state.num_waiting = len(worker.dispatch) + int(worker.reported.get("waiting", 0))
-            state.num_running = worker.dispatch.in_flight
-            state.kv_used_blocks = int(
-                worker.reported.get("kv_usage", 0.0) * state.kv_capacity_blocks
-            )
-        return view
+    def _report(self, worker: LiveWorker) -> None:
+        """Hand the worker's last scraped gauges to the router."""
+        state = self.view.workers.get(worker.id)
+        if state is None or not worker.reported:
+            return
+        self.router.report(
+            worker.id,
+            waiting=int(worker.reported.get("waiting", 0)),
+            kv_used_blocks=int(worker.reported.get("kv_usage", 0.0) * state.kv_capacity_blocks),
+        )
 
     def _publish(self, worker: LiveWorker) -> None:
         if worker.id not in self.workers:

@@ -1,18 +1,21 @@
-"""A simulated cluster: N engines behind the global router, fed by a trace.
+"""A simulated cluster: N engines behind the router core, fed by a trace.
 
-    trace ─▶ arrivals ─▶ router: sync engines, build view, policy.route ─▶ engine.submit
-                 ▲                                                            │
-                 └──── closed loop: next turn after finish + think time ◀─────┘
+    trace ─▶ arrivals ─▶ Router.route ─▶ released ─▶ engine.submit
+                 ▲                                         │ first token, tokens, finish
+                 └── closed loop: next turn after finish ◀─┴──▶ Router (hooks, load, release)
+
+This module only drives: SimPy time, the engines' reports, and handing released requests to
+engines. The routing sequence itself is router.core.Router, the one the live proxy drives.
 
 Same-time ordering, defined here once: engine steps that end at time t are applied before a
-request arriving at t is routed (the router syncs every engine first), so the view a policy
-sees never lags the engines.
+request arriving at t is routed (every engine is synced first), so the view a policy sees never
+lags the engines.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -20,11 +23,9 @@ import simpy
 from tqdm import tqdm
 
 import policies
-from router.cluster import ClusterView, WorkerState
-from router.dispatch import DispatchQueue
+from router.core import Router
 from router.kv_events import KVEventIndexer
 from router.policy import GlobalPolicy, LocalPolicy
-from router.prefix_index import PrefixIndex
 from router.records import RequestRecord
 from router.request import BlockHash, Request
 from simulator.cost_model import CostModel
@@ -83,6 +84,8 @@ class SimResult:
 
 
 class SimCluster:
+    """The simulator's driver of the router core: SimPy time, engines as workers."""
+
     def __init__(self, trace: Trace, cost: CostModel, config: SimConfig) -> None:
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
@@ -93,41 +96,31 @@ class SimCluster:
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
             local_name, config.local_params, config.seed
         )
-        engine_local = self.local_factory
-        self.router_queues: list[DispatchQueue] | None = None
-        if config.placement == "router":
-            self.router_queues = [
-                DispatchQueue(i, self.local_factory(), config.window)
-                for i in range(config.num_workers)
-            ]
-            engine_local = policies.local_policies.get("fcfs")  # a stock vLLM
-        # Engines call on_tokens once per sequence per step; skip it when nobody counts tokens.
-        self._policy_counts_tokens = type(self.policy).on_token is not GlobalPolicy.on_token
-        self.counts_tokens = self._policy_counts_tokens or (
-            self.router_queues is not None
-            and type(self.router_queues[0].discipline).on_token is not LocalPolicy.on_token
-        )
-        engine_config = replace(config.engine, block_size=trace.block_size)
-        self.view = ClusterView(
-            now=0.0,
-            workers={i: WorkerState(i) for i in range(config.num_workers)},
-            index=PrefixIndex(),
-            block_size=trace.block_size,
+        self.placement = config.placement
+        fcfs = policies.local_policies.get("fcfs")
+        in_router = config.placement == "router"
+        self.router = Router(
+            self.policy,
+            self.local_factory if in_router else fcfs,
+            trace.block_size,
+            window=config.window if in_router else None,
             cost=cost,
+            precise=config.index == "precise",
         )
+        self.view = self.router.view
+        engine_config = replace(config.engine, block_size=trace.block_size)
         self.precise = config.index == "precise"
         self.engines: list[Engine] = []
         for i in range(config.num_workers):
             events = KVEventIndexer(self.view.index, i) if self.precise else None
             sink = DelayedKVEvents(self, i, events) if events else None
-            self.engines.append(
-                Engine(self.env, i, cost, engine_config, engine_local(), self, sink)
-            )
-        self._predicted_hit_tokens = 0  # what the index promised at routing, for the summary
+            # Router placement: a stock vLLM behind the router's queue, first come first served.
+            local = fcfs() if in_router else self.local_factory()
+            engine = Engine(self.env, i, cost, engine_config, local, self, sink)
+            self.engines.append(engine)
+            self.router.add_worker(i, engine.blocks.num_blocks)
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
-        self.routed: dict[int, int] = defaultdict(int)
-        self.decisions: dict[str, int] = defaultdict(int)  # by the policy's stated reason
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
 
@@ -157,10 +150,11 @@ class SimCluster:
             wall_seconds=wall,
             config=self._config_summary(),
         )
-        summary["decisions"] = dict(sorted(self.decisions.items(), key=lambda kv: -kv[1]))
+        decisions = self.router.decisions
+        summary["decisions"] = dict(sorted(decisions.items(), key=lambda kv: -kv[1]))
         prompt = summary["tokens"]["prompt"]  # type: ignore[index]
         summary["prefix_cache"]["predicted_hit_rate"] = (  # type: ignore[index]
-            self._predicted_hit_tokens / prompt if prompt else 0.0
+            self.router.predicted_hit_tokens / prompt if prompt else 0.0
         )
         return SimResult(self.records, workers, summary)
 
@@ -188,45 +182,17 @@ class SimCluster:
 
     def dispatch(self, req: Request) -> None:
         now = self.env.now
-        view = self.view
-        view.now = now
-        for engine in self.engines:
+        for engine in self.engines:  # steps ended by now are applied before routing
             engine.sync(now)
-            engine.fill_state(view.workers[engine.id])
-        if self.router_queues is not None:  # what waits in the router is load too
-            for i, queue in enumerate(self.router_queues):
-                view.workers[i].num_waiting += len(queue)
-                view.workers[i].tokens_in_flight += queue.queued_tokens
-        decision = self.policy.route(req, view)
-        worker = decision.worker
-        self.decisions[decision.reason] += 1
-        state = view.workers.get(worker)
-        if state is None or not state.healthy:
-            raise RuntimeError(f"policy {self.config.policy} chose unusable worker {worker}")
+            self.router.report(
+                engine.id, waiting=len(engine.waiting), kv_used_blocks=engine.blocks.num_used
+            )
+        routed = self.router.route(req, now)
         self.bound.observe(req)
-        bs = self.trace.block_size
-        hashes = req.block_hashes[: req.prompt_len // bs]
-        if self.precise:  # what it holds comes from KV events; the reuse counts as a hit
-            promised = view.index.touch(hashes, worker, now)
-        else:
-            # Approximate index: believe the worker now holds the prompt, within its capacity.
-            # What a worker holds is prefix-closed, so what was not new is what it promised.
-            promised = len(hashes) - view.index.insert(hashes, worker, now)
-            view.index.evict(worker, state.kv_capacity_blocks)
-        # Capped as the engine caps a hit: the last prompt token is always computed.
-        self._predicted_hit_tokens += min(promised, (req.prompt_len - 1) // bs) * bs
-        self.routed[worker] += 1
-        self.policy.on_dispatch(req, worker, view)
-        if self.router_queues is None:
-            self._submit(worker, req)
-        else:
-            self.router_queues[worker].push(req)
-            self._pump(worker)
+        self._submit_all(routed.decision.worker, routed.released)
 
-    def _pump(self, worker: int) -> None:
-        """Send what the worker's router queue releases (router placement)."""
-        assert self.router_queues is not None
-        for req in self.router_queues[worker].release(self.view.index, self.trace.block_size):
+    def _submit_all(self, worker: int, requests: list[Request]) -> None:
+        for req in requests:
             self._submit(worker, req)
 
     def _submit(self, worker: int, req: Request) -> None:
@@ -242,13 +208,10 @@ class SimCluster:
     # ------------------------------------------------------- engine listener
 
     def on_first_token(self, seq: Seq, now: float) -> None:
-        self.policy.on_first_token(seq.req, seq.worker, now)
+        self.router.first_token(seq.req, now)
 
     def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
-        if self._policy_counts_tokens:
-            self.policy.on_token(seq.req, seq.worker, num_tokens, now)
-        if self.router_queues is not None:
-            self.router_queues[seq.worker].on_token(seq.req, num_tokens)
+        self.router.tokens(seq.req, num_tokens, now)
 
     def on_finish(self, seq: Seq, now: float) -> None:
         req = seq.req
@@ -270,11 +233,7 @@ class SimCluster:
                 weight=req.weight,
             )
         )
-        self.view.now = now
-        self.policy.on_finish(req, seq.worker, self.view)
-        if self.router_queues is not None:
-            self.router_queues[seq.worker].done(req)
-            self._pump(seq.worker)
+        self._submit_all(seq.worker, self.router.finish(req, now))
         if self._progress is not None:
             self._progress.update()
         if self.config.closed_loop and req.session is not None:
@@ -288,7 +247,7 @@ class SimCluster:
     def _worker_record(self, e: Engine) -> WorkerRecord:
         return WorkerRecord(
             id=e.id,
-            requests=self.routed[e.id],
+            requests=self.router.routed[e.id],
             tokens_processed=e.tokens_processed,
             kv_blocks=e.blocks.num_blocks,
             peak_kv_blocks=e.peak_used_blocks,
@@ -304,7 +263,9 @@ class SimCluster:
             "trace": self.trace.source,
             "policy": self.config.policy,
             "local_policy": (
-                self.router_queues[0].discipline.name if self.router_queues else e.local.name
+                self.router.queues[0].discipline.name
+                if self.placement == "router"
+                else e.local.name
             ),
             "policy_params": dict(self.config.policy_params),
             "local_params": dict(self.config.local_params),
@@ -317,7 +278,7 @@ class SimCluster:
             "fast_forward": e.config.fast_forward,
             "closed_loop": self.config.closed_loop,
             "placement": self.config.placement,
-            "window": self.config.window if self.router_queues is not None else None,
+            "window": self.config.window if self.placement == "router" else None,
             "index": self.config.index,
             "kv_event_delay": self.config.kv_event_delay,
             "seed": self.config.seed,

@@ -93,4 +93,5 @@ def test_dispatch_queue_counts_what_waits() -> None:
     assert queue.queued_tokens == waiting
     assert list(queue.release(PrefixIndex(), 16)) == [first]  # the window holds one
     assert queue.queued_tokens == second.prompt_len + second.output_len
-    assert queue.withdraw(second) and queue.queued_tokens == 0 and len(queue) == 0
+    queue.withdraw(second)
+    assert queue.queued_tokens == 0 and len(queue) == 0

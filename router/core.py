@@ -1,0 +1,311 @@
+"""The routing sequence, written once: the simulator and the live proxy are its drivers.
+
+    arrival ─▶ route: policy.route(req, view) ─▶ indexes ─▶ on_dispatch ─▶ DispatchQueue[w]
+                                                                            │ window has room
+    driver sends it (SimPy engine | HTTP to a vLLM server) ◀── released ────┘
+       └─▶ first_token / tokens / finish / withdraw / worker_down ─▶ hooks, load, release
+
+A driver supplies only time (`now` on every call), what a worker reports of itself (`report`:
+requests waiting inside the server, KV blocks used) and the transport: it sends what a call
+returns as released, and tells the router what came back. Everything a policy sees is computed
+here from those events, so the same events give the same decisions in both backends.
+
+Two indexes for two different facts:
+- `view.index`, what routing believes a worker holds: the approximate index inserts each prompt
+  on the worker it is routed to (within capacity); the precise one hears the workers' KV events.
+- `held`, what a worker has computed, which a queue discipline orders by and DLPM charges by.
+  Precise: the same KV-event index. Approximate: a prompt joins it when its request is sent to
+  the worker, not when it is routed, so a waiting request never counts its own prompt as cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from router.cluster import ClusterView, CostEstimates, WorkerState
+from router.dispatch import DispatchQueue
+from router.policy import Decision, GlobalPolicy, LocalPolicy
+from router.prefix_index import PrefixIndex, WorkerId
+from router.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class NoHealthyWorker(RuntimeError):
+    """Nothing to route to: every worker (not excluded) is down."""
+
+
+@dataclass(slots=True)
+class Flight:
+    """A routed request until it finishes or is withdrawn."""
+
+    request: Request
+    worker: WorkerId
+    queue: DispatchQueue  # kept even if the worker is removed: its slot is freed on finish
+    remaining: int  # tokens of work not yet done: the prompt until its first token, then output
+    released: bool = False
+
+
+@dataclass(slots=True)
+class Routed:
+    decision: Decision
+    hit_blocks: int  # the routing index's expected hit on the chosen worker
+    approximate_hit_blocks: int  # the approximate index's, when both are kept (else the same)
+    released: list[Request]  # what the chosen worker's queue lets go now (this one, or others)
+
+
+class Router:
+    """Routing, indexes, per-worker dispatch queues, load accounting and policy hooks.
+
+    `window=None` releases every request at once: the engine's own scheduler runs the local
+    discipline (the simulator's engine placement). `strict` re-raises what a policy hook raises;
+    live, a faulty hook is logged and counted, and the request goes on.
+    """
+
+    def __init__(
+        self,
+        policy: GlobalPolicy,
+        local_factory: Callable[[], LocalPolicy],
+        block_size: int,
+        *,
+        window: int | None = 8,
+        cost: CostEstimates | None = None,
+        precise: bool = False,
+        keep_approximate: bool = False,
+        kv_capacity_blocks: int = 1 << 20,
+        strict: bool = True,
+    ) -> None:
+        self.policy = policy
+        self.local_factory = local_factory
+        self.window = window
+        self.precise = precise
+        self.strict = strict
+        self.default_capacity = kv_capacity_blocks
+        self.view = ClusterView(0.0, {}, PrefixIndex(), block_size, cost)
+        # Precise: KV events fill view.index; an approximate one is kept beside it on request
+        # (the proxy exports both estimates). Approximate: view.index is the approximate one.
+        self.approx_index: PrefixIndex | None = (
+            PrefixIndex() if precise and keep_approximate else None if precise else self.view.index
+        )
+        self.held = self.view.index if precise else PrefixIndex()
+        # Engine placement never asks the router's queues what is cached.
+        self._tracks_held = window is not None and not precise
+        self.queues: dict[WorkerId, DispatchQueue] = {}
+        self._reported_waiting: dict[WorkerId, int] = {}
+        self._flights: dict[int, Flight] = {}
+        self.decisions: Counter[str] = Counter()  # by the policy's stated reason
+        self.routed: Counter[WorkerId] = Counter()
+        self.predicted_hit_tokens = 0  # what routing expected to be cached, capped as engines cap
+        self.hook_errors = 0
+
+    # ------------------------------------------------------------ membership
+
+    def add_worker(self, wid: WorkerId, kv_capacity_blocks: int | None = None) -> DispatchQueue:
+        if wid in self.queues:
+            raise ValueError(f"worker {wid} is already known")
+        queue = DispatchQueue(wid, self.local_factory(), self.window)
+        self.queues[wid] = queue
+        capacity = self.default_capacity if kv_capacity_blocks is None else kv_capacity_blocks
+        self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity)
+        return queue
+
+    def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
+        """Stop routing to `wid` and forget what it cached. Its queued requests are withdrawn
+        (uncharged) and returned for the driver to send elsewhere or fail; those in flight stay
+        until the driver finishes them."""
+        state = self.view.workers.get(wid)
+        if state is None or not state.healthy:
+            return []
+        state.healthy = False
+        for index in self._indexes():
+            index.remove_worker(wid)
+        queued = list(self.queues[wid].discipline)
+        for request in queued:
+            self.withdraw(request, now)
+        return queued
+
+    def worker_up(self, wid: WorkerId) -> None:
+        if wid in self.view.workers:
+            self.view.workers[wid].healthy = True
+
+    def remove_worker(self, wid: WorkerId, now: float) -> list[Request]:
+        """As `worker_down`, then forget the worker; its requests in flight may still finish."""
+        queued = self.worker_down(wid, now)
+        self.queues.pop(wid, None)
+        self.view.workers.pop(wid, None)
+        self._reported_waiting.pop(wid, None)
+        return queued
+
+    def report(
+        self,
+        wid: WorkerId,
+        *,
+        waiting: int | None = None,
+        kv_used_blocks: int | None = None,
+        kv_capacity_blocks: int | None = None,
+    ) -> None:
+        """What a worker says of itself (vLLM's gauges live, the engine in the simulator)."""
+        state = self.view.workers.get(wid)
+        if state is None:
+            return
+        if kv_used_blocks is not None:
+            state.kv_used_blocks = kv_used_blocks
+        if kv_capacity_blocks is not None:
+            state.kv_capacity_blocks = kv_capacity_blocks
+        if waiting is not None:
+            self._reported_waiting[wid] = waiting
+            self._count(wid)
+
+    # --------------------------------------------------------------- routing
+
+    def route(self, request: Request, now: float, exclude: Iterable[WorkerId] = ()) -> Routed:
+        """Choose a worker (not in `exclude`) for `request` and queue it there."""
+        view = self.view
+        view.now = now
+        excluded = set(exclude)
+        candidates = view
+        if excluded:
+            workers = {k: v for k, v in view.workers.items() if k not in excluded}
+            candidates = ClusterView(now, workers, view.index, view.block_size, view.cost)
+        if not any(w.healthy for w in candidates.workers.values()):
+            raise NoHealthyWorker("no healthy worker")
+        decision = self.policy.route(request, candidates)
+        wid = decision.worker
+        state = candidates.workers.get(wid)
+        if state is None or not state.healthy:
+            raise RuntimeError(f"policy {self.policy.name} chose unusable worker {wid}")
+        self.decisions[decision.reason] += 1
+        self.routed[wid] += 1
+
+        bs = view.block_size
+        hashes = request.block_hashes[: request.prompt_len // bs]
+        approximate = self._insert_routed(self.approx_index, hashes, wid, now)
+        # Precise: what it holds comes from KV events, and the reuse counts as a hit.
+        hit = view.index.touch(hashes, wid, now) if self.precise else approximate
+        # Capped as an engine caps a hit: the last prompt token is always computed.
+        self.predicted_hit_tokens += min(hit, (request.prompt_len - 1) // bs) * bs
+
+        queue = self.queues[wid]
+        work = request.prompt_len + request.output_len
+        self._flights[request.id] = Flight(request, wid, queue, work)
+        state.tokens_in_flight += work
+        self._hook(self.policy.on_dispatch, request, wid, view)
+        queue.push(request)
+        released = self._release(wid, now)
+        return Routed(decision, hit, approximate if self.approx_index else hit, released)
+
+    def _insert_routed(
+        self, index: PrefixIndex | None, hashes: list[int], wid: WorkerId, now: float
+    ) -> int:
+        """Believe `wid` now holds `hashes`, within its capacity; returns the blocks it held
+        already (what a worker holds is prefix-closed, so that is its expected hit)."""
+        if index is None:
+            return 0
+        held_before = len(hashes) - index.insert(hashes, wid, now)
+        index.evict(wid, self.view.workers[wid].kv_capacity_blocks)
+        return held_before
+
+    # ------------------------------------------------------------- progress
+
+    def first_token(self, request: Request, now: float) -> None:
+        flight = self._flights.get(request.id)
+        if flight is None:
+            return
+        self._work_done(flight, min(request.prompt_len, flight.remaining))
+        self._hook(self.policy.on_first_token, request, flight.worker, now)
+
+    def tokens(self, request: Request, num_tokens: int, now: float) -> None:
+        """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
+        flight = self._flights.get(request.id)
+        if flight is None:
+            return
+        self._work_done(flight, min(num_tokens, flight.remaining))
+        self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
+        if flight.released:
+            self._hook(flight.queue.on_token, request, num_tokens)
+
+    def finish(self, request: Request, now: float) -> list[Request]:
+        """`request` is done (answered or failed). Returns what its worker releases next."""
+        flight = self._flights.get(request.id)
+        if flight is None:
+            return []
+        if not flight.released:
+            self.withdraw(request, now)
+            return []
+        del self._flights[request.id]
+        self._work_done(flight, flight.remaining)
+        self._hook(flight.queue.done, request)
+        self.view.now = now
+        self._hook(self.policy.on_finish, request, flight.worker, self.view)
+        return self._release(flight.worker, now)
+
+    def withdraw(self, request: Request, now: float) -> bool:
+        """Take back a request that was routed but never released (its caller gave up, or its
+        worker went down). Nothing is charged for it. False if it was released already."""
+        flight = self._flights.get(request.id)
+        if flight is None or flight.released:
+            return False
+        del self._flights[request.id]
+        self._work_done(flight, flight.remaining)
+        self._hook(flight.queue.withdraw, request)
+        self._count(flight.worker)
+        self.view.now = now
+        self._hook(self.policy.on_withdraw, request, flight.worker, self.view)
+        return True
+
+    def is_released(self, request: Request) -> bool:
+        flight = self._flights.get(request.id)
+        return flight is not None and flight.released
+
+    # -------------------------------------------------------------- internals
+
+    def _release(self, wid: WorkerId, now: float) -> list[Request]:
+        state = self.view.workers.get(wid)
+        if state is None or not state.healthy:
+            self._count(wid)
+            return []
+        bs = self.view.block_size
+        out = list(self.queues[wid].release(self.held, bs))
+        for request in out:
+            self._flights[request.id].released = True
+            if self._tracks_held:  # the worker computes this prompt from now on
+                self._insert_routed(self.held, request.block_hashes[: request.prompt_len // bs],
+                                    wid, now)  # fmt: skip
+        self._count(wid)
+        return out
+
+    def _indexes(self) -> list[PrefixIndex]:
+        out: list[PrefixIndex] = []
+        for index in (self.view.index, self.held, self.approx_index):
+            if index is not None and all(index is not o for o in out):
+                out.append(index)
+        return out
+
+    def _count(self, wid: WorkerId) -> None:
+        """Requests waiting (in the router, or inside the server as it reports) and running."""
+        state, queue = self.view.workers.get(wid), self.queues.get(wid)
+        if state is None or queue is None:
+            return
+        inside = min(self._reported_waiting.get(wid, 0), queue.in_flight)
+        state.num_waiting = len(queue) + inside
+        state.num_running = queue.in_flight - inside
+
+    def _work_done(self, flight: Flight, tokens: int) -> None:
+        tokens = max(tokens, 0)
+        flight.remaining -= tokens
+        state = self.view.workers.get(flight.worker)
+        if state is not None:
+            state.tokens_in_flight -= tokens
+
+    def _hook(self, hook: Callable[..., object], *args: object) -> None:
+        """Run a policy hook; live, one that raises must not take the request down with it."""
+        try:
+            hook(*args)
+        except Exception:
+            if self.strict:
+                raise
+            self.hook_errors += 1
+            log.exception("policy hook %s failed", getattr(hook, "__qualname__", hook))
