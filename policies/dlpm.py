@@ -15,83 +15,92 @@ not service).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from policies.lpm import LongestPrefixMatch
-from policies.queues import FifoQueue, by_longest_prefix
+from policies.queues import ClientQueues
+from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
 from router.request import Request
 
 
 @local_policies.register("dlpm")
-class DeficitLongestPrefixMatch(FifoQueue):
+class DeficitLongestPrefixMatch(LocalPolicy):
+    """Longest cached prefix first among the clients in credit; refill when none is.
+
+    The longest-prefix order looks at the first `max_scan` waiting requests in arrival order
+    (matching every prompt on every step would cost more than it saves), and at every waiting
+    client's oldest request besides: eligibility and refill are over all waiting clients, so a
+    client in credit whose requests all wait behind another client's burst is still found.
+    """
+
     def __init__(
         self, quantum: float = 2048, w_in: float = 1.0, w_out: float = 2.0, max_scan: int = 128
     ) -> None:
-        super().__init__()
         if quantum <= 0:
             raise ValueError(f"quantum: must be positive, got {quantum}")
         self.quantum, self.w_in, self.w_out, self.max_scan = quantum, w_in, w_out, max_scan
         self.deficits: dict[str, float] = {}
-        self._num_waiting: dict[str, int] = {}
+        self.waiting = ClientQueues()
         self._admitted: set[int] = set()  # started, not finished: input charged once
 
     def push(self, request: Request) -> None:
-        super().push(request)
-        self._count(request.client, +1)
+        self.deficits.setdefault(request.client, 0.0)
+        self.waiting.push(request)
 
     def push_front(self, request: Request) -> None:
-        super().push_front(request)
-        self._count(request.client, +1)
+        self.deficits.setdefault(request.client, 0.0)
+        self.waiting.push(request, front=True)
 
     def peek(self, cached_blocks: Callable[[Request], int]) -> Request | None:
-        if not self._queue:
+        if not self.waiting:
             return None
-        ordered = by_longest_prefix(self._queue, cached_blocks, self.max_scan)
-        for request in ordered:
-            if self.deficits[request.client] > 0:
-                return request
-        self._refill(richest=max(self.deficits[r.client] for r in ordered))
-        return next(r for r in ordered if self.deficits[r.client] > 0)
+        if all(self.deficits[c] <= 0 for c in self.waiting.queues):
+            self._refill()
+        candidates = {r.id: r for r in self.waiting.oldest(self.max_scan)}
+        candidates.update((r.id, r) for r in self.waiting.heads())
+        in_credit = [r for r in candidates.values() if self.deficits[r.client] > 0]
+        return min(in_credit, key=lambda r: (-cached_blocks(r), self.waiting.order(r)))
 
     def pop(self, request: Request, num_cached_tokens: int) -> None:
-        super().pop(request, num_cached_tokens)
-        self._count(request.client, -1)
+        if self.waiting.remove(request):
+            self._leave(request.client)
         if request.id not in self._admitted:
             self._admitted.add(request.id)
             extend = request.prompt_len - num_cached_tokens
             self.deficits[request.client] -= self.w_in * extend / request.weight
 
     def remove(self, request: Request) -> None:
-        # Withdrawn before it started: no charge; the client leaves the waiting count (and,
-        # if that was its last request, its unused credit, as when its queue empties on a pop).
-        if request in self._queue:
-            super().remove(request)
-            self._count(request.client, -1)
+        # Withdrawn before it started: no charge. A client emptied by it leaves as on a pop.
+        if request in self.waiting and self.waiting.remove(request):
+            self._leave(request.client)
 
     def on_token(self, request: Request, num_tokens: int) -> None:
-        # Only requests this queue admitted (see VirtualTokenCounter.on_token).
+        # Only requests this queue admitted: one rebuilt under running requests (its worker
+        # was marked down) keeps accounts of what it admitted itself.
         if request.id in self._admitted:
             self.deficits[request.client] -= self.w_out * num_tokens / request.weight
 
     def on_finish(self, request: Request) -> None:
         self._admitted.discard(request.id)
 
-    def _refill(self, richest: float) -> None:
-        """Every waiting client is in deficit: add Q^u to each, as many times as the richest
-        client among the requests in view needs to pass."""
+    def _refill(self) -> None:
+        """No waiting client is in credit: add Q^u to each, as many times as the richest of
+        them needs to pass zero."""
+        richest = max(self.deficits[c] for c in self.waiting.queues)
         rounds = math.floor(-richest / self.quantum) + 1
-        for client in self._num_waiting:
+        for client in self.waiting.queues:
             self.deficits[client] += rounds * self.quantum
 
-    def _count(self, client: str, delta: int) -> None:
-        n = self._num_waiting.get(client, 0) + delta
-        if n:
-            self._num_waiting[client] = n
-            self.deficits.setdefault(client, 0.0)
-        else:
-            del self._num_waiting[client]
-            self.deficits[client] = min(self.deficits[client], 0.0)  # no banked credit
+    def _leave(self, client: str) -> None:
+        """`client` has nothing waiting any more: it keeps its debt, not its unused credit."""
+        self.deficits[client] = min(self.deficits[client], 0.0)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.waiting)
 
 
 @global_policies.register("dlpm")

@@ -14,55 +14,13 @@ Input tokens are charged once per request: a preempted request's recompute is no
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 
 from policies.baselines import LeastLoad
+from policies.queues import ClientQueues
 from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
 from router.request import Request
-
-
-class ClientQueues:
-    """Per-client FIFO queues; a client is backlogged while its queue is non-empty."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, deque[Request]] = {}
-        self._len = 0
-
-    def push(self, request: Request, front: bool = False) -> None:
-        queue = self.queues.setdefault(request.client, deque())
-        queue.appendleft(request) if front else queue.append(request)
-        self._len += 1
-
-    def remove(self, request: Request) -> bool:
-        """Take `request` out; True when its client's queue is now empty."""
-        queue = self.queues[request.client]
-        if queue[0] is request:
-            queue.popleft()
-        else:
-            queue.remove(request)
-        self._len -= 1
-        if not queue:
-            del self.queues[request.client]
-            return True
-        return False
-
-    def __contains__(self, request: Request) -> bool:
-        return request in self.queues.get(request.client, ())
-
-    def is_backlogged(self, client: str) -> bool:
-        return client in self.queues
-
-    def head(self, client: str) -> Request:
-        return self.queues[client][0]
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Request]:
-        for queue in self.queues.values():
-            yield from queue
 
 
 @local_policies.register("vtc")

@@ -173,3 +173,39 @@ class TestHooksOnForgottenRequests:
         policy.on_withdraw(r, 0, view)
         policy.on_finish(r, 0, view)  # a late duplicate from a failure path
         assert policy.active[0] == {"a": 1}, "other is still outstanding on worker 0"
+
+
+# --------------------------------------------- defect 5: DLPM sees every backlogged client
+
+
+class TestDLPMBeyondTheScanWindow:
+    def test_a_calm_client_behind_a_long_burst_is_admitted_soon(self) -> None:
+        """300 cached requests of one client (more than the 128 the longest-prefix order
+        scans) ahead of one calm request: the calm client is in credit once the flood has
+        spent its quantum, and must be found there, not after the whole burst."""
+        q = policies.local_policies.create("dlpm", quantum=2048)
+        flood = [make_req(i, [1, 2, 3], "flood", tail=200) for i in range(300)]
+        calm = make_req(1000, [9], "calm")
+        for r in [*flood, calm]:
+            q.push(r)
+        cached = lambda r: 3 if r.client == "flood" else 0  # noqa: E731
+        order = []
+        while (r := q.peek(cached)) is not None:
+            q.pop(r, cached(r) * BS)
+            order.append(r.client)
+        # Each flood admission charges its 200 extend tokens: one quantum lasts 11 of them.
+        assert order.index("calm") <= 2048 // 200 + 1
+        assert order.count("flood") == 300
+
+    def test_refill_counts_clients_beyond_the_window(self) -> None:
+        """The richest waiting client decides how many quanta a refill takes, wherever its
+        requests wait."""
+        q = policies.local_policies.create("dlpm", quantum=100, max_scan=2)
+        for i in range(3):
+            q.push(make_req(i, [1], "a"))
+        b = make_req(10, [2], "b")
+        q.push(b)
+        q.deficits.update(a=-450.0, b=-50.0)
+        # One quantum lifts b (the richest) into credit; a, in the window, stays in deficit.
+        assert q.peek(no_cache) is b
+        assert q.deficits == {"a": -350.0, "b": 50.0}
