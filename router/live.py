@@ -179,8 +179,10 @@ class LiveCluster:
         """`request` was routed to `worker` and its caller gives up before it ran (timed out,
         or the worker went down): withdrawn uncharged, or, if it was just released, finished."""
         worker.waiters.pop(request.id, None)
-        if not self.router.withdraw(request, self.clock()):
+        if self.router.is_released(request):
             self._send(worker, self.router.finish(request, self.clock()))
+        else:
+            self.router.withdraw(request, self.clock())
         self._publish(worker)
 
     def tokens(self, worker: LiveWorker, request: Request, n: int) -> None:

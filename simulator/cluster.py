@@ -54,6 +54,9 @@ class SimConfig:
     # engine ("router": how the live proxy keeps tenants fair in front of a stock vLLM).
     placement: str = "engine"
     window: int = 8
+    # (start, end, worker): the router holds the worker down over [start, end), as after failed
+    # health checks: its queued requests are routed elsewhere, what its engine runs finishes.
+    outages: tuple[tuple[float, float, int], ...] = ()
     seed: int = 0
     show_progress: bool = False
 
@@ -74,6 +77,10 @@ class SimConfig:
             raise ValueError(f"placement: 'engine' or 'router', got {self.placement!r}")
         if self.window < 1:
             raise ValueError(f"window: must be at least 1, got {self.window}")
+        for start, end, worker in self.outages:
+            if not 0 <= start < end or not 0 <= worker < self.num_workers:
+                raise ValueError(f"outages: ({start}, {end}, {worker}) is not a (start < end, "
+                                 f"worker) of this cluster")  # fmt: skip
 
 
 @dataclass
@@ -136,6 +143,8 @@ class SimCluster:
             desc=f"{self.config.policy}",
         )
         self.env.process(self._arrivals())
+        for outage in self.config.outages:
+            self.env.process(self._outage(*outage))
         self.env.run()
         self._progress.close()
         wall = time.perf_counter() - started
@@ -180,13 +189,24 @@ class SimCluster:
         req.arrival = self.env.now
         self.dispatch(req)
 
-    def dispatch(self, req: Request) -> None:
-        now = self.env.now
-        for engine in self.engines:  # steps ended by now are applied before routing
+    def _outage(self, start: float, end: float, worker: int) -> simpy.events.ProcessGenerator:
+        yield self.env.timeout(start)
+        self._sync(self.env.now)
+        for req in self.router.worker_down(worker, self.env.now):
+            self.dispatch(req)  # as the proxy does: a queued request goes to another worker
+        yield self.env.timeout(end - start)
+        self.router.worker_up(worker)
+
+    def _sync(self, now: float) -> None:
+        for engine in self.engines:  # steps ended by now are applied first
             engine.sync(now)
             self.router.report(
                 engine.id, waiting=len(engine.waiting), kv_used_blocks=engine.blocks.num_used
             )
+
+    def dispatch(self, req: Request) -> None:
+        now = self.env.now
+        self._sync(now)
         routed = self.router.route(req, now)
         self.bound.observe(req)
         self._submit_all(routed.decision.worker, routed.released)

@@ -1,0 +1,342 @@
+"""The router core: one sequence for both backends, and what a queue discipline may call cached."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+import policies
+from policies.fcfs import FCFS
+from router.core import Router
+from router.live import LiveCluster, WorkerDown
+from router.request import Request
+from simulator.cluster import SimCluster, SimConfig
+from simulator.cost_model import roofline
+from simulator.engine import EngineConfig
+from traces.generators import flood, shared_prefix
+
+BS = 16
+
+
+def req(i: int, blocks: list[int], client: str = "a", output: int = 4) -> Request:
+    return Request(i, 0.0, len(blocks) * BS + 1, output, blocks, client=client)
+
+
+def router(local: str = "lpm", window: int = 1, workers: int = 1) -> Router:
+    r = Router(
+        policies.global_policies.create("round_robin"),
+        lambda: policies.local_policies.create(local),
+        BS,
+        window=window,
+    )
+    for w in range(workers):
+        r.add_worker(w)
+    return r
+
+
+# ----------------------------------------------------------- defect 1: held, not routed
+
+
+def test_waiting_request_never_counts_its_own_prompt_as_cached() -> None:
+    r = router("lpm")
+    cached = list(range(1000, 1200))
+    done = req(1, cached)
+    assert r.route(done, 0.0).released == [done]
+    r.finish(done, 1.0)  # the worker has computed these 200 blocks
+
+    busy = req(2, [7])
+    assert r.route(busy, 2.0).released == [busy]  # holds the window
+    fresh = req(3, list(range(5000, 5300)))  # 300 blocks nobody has computed
+    reuse = req(4, [*cached, 9])
+    r.route(fresh, 3.0)
+    r.route(reuse, 3.0)
+    assert r.finish(busy, 4.0) == [reuse], "the truly cached request goes first"
+
+
+class Spy(FCFS):
+    """FCFS that remembers what it was told was cached when each request started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charged: dict[int, int] = {}
+
+    def pop(self, request: Request, num_cached_tokens: int) -> None:
+        super().pop(request, num_cached_tokens)
+        self.charged.setdefault(request.id, num_cached_tokens)  # a preempted one comes back
+
+
+def test_router_queue_charges_only_what_the_worker_has_computed() -> None:
+    spy = Spy()
+    r = Router(policies.global_policies.create("round_robin"), lambda: spy, BS, window=1)
+    r.add_worker(0)
+    prompt = list(range(100, 140))
+    first, second, third = req(1, prompt), req(2, prompt), req(3, list(range(900, 940)))
+    r.route(first, 0.0)
+    r.route(second, 0.0)
+    r.route(third, 0.0)
+    assert spy.charged == {1: 0}, "a fresh prompt is not cached just because it was routed"
+    assert r.finish(first, 1.0) == [second]
+    assert spy.charged[2] == 40 * BS, "computed by the request before it"
+    assert r.finish(second, 2.0) == [third] and spy.charged[3] == 0
+
+
+def sim(trace, **kw) -> SimCluster:
+    engine = EngineConfig(num_kv_blocks=kw.pop("kv_blocks", 4000), check_invariants=False)
+    return SimCluster(trace, roofline("llama-3-8b", "a100-80g"), SimConfig(engine=engine, **kw))
+
+
+def shared_docs():
+    return shared_prefix(
+        num_requests=300,
+        num_tenants=8,
+        prefixes_per_tenant=2,
+        prefix_tokens=3000,
+        rate=30.0,
+        seed=3,
+    )
+
+
+def test_router_placement_finds_the_hits_engine_placement_finds() -> None:
+    """The issue's measurement, smaller: local LPM in the router's queue in front of FCFS
+    engines was at 0.18 hit rate against 0.72 in the engines, because every waiting request
+    counted its own prompt as cached."""
+    trace = shared_docs()
+    base = dict(num_workers=2, policy="least_load", local_policy="lpm", kv_blocks=2000)
+    engine = sim(trace, placement="engine", **base).run().summary["prefix_cache"]["hit_rate"]
+    routed = sim(trace, placement="router", window=8, **base).run().summary
+    fcfs = sim(trace, **{**base, "local_policy": "fcfs"}, placement="router", window=8).run()
+    assert routed["prefix_cache"]["hit_rate"] > 0.8 * engine
+    assert routed["prefix_cache"]["hit_rate"] > fcfs.summary["prefix_cache"]["hit_rate"] + 0.1
+
+
+def test_engine_placement_discipline_sees_the_engines_real_hit() -> None:
+    spies: list[Spy] = []
+
+    def make() -> Spy:
+        spies.append(Spy())
+        return spies[-1]
+
+    cluster = sim(shared_docs(), num_workers=2, policy="least_load", kv_blocks=2000)
+    for engine in cluster.engines:
+        engine.local = make()
+    result = cluster.run()
+    charged = {k: v for spy in spies for k, v in spy.charged.items()}
+    assert len(charged) == len(result.records)
+    assert all(charged[rec.id] == rec.cached_tokens for rec in result.records)
+    assert any(rec.cached_tokens == 0 for rec in result.records)
+
+
+# -------------------------------------------------- withdraw and worker down never charge
+
+
+@pytest.mark.parametrize("local", ["fcfs", "lpm", "vtc", "dlpm", "preble"])
+@pytest.mark.parametrize("glob", ["least_load", "lpm", "vtc", "d2lpm", "preble"])
+def test_withdraw_and_worker_down_never_raise_nor_charge(glob: str, local: str) -> None:
+    cost = roofline("llama-3-8b", "a100-80g")
+    r = Router(
+        policies.global_policies.create(glob),
+        lambda: policies.local_policies.create(local),
+        BS,
+        window=1,
+        cost=cost,
+    )
+    r.add_worker(0)
+    r.add_worker(1)
+    running = [req(i, [i, i + 1], client=f"c{i % 3}") for i in range(2)]
+    for x in running:
+        r.route(x, 0.0)
+    snapshot = counters(r)
+    queued = [req(10 + i, [50 + i] * 3, client=f"c{i % 3}", output=50) for i in range(6)]
+    for x in queued:
+        r.route(x, 1.0)
+    for x in queued[:2]:
+        assert r.withdraw(x, 2.0)
+    for w in (0, 1):
+        r.worker_down(w, 3.0)
+    assert_uncharged(snapshot, counters(r))
+    for x in running:  # the in-flight ones stream and finish on a down worker without error
+        r.first_token(x, 4.0)
+        r.tokens(x, 3, 4.0)
+        r.finish(x, 5.0)
+    r.remove_worker(0, 6.0)
+    assert all(s.tokens_in_flight == 0 for s in r.view.workers.values())
+
+
+def assert_uncharged(before: dict[str, dict], after: dict[str, dict]) -> None:
+    """Clients known before kept their counters; a client first seen in a withdrawn request
+    may only have been lifted to where the others stood (VTC's arrival rule), never charged.
+    A charge raises a VTC counter and lowers a deficit."""
+    for name, values in after.items():
+        old = before.get(name, {})
+        sign = -1.0 if name.endswith("deficits") else 1.0
+        level = max((sign * v for v in old.values()), default=0.0)
+        for client, value in values.items():
+            if client in old:
+                assert value == old[client], f"{name}[{client}] charged: {old[client]} -> {value}"
+            else:
+                assert sign * value <= max(level, 0.0), f"{name}[{client}] charged to {value}"
+
+
+def counters(r: Router) -> dict[str, dict]:
+    """The fairness state a request is charged to, in the global policy and each queue."""
+    out: dict[str, object] = {}
+    for name in ("deficits",):
+        if hasattr(r.policy, name):
+            out[f"global.{name}"] = {k: v for k, v in getattr(r.policy, name).items() if v}
+    for wid, queue in r.queues.items():
+        for name in ("counters", "deficits"):
+            if hasattr(queue.discipline, name):
+                out[f"{wid}.{name}"] = dict(getattr(queue.discipline, name))
+    return out
+
+
+# -------------------------------------------------------- both drivers, same decisions
+
+
+@dataclass
+class Recorder:
+    """The calls a driver makes on its Router and what the Router answered."""
+
+    calls: list[tuple] = field(default_factory=list)
+    routes: list[tuple] = field(default_factory=list)
+
+    def attach(self, r: Router) -> None:
+        route, finish = r.route, r.finish
+        first, tokens, report = r.first_token, r.tokens, r.report
+        down, up = r.worker_down, r.worker_up
+
+        def rec(name, fn, answer=None):
+            def call(*args, **kw):
+                out = fn(*args, **kw)
+                if name == "route" and len(args) == 3 and not args[2]:
+                    args = args[:2]  # no exclusions, however the driver says it
+                self.calls.append(
+                    (name, args, tuple(sorted(kw.items())), answer(out) if answer else None)
+                )
+                return out
+
+            return call
+
+        r.route = rec(
+            "route", route, lambda o: (o.decision, o.hit_blocks, [x.id for x in o.released])
+        )
+        r.finish = rec("finish", finish, lambda o: [x.id for x in o])
+        r.first_token = rec("first_token", first)
+        r.tokens = rec("tokens", tokens)
+        r.report = rec("report", report)
+        r.worker_down = rec("worker_down", down, lambda o: [x.id for x in o])
+        r.worker_up = rec("worker_up", up)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replay_live(
+    sim_calls: list[tuple], config: SimConfig, cost, trace
+) -> tuple[Recorder, LiveCluster]:
+    """Feed the simulator's events to the live driver, as the proxy and monitor would."""
+    clock = FakeClock()
+    glob = policies.global_policies.build(config.policy, config.policy_params, config.seed)
+    local = config.local_policy or glob.default_local
+    live = LiveCluster(
+        glob,
+        lambda: policies.local_policies.build(local, config.local_params, config.seed),
+        trace.block_size,
+        window=config.window,
+        cost=cost,
+        clock=clock,
+    )
+    recorder = Recorder()
+    for _ in range(config.num_workers):
+        live.add_worker("http://127.0.0.1:1")
+    for state in live.view.workers.values():
+        state.kv_capacity_blocks = config.engine.num_kv_blocks
+    recorder.attach(live.router)
+    requests = {r.id: r for r in trace.requests}
+    futures: dict[int, asyncio.Future] = {}
+    where: dict[int, object] = {}
+
+    async def go() -> None:
+        for name, args, kw, _ in sim_calls:
+            if name == "report":
+                wid = args[0]
+                waiting = dict(kw)["waiting"]
+                live.workers[wid].reported = {"waiting": waiting}
+            elif name == "route":
+                request, now = args[0], args[1]
+                clock.now = now
+                worker, _, fut = live.route(request)
+                futures[request.id], where[request.id] = fut, worker
+            elif name in ("first_token", "tokens", "finish"):
+                request, clock.now = requests[args[0].id], args[-1]
+                worker = where[request.id]
+                if name == "first_token":
+                    live.first_token(worker, request)
+                elif name == "tokens":
+                    live.tokens(worker, request, args[1])
+                else:
+                    live.release(worker, request, 0)
+            elif name == "worker_down":
+                clock.now = args[1]
+                live.mark_down(args[0])
+                for rid, fut in futures.items():  # the proxy's answer to WorkerDown
+                    if fut.done() and isinstance(fut.exception(), WorkerDown):
+                        live.abandon(where[rid], requests[rid])
+            elif name == "worker_up":
+                live.mark_up(args[0])
+
+    asyncio.run(go())
+    return recorder, live
+
+
+def without_reports(calls: list[tuple]) -> list[tuple]:
+    # The live driver hands every worker's gauges over before each route; the simulator does
+    # so too. Reports are inputs, compared through the decisions they lead to.
+    return [c for c in calls if c[0] != "report"]
+
+
+SCENARIOS = {
+    "lpm": dict(policy="lpm"),
+    "d2lpm": dict(policy="d2lpm"),
+    "vtc": dict(policy="vtc"),
+    "dlpm": dict(policy="dlpm"),
+    "preble": dict(policy="preble"),
+    "least_load": dict(policy="least_load", local_policy="fcfs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_simulator_and_proxy_drivers_make_the_same_decisions(name: str) -> None:
+    """Arrivals, tokens, finishes and a worker outage from a simulated run, fed to the live
+    driver: every routing decision, every release and every fairness counter agrees."""
+    trace = flood(duration=6.0, flood_rate=25.0, calm_rate=2.0, seed=1)
+    config = SimConfig(
+        num_workers=3,
+        placement="router",
+        window=4,
+        outages=((2.0, 3.5, 1),),
+        engine=EngineConfig(num_kv_blocks=1500),
+        **SCENARIOS[name],
+    )
+    cost = roofline("llama-3-8b", "a100-80g")
+    cluster = SimCluster(trace, cost, config)
+    sim_recorder = Recorder()
+    sim_recorder.attach(cluster.router)
+    cluster.run()
+    sim_calls = sim_recorder.calls
+    assert any(c[0] == "worker_down" and c[3] for c in sim_calls), "the outage withdrew requests"
+    assert len({c[3][0].worker for c in sim_calls if c[0] == "route"}) == 3
+
+    live_recorder, live = replay_live(sim_calls, config, cost, trace)
+    assert without_reports(live_recorder.calls) == without_reports(sim_calls)
+    assert counters(live.router) == counters(cluster.router)
+    assert live.router.predicted_hit_tokens == cluster.router.predicted_hit_tokens
+    for wid, state in live.view.workers.items():
+        assert state.tokens_in_flight == cluster.router.view.workers[wid].tokens_in_flight == 0
