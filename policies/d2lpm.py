@@ -1,8 +1,8 @@
 """D²LPM: distributed Deficit Longest Prefix Match (Cao et al., the DLPM paper's cluster form).
 
-The router keeps a deficit per (client, worker). A request goes to a worker that holds its
-prefix and where its client still has deficit — the longest match first, the shortest queue
-among equal matches; failing that, to the shortest queue overall. D²LPM builds on the LPM router,
+The router keeps a deficit per (client, worker). A request goes to the worker with the shortest
+queue among those that hold its prefix and where its client still has deficit (the longer match
+breaks ties); failing that, to the shortest queue overall. D²LPM builds on the LPM router,
 so "holds the prefix" means a match above LPM's `cache_threshold` of the prompt, and LPM's
 imbalance guard (queues apart by more than `balance_abs_threshold` requests and by a factor above
 `balance_rel_threshold`) sends to the shortest queue: with one client, deficits alone would never
@@ -12,12 +12,15 @@ weight). A worker whose active clients (those with requests outstanding there) a
 deficit gives each of them the quantum Q^u, as often as needed for one to turn positive; this is
 checked when the worker is considered for a request and after each dispatch to it. A client
 that becomes active on a worker starts with its debt there plus one quantum, so a newcomer may
-use a worker at once. Each worker runs local DLPM.
+use a worker at once. A request withdrawn before it ran there (queue timeout, worker down) is
+refunded what its dispatch charged, and the quantum its arrival granted if it leaves the client
+inactive there: it costs nothing. Each worker runs local DLPM.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from policies.lpm import is_imbalanced
 from router.cluster import ClusterView, WorkerState
@@ -25,6 +28,15 @@ from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
 from router.registry import global_policies
 from router.request import Request
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What dispatching one request did to its (client, worker) deficit, to undo it."""
+
+    worker: WorkerId
+    charged: float  # the extend tokens' charge
+    granted: float  # the activation quantum (its debt plus Q^u), if this request activated
 
 
 @global_policies.register("d2lpm")
@@ -50,7 +62,7 @@ class DistributedDLPM(GlobalPolicy):
         self.deficits: dict[tuple[str, WorkerId], float] = {}
         self.active: dict[WorkerId, dict[str, int]] = {}  # worker -> client -> outstanding
         self._matched: dict[int, int] = {}  # request id -> blocks matched on the chosen worker
-        self._outstanding: dict[int, WorkerId] = {}  # request id -> the worker it was sent to
+        self._sent: dict[int, _Sent] = {}  # request id -> its dispatch, while outstanding
 
     def deficit(self, client: str, worker: WorkerId) -> float:
         """The client's deficit on `worker` as a new request would find it."""
@@ -68,19 +80,18 @@ class DistributedDLPM(GlobalPolicy):
             return (w.num_outstanding, w.id)
 
         enough = self.cache_threshold * request.num_blocks
-        holders = sorted(
-            (w for w in matched if matched[w] > enough),
-            key=lambda w: (-matched[w], queue(healthy[w])),
-        )
+        holders = [w for w in matched if matched[w] > enough]
         if is_imbalanced([w.num_outstanding for w in workers], *self.balance):
             holders = []
         for w in holders:
             # A holder nobody is in credit at refills now: refilling only on dispatch would
             # starve it, since only clients in credit are sent to holders.
             self._refill(w)
-            if self.deficit(request.client, w) > 0:
-                self._matched[request.id] = matched[w]
-                return Decision(w, "holds prefix, client in credit")
+        in_credit = [w for w in holders if self.deficit(request.client, w) > 0]
+        if in_credit:
+            target = min(in_credit, key=lambda w: (healthy[w].num_outstanding, -matched[w], w))
+            self._matched[request.id] = matched[target]
+            return Decision(target, "holds prefix, client in credit: shortest queue")
         target = min(workers, key=queue).id
         self._matched[request.id] = matched.get(target, 0)
         return Decision(target, "no holder in credit (or imbalanced): shortest queue")
@@ -88,28 +99,49 @@ class DistributedDLPM(GlobalPolicy):
     def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         key = (request.client, worker)
         clients = self.active.setdefault(worker, {})
+        granted = 0.0
         if request.client not in clients:
+            before = self.deficits.get(key, 0.0)
             self.deficits[key] = self.deficit(request.client, worker)
+            granted = self.deficits[key] - before
         clients[request.client] = clients.get(request.client, 0) + 1
-        self._outstanding[request.id] = worker
         extend = request.prompt_len - self._matched.pop(request.id, 0) * view.block_size
-        self.deficits[key] -= self.w_in * max(extend, 1) / request.weight
+        charged = self.w_in * max(extend, 1) / request.weight
+        self.deficits[key] -= charged
+        self._sent[request.id] = _Sent(worker, charged, granted)
         self._refill(worker)
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
         # Hooks come from failure paths too: a request this policy did not send is ignored.
-        if self._outstanding.get(request.id) == worker:
+        sent = self._sent.get(request.id)
+        if sent is not None and sent.worker == worker:
             self.deficits[(request.client, worker)] -= self.w_out * num_tokens / request.weight
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        self._forget(request, worker)
+
+    def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        sent = self._forget(request, worker)
+        if sent is None:
+            return
+        key = (request.client, worker)
+        self.deficits[key] += sent.charged
+        if request.client not in self.active.get(worker, ()):
+            self.deficits[key] -= sent.granted
+
+    def _forget(self, request: Request, worker: WorkerId) -> _Sent | None:
+        """Drop an outstanding request from its worker's active counts; None (and nothing
+        done) if this policy did not send it there or has already let it go."""
         self._matched.pop(request.id, None)
-        if self._outstanding.get(request.id) != worker:
-            return  # not sent there by this policy, or already finished or withdrawn
-        del self._outstanding[request.id]
+        sent = self._sent.get(request.id)
+        if sent is None or sent.worker != worker:
+            return None
+        del self._sent[request.id]
         clients = self.active[worker]
         clients[request.client] -= 1
         if not clients[request.client]:
             del clients[request.client]
+        return sent
 
     def _refill(self, worker: WorkerId) -> None:
         clients = self.active.get(worker)

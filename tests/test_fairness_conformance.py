@@ -209,3 +209,55 @@ class TestDLPMBeyondTheScanWindow:
         # One quantum lifts b (the richest) into credit; a, in the window, stays in deficit.
         assert q.peek(no_cache) is b
         assert q.deficits == {"a": -350.0, "b": 50.0}
+
+
+# ------------------------------------------------ defect 7: D²LPM's holder and its withdrawal
+
+
+class TestD2LPMHolders:
+    def test_shortest_queue_among_holders_in_credit(self) -> None:
+        """Both hold the prefix and the client is in credit on both: the holder with the
+        shorter queue wins, even with the shorter match (Cao et al., D²LPM)."""
+        policy = policies.global_policies.create("d2lpm")
+        view = make_view(48, 8)  # apart by 40: not imbalanced by LPM's guard
+        view.index.insert([1, 2, 3, 4], 0, now=0.0)
+        view.index.insert([1, 2, 3], 1, now=0.0)
+        decision = policy.route(make_req(1, [1, 2, 3, 4]), view)
+        assert decision.worker == 1, "a holder with 48 outstanding must not beat one with 8"
+
+    def test_equal_queues_prefer_the_longer_match(self) -> None:
+        policy = policies.global_policies.create("d2lpm")
+        view = make_view(8, 8)
+        view.index.insert([1, 2, 3], 0, now=0.0)
+        view.index.insert([1, 2, 3, 4], 1, now=0.0)
+        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 1
+
+    @pytest.mark.parametrize("debt", [0.0, -1000.0, 700.0])
+    def test_withdraw_undoes_the_dispatch(self, debt: float) -> None:
+        """Refund the charge, and the quantum granted on arrival once the client is inactive
+        there again. (A refill the dispatch triggered stays: it went to every active client.)"""
+        policy = policies.global_policies.create("d2lpm", quantum=2048)
+        view = make_view(0, 0)
+        view.index.insert([1, 2], 0, now=0.0)
+        policy.deficits[("a", 0)] = debt
+        before = dict(policy.deficits), policy.deficit("a", 0)
+        r = make_req(1, [1, 2, 3, 4], "a", tail=100)  # 2 blocks cached: 100 + 32 extend
+        worker = policy.route(r, view).worker
+        assert worker == 0
+        policy.on_dispatch(r, worker, view)
+        assert policy.deficits[("a", 0)] < policy.deficit("a", 1)
+        policy.on_withdraw(r, worker, view)
+        assert (dict(policy.deficits), policy.deficit("a", 0)) == before
+        assert policy.active[0] == {}
+
+    def test_withdraw_refunds_only_its_own_request(self) -> None:
+        policy = policies.global_policies.create("d2lpm", quantum=2048)
+        view = make_view(0)
+        r, other = make_req(1, [1], "a", tail=100), make_req(2, [2], "a", tail=300)
+        for req in (r, other):
+            policy.route(req, view)
+            policy.on_dispatch(req, 0, view)
+        after_both = policy.deficits[("a", 0)]
+        policy.on_withdraw(other, 0, view)
+        assert policy.deficits[("a", 0)] == after_both + other.prompt_len
+        assert policy.active[0] == {"a": 1}

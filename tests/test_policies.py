@@ -200,18 +200,19 @@ class TestD2LPM:
         view.index.insert([1, 2, 3], 1, now=0.0)  # worker 1 most of it
         return view
 
-    def test_prefers_the_longest_holder_where_the_client_has_credit(self) -> None:
+    def test_prefers_the_shortest_holder_where_the_client_has_credit(self) -> None:
         policy = policies.global_policies.create("d2lpm", quantum=1000)
         view = self.setup_view()
-        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 0
+        # Worker 0 matches more, worker 1 has the shorter queue (1 against 3).
+        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 1
 
     def test_skips_a_holder_where_the_client_is_in_deficit(self) -> None:
         policy = policies.global_policies.create("d2lpm", quantum=1000)
         view = self.setup_view()
-        policy.active[0] = {"a": 1, "other": 1}
-        policy.deficits[("a", 0)] = -10.0
-        policy.deficits[("other", 0)] = 50.0
-        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 1
+        policy.active[1] = {"a": 1, "other": 1}
+        policy.deficits[("a", 1)] = -10.0
+        policy.deficits[("other", 1)] = 50.0
+        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 0
 
     def test_no_holder_in_credit_goes_to_the_shortest_queue(self) -> None:
         policy = policies.global_policies.create("d2lpm", quantum=1000)
@@ -226,12 +227,12 @@ class TestD2LPM:
     def test_a_holder_where_every_active_client_is_in_deficit_refills(self) -> None:
         policy = policies.global_policies.create("d2lpm", quantum=1000)
         view = self.setup_view()
-        policy.active[0] = {"a": 1, "other": 1}
-        policy.deficits[("a", 0)] = -10.0
-        policy.deficits[("other", 0)] = -1500.0
-        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 0
+        policy.active[1] = {"a": 1, "other": 1}
+        policy.deficits[("a", 1)] = -10.0
+        policy.deficits[("other", 1)] = -1500.0
+        assert policy.route(make_req(1, [1, 2, 3, 4]), view).worker == 1
         # One quantum lifts the richest, "a", to credit; everyone there got the same.
-        assert policy.deficits[("a", 0)] == 990.0 and policy.deficits[("other", 0)] == -500.0
+        assert policy.deficits[("a", 1)] == 990.0 and policy.deficits[("other", 1)] == -500.0
 
     def test_dispatch_charges_the_chosen_workers_deficit(self) -> None:
         policy = policies.global_policies.create("d2lpm", quantum=1000)
