@@ -6,13 +6,16 @@ shortest queues differ by more than `balance_abs_threshold` requests AND the lon
 worker with the longest cached match if it covers more than `cache_threshold` of the prompt, else
 to the worker whose cache holds the least (the most room to grow a new prefix). Defaults are
 SGLang's: 0.3, 64, 1.5. Load is counted in requests, as SGLang counts it.
+
+The queue order is SGLang's scheduler's, in-batch prefix de-duplication included (see
+LongestPrefixFirst).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.queues import FifoQueue, by_longest_prefix
+from policies.queues import FifoQueue
 from router.cluster import ClusterView
 from router.policy import Decision, GlobalPolicy
 from router.registry import global_policies, local_policies
@@ -62,13 +65,89 @@ class LongestPrefixMatch(GlobalPolicy):
 
 @local_policies.register("lpm")
 class LongestPrefixFirst(FifoQueue):
-    """Waiting requests with the longest cached prefix on this worker first."""
+    """SGLang's `lpm` schedule policy: longest cached prefix first, FIFO among equals.
 
-    def __init__(self, max_scan: int = 128) -> None:
+    As SGLang's scheduler (`schedule_policy.py`) does it:
+    - More than `max_scan` (128) waiting: FCFS for the whole queue. Matching every waiting
+      prompt on every step would cost more than it saves.
+    - In-batch prefix de-duplication. Of waiting requests that have at most
+      `in_batch_check_blocks` cached, one that shares at least `in_batch_deprioritize_blocks`
+      leading blocks with an earlier such request goes behind everything else: one of them
+      computes the shared prefix, the others then hit it instead of computing it again at the
+      same time. SGLang's thresholds are 32 tokens; here they are blocks, and the defaults (2)
+      are 32 tokens at vLLM's block size of 16. None turns the check off.
+
+    SGLang sorts once per scheduling round, so a request admitted in a round still holds its
+    siblings back for the rest of that round. Here the owner asks one `peek` at a time, so a
+    request popped but whose prompt is not yet computed stays in the in-batch set (as if still
+    first among its siblings) until `cached_blocks` shows its prompt cached, or it finishes, or
+    it is preempted. Held back means last, not blocked: with nothing else waiting, a sibling
+    still goes (so does SGLang's).
+
+    Chained block hashes make the in-batch match a lookup: two prompts share their first k
+    blocks exactly when their k-th hashes are equal.
+    """
+
+    def __init__(
+        self,
+        max_scan: int = 128,
+        in_batch_check_blocks: int | None = 2,
+        in_batch_deprioritize_blocks: int = 2,
+    ) -> None:
         super().__init__()
+        if in_batch_deprioritize_blocks < 1:
+            raise ValueError(
+                "in_batch_deprioritize_blocks: must be at least 1, "
+                f"got {in_batch_deprioritize_blocks}"
+            )
         self.max_scan = max_scan
+        self.check_blocks = in_batch_check_blocks
+        self.deprioritize_blocks = in_batch_deprioritize_blocks
+        self._prefilling: dict[int, Request] = {}  # popped, prompt not yet seen computed
 
     def peek(self, cached_blocks: Callable[[Request], int]) -> Request | None:
+        if len(self._queue) > self.max_scan:
+            return self._queue[0] if self._queue else None
         if not self._queue:
             return None
-        return by_longest_prefix(self._queue, cached_blocks, self.max_scan)[0]
+        cached = {r.id: cached_blocks(r) for r in self._queue}
+        held_back = self._in_batch_duplicates(cached, cached_blocks)
+        best = min(
+            range(len(self._queue)),
+            key=lambda i: (self._queue[i].id in held_back, -cached[self._queue[i].id], i),
+        )
+        return self._queue[best]
+
+    def pop(self, request: Request, num_cached_tokens: int) -> None:
+        super().pop(request, num_cached_tokens)
+        if self.check_blocks is not None and request.num_blocks >= self.deprioritize_blocks:
+            self._prefilling[request.id] = request
+
+    def push_front(self, request: Request) -> None:
+        self._prefilling.pop(request.id, None)  # preempted: its blocks are freed
+        super().push_front(request)
+
+    def on_finish(self, request: Request) -> None:
+        self._prefilling.pop(request.id, None)
+
+    def _in_batch_duplicates(
+        self, cached: dict[int, int], cached_blocks: Callable[[Request], int]
+    ) -> set[int]:
+        """Ids of waiting requests to hold back: SGLang's waiting-queue tree, walked in arrival
+        order after the prompts still being computed."""
+        if self.check_blocks is None:
+            return set()
+        k = self.deprioritize_blocks - 1  # sharing hash k = sharing the first k + 1 blocks
+        for rid, r in list(self._prefilling.items()):
+            if cached_blocks(r) >= r.num_blocks:
+                del self._prefilling[rid]  # computed: siblings now see it as cached
+        seen = {r.block_hashes[k] for r in self._prefilling.values()}
+        held_back = set()
+        for r in self._queue:
+            if cached[r.id] > self.check_blocks or r.num_blocks <= k:
+                continue
+            if r.block_hashes[k] in seen:
+                held_back.add(r.id)
+            else:
+                seen.add(r.block_hashes[k])
+        return held_back

@@ -43,19 +43,6 @@ class FifoQueue(LocalPolicy):
         return iter(self._queue)
 
 
-def by_longest_prefix(
-    queue: deque[Request], cached_blocks: Callable[[Request], int], max_scan: int
-) -> list[Request]:
-    """The first `max_scan` waiting requests, longest cached prefix first, FIFO among equals.
-
-    Like SGLang's `lpm` schedule policy, a long queue falls back to arrival order beyond
-    `max_scan`: matching every waiting prompt on every step would cost more than it saves.
-    """
-    head = [queue[i] for i in range(min(len(queue), max_scan))]
-    matched = {id(r): cached_blocks(r) for r in head}
-    return sorted(head, key=lambda r: -matched[id(r)])  # sorted() is stable: FIFO among ties
-
-
 class ClientQueues:
     """Per-client FIFO queues over one arrival order; a client is backlogged while its queue is
     non-empty. A request put back in front (preempted) goes before every other arrival."""

@@ -261,3 +261,98 @@ class TestD2LPMHolders:
         policy.on_withdraw(other, 0, view)
         assert policy.deficits[("a", 0)] == after_both + other.prompt_len
         assert policy.active[0] == {"a": 1}
+
+
+# ------------------------------------------------------- item C: LPM as SGLang's scheduler
+
+
+class TestLPMAsSGLang:
+    def test_fcfs_for_the_whole_queue_past_128_waiting(self) -> None:
+        """SGLang turns prefix matching off once more than 128 requests wait: pure FCFS, even
+        for a cached request among the first 128."""
+        q = policies.local_policies.create("lpm")
+        reqs = [make_req(i, [100 + i]) for i in range(129)]
+        for r in reqs:
+            q.push(r)
+        cached = lambda r: 5 if r.id == 3 else 0  # noqa: E731
+        assert q.peek(cached) is reqs[0]
+        q.pop(reqs[0], 0)  # 128 left: sorted by cached prefix again
+        assert q.peek(cached) is reqs[3]
+
+    def test_sorts_the_whole_queue_up_to_128(self) -> None:
+        q = policies.local_policies.create("lpm")
+        reqs = [make_req(i, [100 + i]) for i in range(128)]
+        for r in reqs:
+            q.push(r)
+        assert q.peek(lambda r: 1 if r.id == 127 else 0) is reqs[127]
+
+    def test_a_prefix_being_computed_holds_its_siblings_back(self) -> None:
+        """Two uncached requests share a document: once one is admitted, the other waits
+        behind unrelated work until the shared blocks are computed, then hits them."""
+        q = policies.local_policies.create("lpm")
+        doc = [1, 2, 3, 4, 5, 6]
+        first, sibling = make_req(1, doc + [7]), make_req(2, doc + [8])
+        other = make_req(3, [50, 51, 52])
+        for r in (first, sibling, other):
+            q.push(r)
+        computed: set[int] = set()  # blocks the worker has computed
+
+        def cached(r: Request) -> int:
+            n = 0
+            while n < r.num_blocks and r.block_hashes[n] in computed:
+                n += 1
+            return n
+
+        assert q.peek(cached) is first
+        q.pop(first, 0)
+        assert q.peek(cached) is other, "sibling would recompute the document first is computing"
+        q.pop(other, 0)
+        assert q.peek(cached) is sibling, "deprioritized, not blocked: nothing else waits"
+        computed.update(first.block_hashes)  # first's prefill lands
+        q.push(make_req(4, [60, 61, 62]))
+        assert q.peek(cached) is sibling and cached(sibling) == 6
+
+    def test_siblings_waiting_together_go_one_at_a_time(self) -> None:
+        """SGLang's waiting-queue tree: of uncached requests sharing a prefix, the first goes
+        in its place, the rest behind everything else."""
+        q = policies.local_policies.create("lpm")
+        a1, a2, a3 = (make_req(i, [1, 2, 3, 10 + i]) for i in range(3))
+        b = make_req(9, [7, 8])
+        for r in (a1, a2, a3, b):
+            q.push(r)
+        order = []
+        while (r := q.peek(no_cache)) is not None:
+            q.pop(r, 0)
+            order.append(r)
+        assert order == [a1, b, a2, a3]
+
+    def test_short_shared_prefixes_and_cached_requests_are_not_held_back(self) -> None:
+        q = policies.local_policies.create("lpm")
+        one_block = [make_req(i, [1, 20 + i]) for i in range(2)]  # share 1 block < 2
+        for r in one_block:
+            q.push(r)
+        q.pop(q.peek(no_cache), 0)
+        q.push(make_req(5, [40]))
+        assert q.peek(no_cache) is one_block[1]
+
+    def test_in_batch_check_can_be_turned_off(self) -> None:
+        q = policies.local_policies.create("lpm", in_batch_check_blocks=None)
+        a1, a2, b = make_req(1, [1, 2, 3, 4]), make_req(2, [1, 2, 3, 5]), make_req(3, [9])
+        for r in (a1, a2, b):
+            q.push(r)
+        q.pop(q.peek(no_cache), 0)
+        assert q.peek(no_cache) is a2
+
+    def test_a_finished_or_preempted_request_stops_holding_siblings(self) -> None:
+        for ending in ("finish", "preempt"):
+            q = policies.local_policies.create("lpm")
+            a1, a2, b = make_req(1, [1, 2, 3, 4]), make_req(2, [1, 2, 3, 5]), make_req(3, [9])
+            for r in (a1, a2, b):
+                q.push(r)
+            q.pop(q.peek(no_cache), 0)
+            if ending == "finish":
+                q.on_finish(a1)
+                assert q.peek(no_cache) is a2, ending
+            else:
+                q.push_front(a1)  # back in front: its prefix is not being computed any more
+                assert q.peek(no_cache) is a1, ending
