@@ -25,7 +25,6 @@ from typing import Protocol
 
 import simpy
 
-from router.cluster import WorkerState
 from router.policy import LocalPolicy
 from router.request import Request
 from simulator.block_manager import BlockManager, BlockTable, KVEventSink
@@ -87,6 +86,10 @@ class EngineListener(Protocol):
     def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None: ...
     def on_finish(self, seq: Seq, now: float) -> None: ...
 
+    # Optional: told after anything a router would see changed (requests waiting, KV used, the
+    # next step's end), so a cluster never has to poll its engines.
+    # def on_engine_changed(self, engine: Engine) -> None: ...
+
 
 @dataclass(slots=True)
 class _Run:
@@ -122,6 +125,7 @@ class Engine:
         # Skip per-token hooks nobody listens to: they run once per sequence per step.
         self._local_counts_tokens = type(local).on_token is not LocalPolicy.on_token
         self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
+        self._changed = getattr(listener, "on_engine_changed", None)
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size, kv_events)
         # When the block changes being made happen: step start while planning, step end while
@@ -152,17 +156,17 @@ class Engine:
             self._start_soon()
         elif self._run.is_multi_step:
             self._cut_run()  # the arrival may join at the next step boundary
+        self._tell()
 
     def abort(self, request_id: int) -> None:
-        """Stop a request (its client left). Waiting: dropped now, as if admitted and finished
-        at once for its queue discipline. Running: it ends with the tokens it has, at the next
-        step boundary."""
+        """Stop a request (its client left). Waiting: withdrawn from its queue discipline,
+        uncharged. Running: it ends with the tokens it has, at the next step boundary."""
         self.sync(self.env.now)
         seq = self.waiting.pop(request_id, None)
         if seq is not None:
-            self.local.pop(seq.req, 0)
-            self.local.on_finish(seq.req)
+            self.local.remove(seq.req)
             self._tokens_total -= seq.req.prompt_len + seq.req.output_len
+            self._tell()
             return
         for seq in self.running:
             if seq.req.id == request_id:
@@ -170,13 +174,6 @@ class Engine:
                 if self._run is not None and self._run.is_multi_step:
                     self._cut_run()  # the run assumed it would keep decoding
                 return
-
-    def fill_state(self, state: WorkerState) -> None:
-        state.num_waiting = len(self.waiting)
-        state.num_running = len(self.running)
-        state.tokens_in_flight = self._tokens_total - self._tokens_computed
-        state.kv_used_blocks = self.blocks.num_used
-        state.kv_capacity_blocks = self.blocks.num_blocks
 
     def cached_blocks(self, req: Request) -> int:
         """Leading prompt blocks of `req` this engine holds now (for locality-aware orders)."""
@@ -197,6 +194,19 @@ class Engine:
         self._after_steps(run)
         if self.config.check_invariants:
             self.check_integrity(between_steps=True)
+        self._tell()
+
+    @property
+    def next_step_end(self) -> float | None:
+        """When the next planned step that is not yet applied ends (None: nothing planned)."""
+        run = self._run
+        if run is None or run.applied == len(run.ends):
+            return None
+        return run.ends[run.applied]
+
+    def _tell(self) -> None:
+        if self._changed is not None:
+            self._changed(self)
 
     @property
     def is_idle(self) -> bool:
@@ -224,6 +234,7 @@ class Engine:
         run = self._plan()
         self._run = run
         self._schedule_end(run)
+        self._tell()
 
     def _schedule_end(self, run: _Run) -> None:
         self.num_events += 1
