@@ -14,7 +14,8 @@ checked when the worker is considered for a request and after each dispatch to i
 that becomes active on a worker starts with its debt there plus one quantum, so a newcomer may
 use a worker at once. A request withdrawn before it ran there (queue timeout, worker down) is
 refunded what its dispatch charged, and the quantum its arrival granted if it leaves the client
-inactive there: it costs nothing. Each worker runs local DLPM.
+inactive there: it costs nothing. Each worker runs local DLPM. VTC's cost options apply
+(`cost`, `charge_output`: policies/service_cost.py), with the extend tokens as the input.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from policies.lpm import is_imbalanced
+from policies.service_cost import VTC_PROFILE, make_meter
 from router.cluster import ClusterView, WorkerState
 from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
@@ -35,7 +37,6 @@ class _Sent:
     """What dispatching one request did to its (client, worker) deficit, to undo it."""
 
     worker: WorkerId
-    charged: float  # the extend tokens' charge
     granted: float  # the activation quantum (its debt plus Q^u), if this request activated
 
 
@@ -53,10 +54,15 @@ class DistributedDLPM(GlobalPolicy):
         cache_threshold: float = 0.3,
         balance_abs_threshold: float = 64,
         balance_rel_threshold: float = 1.5,
+        cost: str = "linear",
+        cost_coeffs: tuple[float, float, float, float, float] = VTC_PROFILE,
+        charge_output: str = "on_token",
+        predict_window: int = 5,
     ) -> None:
         if quantum <= 0:
             raise ValueError(f"quantum: must be positive, got {quantum}")
-        self.quantum, self.w_in, self.w_out = quantum, w_in, w_out
+        self.quantum = quantum
+        self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
         self.cache_threshold = cache_threshold
         self.balance = (balance_abs_threshold, balance_rel_threshold)
         self.deficits: dict[tuple[str, WorkerId], float] = {}
@@ -106,26 +112,26 @@ class DistributedDLPM(GlobalPolicy):
             granted = self.deficits[key] - before
         clients[request.client] = clients.get(request.client, 0) + 1
         extend = request.prompt_len - self._matched.pop(request.id, 0) * view.block_size
-        charged = self.w_in * max(extend, 1) / request.weight
-        self.deficits[key] -= charged
-        self._sent[request.id] = _Sent(worker, charged, granted)
+        self.deficits[key] -= self.meter.start(request, max(extend, 1))
+        self._sent[request.id] = _Sent(worker, granted)
         self._refill(worker)
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
         # Hooks come from failure paths too: a request this policy did not send is ignored.
         sent = self._sent.get(request.id)
         if sent is not None and sent.worker == worker:
-            self.deficits[(request.client, worker)] -= self.w_out * num_tokens / request.weight
+            self.deficits[(request.client, worker)] -= self.meter.tokens(request, num_tokens)
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
-        self._forget(request, worker)
+        if self._forget(request, worker) is not None:
+            self.deficits[(request.client, worker)] -= self.meter.finish(request)
 
     def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         sent = self._forget(request, worker)
         if sent is None:
             return
         key = (request.client, worker)
-        self.deficits[key] += sent.charged
+        self.deficits[key] -= self.meter.refund(request)
         if request.client not in self.active.get(worker, ()):
             self.deficits[key] -= sent.granted
 

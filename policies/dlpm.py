@@ -9,7 +9,8 @@ longest-prefix order run long (locality); a small one rotates clients often (fai
 
 Choices the paper leaves open, made here as in deficit round robin: a client whose queue empties
 keeps its debt but loses unused credit; input is charged once per request (preemption recompute is
-not service).
+not service). VTC's cost options apply (`cost`, `charge_output`: policies/service_cost.py), with
+the extend tokens as the input; the quantum is in the cost's units.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 from policies.lpm import LongestPrefixMatch
 from policies.queues import ClientQueues
+from policies.service_cost import VTC_PROFILE, make_meter
 from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
 from router.request import Request
@@ -35,14 +37,22 @@ class DeficitLongestPrefixMatch(LocalPolicy):
     """
 
     def __init__(
-        self, quantum: float = 2048, w_in: float = 1.0, w_out: float = 2.0, max_scan: int = 128
+        self,
+        quantum: float = 2048,
+        w_in: float = 1.0,
+        w_out: float = 2.0,
+        max_scan: int = 128,
+        cost: str = "linear",
+        cost_coeffs: tuple[float, float, float, float, float] = VTC_PROFILE,
+        charge_output: str = "on_token",
+        predict_window: int = 5,
     ) -> None:
         if quantum <= 0:
             raise ValueError(f"quantum: must be positive, got {quantum}")
-        self.quantum, self.w_in, self.w_out, self.max_scan = quantum, w_in, w_out, max_scan
+        self.quantum, self.max_scan = quantum, max_scan
+        self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
         self.deficits: dict[str, float] = {}
         self.waiting = ClientQueues()
-        self._admitted: set[int] = set()  # started, not finished: input charged once
 
     def push(self, request: Request) -> None:
         self.deficits.setdefault(request.client, 0.0)
@@ -65,24 +75,29 @@ class DeficitLongestPrefixMatch(LocalPolicy):
     def pop(self, request: Request, num_cached_tokens: int) -> None:
         if self.waiting.remove(request):
             self._leave(request.client)
-        if request.id not in self._admitted:
-            self._admitted.add(request.id)
-            extend = request.prompt_len - num_cached_tokens
-            self.deficits[request.client] -= self.w_in * extend / request.weight
+        extend = request.prompt_len - num_cached_tokens
+        self._charge(request, self.meter.start(request, extend))
 
     def remove(self, request: Request) -> None:
-        # Withdrawn before it started: no charge. A client emptied by it leaves as on a pop.
-        if request in self.waiting and self.waiting.remove(request):
+        # Withdrawn before it started: no charge (one preempted back here has run: settled as
+        # at a finish). A client emptied by it leaves as on a pop.
+        if request not in self.waiting:
+            return
+        self._charge(request, self.meter.finish(request))
+        if self.waiting.remove(request):
             self._leave(request.client)
 
     def on_token(self, request: Request, num_tokens: int) -> None:
-        # Only requests this queue admitted: one rebuilt under running requests (its worker
-        # was marked down) keeps accounts of what it admitted itself.
-        if request.id in self._admitted:
-            self.deficits[request.client] -= self.w_out * num_tokens / request.weight
+        # The meter charges only requests this queue started: one rebuilt under running
+        # requests (its worker was marked down) keeps accounts of what it admitted itself.
+        self._charge(request, self.meter.tokens(request, num_tokens))
 
     def on_finish(self, request: Request) -> None:
-        self._admitted.discard(request.id)
+        self._charge(request, self.meter.finish(request))
+
+    def _charge(self, request: Request, amount: float) -> None:
+        if amount:
+            self.deficits[request.client] = self.deficits.get(request.client, 0.0) - amount
 
     def _refill(self) -> None:
         """No waiting client is in credit: add Q^u to each, as many times as the richest of

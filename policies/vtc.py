@@ -9,7 +9,10 @@ left the queue last), so idling banks no credit. Over any interval in which two 
 backlogged, their service differs by at most about 2 x max(w_in x max input, w_out x max output).
 Defaults w_in = 1, w_out = 2 are the paper's.
 
-Input tokens are charged once per request: a preempted request's recompute is not service.
+`cost="profiled"` charges the artifact's fitted h(input, output) instead of the linear one, and
+`charge_output="predicted"` charges a predicted output length at admission, corrected at the
+finish (policies/service_cost.py). Input is charged once per request: a preempted request's
+recompute is not service.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from policies.baselines import LeastLoad
 from policies.queues import ClientQueues
+from policies.service_cost import VTC_PROFILE, make_meter
 from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
 from router.request import Request
@@ -25,12 +29,19 @@ from router.request import Request
 
 @local_policies.register("vtc")
 class VirtualTokenCounter(LocalPolicy):
-    def __init__(self, w_in: float = 1.0, w_out: float = 2.0) -> None:
-        self.w_in, self.w_out = w_in, w_out
+    def __init__(
+        self,
+        w_in: float = 1.0,
+        w_out: float = 2.0,
+        cost: str = "linear",
+        cost_coeffs: tuple[float, float, float, float, float] = VTC_PROFILE,
+        charge_output: str = "on_token",
+        predict_window: int = 5,
+    ) -> None:
+        self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
         self.counters: dict[str, float] = {}
         self.waiting = ClientQueues()
         self._last_departed = 0.0  # counter of the client whose queue emptied last
-        self._admitted: set[int] = set()  # started, not finished: input charged once
 
     def push(self, request: Request) -> None:
         client = request.client
@@ -51,26 +62,31 @@ class VirtualTokenCounter(LocalPolicy):
         return self.waiting.head(client)
 
     def pop(self, request: Request, num_cached_tokens: int) -> None:
-        if request.id not in self._admitted:
-            self._admitted.add(request.id)
-            self.counters[request.client] += self.w_in * request.prompt_len / request.weight
+        self._charge(request, self.meter.start(request, request.prompt_len))
         if self.waiting.remove(request):
             self._last_departed = self.counters[request.client]
 
     def remove(self, request: Request) -> None:
-        # Withdrawn before it started: no charge. A client whose queue empties leaves it as
-        # after a pop (its counter is the last departed), so the next arrival is lifted right.
-        if request in self.waiting and self.waiting.remove(request):
+        # Withdrawn before it started: no charge (one preempted back here has run: settled as
+        # at a finish). A client whose queue empties leaves it as after a pop (its counter is
+        # the last departed), so the next arrival is lifted right.
+        if request not in self.waiting:
+            return
+        self._charge(request, self.meter.finish(request))
+        if self.waiting.remove(request):
             self._last_departed = self.counters[request.client]
 
     def on_token(self, request: Request, num_tokens: int) -> None:
-        # Only requests this queue admitted: one rebuilt under running requests (its worker
-        # was marked down) keeps accounts of what it admitted itself.
-        if request.id in self._admitted:
-            self.counters[request.client] += self.w_out * num_tokens / request.weight
+        # The meter charges only requests this queue started: one rebuilt under running
+        # requests (its worker was marked down) keeps accounts of what it admitted itself.
+        self._charge(request, self.meter.tokens(request, num_tokens))
 
     def on_finish(self, request: Request) -> None:
-        self._admitted.discard(request.id)
+        self._charge(request, self.meter.finish(request))
+
+    def _charge(self, request: Request, amount: float) -> None:
+        if amount:
+            self.counters[request.client] = self.counters.get(request.client, 0.0) + amount
 
     def __len__(self) -> int:
         return len(self.waiting)

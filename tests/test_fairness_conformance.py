@@ -356,3 +356,102 @@ class TestLPMAsSGLang:
             else:
                 q.push_front(a1)  # back in front: its prefix is not being computed any more
                 assert q.peek(no_cache) is a1, ending
+
+
+# -------------------------------------------------- item D: VTC's cost functions, everywhere
+
+
+def run(q: LocalPolicy, r: Request, output: int, chunks: int = 3) -> None:
+    """Admit waiting `r` (nothing cached) and run it to its finish, its output in parts."""
+    q.pop(r, 0)
+    for i in range(chunks):
+        q.on_token(r, output // chunks + (1 if i < output % chunks else 0))
+    q.on_finish(r)
+
+
+def charged(q: LocalPolicy, client: str) -> float:
+    """Service charged to `client` so far: VTC's counter, or DLPM's deficit spent."""
+    return q.counters[client] if hasattr(q, "counters") else -q.deficits[client]
+
+
+class TestCostFunctions:
+    @pytest.mark.parametrize("name", FAIR_LOCALS)
+    def test_predicted_output_settles_to_the_linear_charge_of_the_real_output(
+        self, name: str
+    ) -> None:
+        q = policies.local_policies.create(name, charge_output="predicted")
+        q.push(make_req(99, [99], "a"))  # keeps a backlogged: no lift, no credit dropped
+        start = charged(q, "a")
+        for i, out in enumerate([40, 100, 7, 55]):
+            r = make_req(i, [i], "a", tail=30, out=out)
+            q.push(r)
+            before, guess = charged(q, "a"), q.meter.predicted.get("a", 0.0)
+            q.pop(r, 0)
+            upfront = charged(q, "a") - before
+            assert upfront == pytest.approx(r.prompt_len + 2 * guess), "prediction charged early"
+            for _ in range(out):
+                q.on_token(r, 1)
+            q.on_finish(r)
+            assert charged(q, "a") - before == pytest.approx(r.prompt_len + 2 * out), i
+        prompt = BS + 30
+        assert charged(q, "a") - start == pytest.approx(4 * prompt + 2 * (40 + 100 + 7 + 55))
+        # The prediction is the artifact's moving average over a window of 5.
+        assert q.meter.predicted["a"] == pytest.approx(
+            (((40 * 4 + 100) / 5 * 4 + 7) / 5 * 4 + 55) / 5
+        )
+
+    @pytest.mark.parametrize("cost, first", [("linear", "b"), ("profiled", "a")])
+    def test_service_order_follows_the_cost_function(self, cost: str, first: str) -> None:
+        """a: long prompts, short answers; b: short prompts, long answers. Linear (1, 2)
+        charges a more; the profiled h's x*y and y^2 terms charge b's long decode more."""
+        q = policies.local_policies.create("vtc", cost=cost)
+        a1, b1 = make_req(1, [], "a", tail=2000, out=10), make_req(2, [], "b", tail=100, out=500)
+        for r in (a1, make_req(3, [], "a"), b1, make_req(4, [], "b")):
+            q.push(r)  # both stay backlogged throughout
+        run(q, a1, 10)
+        run(q, b1, 500)
+        assert q.peek(no_cache).client == first
+
+    def test_profiled_h_is_the_artifacts_fit(self) -> None:
+        from policies.service_cost import VTC_PROFILE
+
+        q = policies.local_policies.create("vtc", cost="profiled")
+        r = make_req(1, [], "a", tail=300, out=64)
+        q.push(r)
+        run(q, r, 64, chunks=7)
+        a, b, c, d, e = VTC_PROFILE
+        x, y = 300, 64
+        assert q.counters["a"] == pytest.approx(a * x + b * y + c * x * y + d * y * y + e)
+
+    @pytest.mark.parametrize("name", ["vtc", "dlpm", "d2lpm"])
+    @pytest.mark.parametrize(
+        "params, named",
+        [
+            ({"cost": "quadratic"}, "cost"),
+            ({"charge_output": "at_admission"}, "charge_output"),
+            ({"cost": "profiled", "cost_coeffs": [1, 2, 3]}, "cost_coeffs"),
+            ({"cost": "profiled", "cost_coeffs": [1, 2, 3, -4, 5]}, "cost_coeffs"),
+            ({"charge_output": "predicted", "predict_window": 0}, "predict_window"),
+        ],
+    )
+    def test_a_bad_option_names_its_parameter(self, name, params, named) -> None:
+        registry = policies.global_policies if name == "d2lpm" else policies.local_policies
+        with pytest.raises(ValueError, match=named):
+            registry.build(name, params)
+
+    def test_d2lpm_predicted_charge_is_refunded_on_withdraw_and_settled_on_finish(self) -> None:
+        policy = policies.global_policies.create("d2lpm", charge_output="predicted")
+        view = make_view(0)
+        policy.meter.predicted["a"] = 50.0
+        r = make_req(1, [], "a", tail=100, out=20)
+        policy.route(r, view)
+        policy.on_dispatch(r, 0, view)
+        start = policy.deficits[("a", 0)]
+        assert start == 2048 - 100 - 2 * 50, "input and predicted output charged at dispatch"
+        policy.on_withdraw(r, 0, view)
+        assert policy.deficits[("a", 0)] == 0.0, "withdrawn: all of it back"
+        policy.route(r, view)
+        policy.on_dispatch(r, 0, view)
+        policy.on_token(r, 0, 20, now=1.0)
+        policy.on_finish(r, 0, view)
+        assert policy.deficits[("a", 0)] == 2048 - 100 - 2 * 20, "settled to the real output"
