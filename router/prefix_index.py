@@ -20,22 +20,16 @@ The clock is passed in as `now`; the index never reads one.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
-
-from sortedcontainers import SortedList
 
 from router.request import BlockHash
 
 WorkerId = int
 
 
-_uids = itertools.count()
-
-
 class Node:
-    __slots__ = ("key", "parent", "children", "workers", "hits", "depth", "uid")
+    __slots__ = ("key", "parent", "children", "workers", "hits", "depth")
 
     def __init__(self, key: tuple[BlockHash, ...], parent: Node | None, depth: int) -> None:
         self.key = key
@@ -44,7 +38,6 @@ class Node:
         self.workers: dict[WorkerId, float] = {}  # holder -> last touch
         self.hits: deque[float] = deque()
         self.depth = depth  # blocks from the root to the end of this node's edge (fixed)
-        self.uid = next(_uids)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -63,10 +56,12 @@ class PrefixIndex:
         self.root = Node((), None, 0)
         self.hit_window = hit_window
         self._num_blocks: dict[WorkerId, int] = {}
-        # Per worker, its nodes ordered by (touch, -depth): eviction order. Ancestors are touched
-        # whenever a descendant is, so the oldest-deepest entry is always a leaf of the worker's
-        # subtree, and walking the order from the front is a valid eviction sequence.
-        self._lru: dict[WorkerId, SortedList] = {}
+        # Per worker, its nodes from least to most recently touched: eviction order. Every
+        # operation touches a path leaf first and its ancestors after, so a node always comes
+        # before its ancestors, and walking the order from the front is a valid eviction
+        # sequence. With a non-decreasing clock this is the order of (touch, -depth); kept as an
+        # insertion-ordered dict because a sorted list's deletes cost milliseconds at times.
+        self._lru: dict[WorkerId, dict[Node, None]] = {}
 
     # ----------------------------------------------------------------- queries
 
@@ -135,6 +130,7 @@ class PrefixIndex:
         """
         node, pos, n = self.root, 0, len(hashes)
         added = 0
+        path: list[Node] = []
         while pos < n:
             child = node.children.get(hashes[pos])
             if child is None:
@@ -146,10 +142,11 @@ class PrefixIndex:
                     child = self._split(child, common)
             if worker not in child.workers:
                 added += len(child.key)
-            self._touch(child, worker, now)
+            path.append(child)
             if pos + len(child.key) > hits_from:
                 self._hit(child, now)
             node, pos = child, pos + len(child.key)
+        self._touch_path(path, worker, now)
         self._num_blocks[worker] = self._num_blocks.get(worker, 0) + added
         return added
 
@@ -159,17 +156,19 @@ class PrefixIndex:
         precise mode, where only the worker's KV events say what it holds (vLLM sends none on a
         cache hit). Returns the blocks matched, as `match` would for `worker`."""
         node, pos, n = self.root, 0, len(hashes)
+        path: list[Node] = []
         while pos < n:
             child = node.children.get(hashes[pos])
             if child is None or worker not in child.workers:
                 break
-            self._touch(child, worker, now)
+            path.append(child)
             self._hit(child, now)
             common = _common_prefix(child.key, hashes, pos)
             pos += common
             if common < len(child.key):
                 break
             node = child
+        self._touch_path(path, worker, now)
         return pos
 
     def evict(self, worker: WorkerId, capacity_blocks: int) -> int:
@@ -181,7 +180,7 @@ class PrefixIndex:
         lru = self._lru.get(worker)
         evicted = 0
         while self._num_blocks.get(worker, 0) > capacity_blocks and lru:
-            node = lru[0][3]
+            node = next(iter(lru))
             assert not any(worker in c.workers for c in node.children.values()), (
                 "LRU order reached an inner node before its descendants"
             )
@@ -193,11 +192,11 @@ class PrefixIndex:
         dropping them (Preble's eviction cost weighs what a placement would push out)."""
         victims: list[Node] = []
         freed = 0
-        for entry in self._lru.get(worker, ()):
+        for node in self._lru.get(worker, ()):
             if freed >= num_blocks:
                 break
-            victims.append(entry[3])
-            freed += len(entry[3].key)
+            victims.append(node)
+            freed += len(node.key)
         return victims
 
     def remove_prefix(self, hashes: Sequence[BlockHash], worker: WorkerId) -> int:
@@ -244,19 +243,20 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- internals
 
-    def _touch(self, node: Node, worker: WorkerId, now: float) -> None:
+    def _touch_path(self, path: list[Node], worker: WorkerId, now: float) -> None:
+        """Make a root-to-leaf path the worker's most recent, leaf first: an ancestor must
+        never be evicted before its descendant."""
         lru = self._lru.get(worker)
         if lru is None:
-            lru = self._lru[worker] = SortedList()
-        old = node.workers.get(worker)
-        if old is not None:
-            lru.remove((old, -node.depth, node.uid, node))
-        node.workers[worker] = now
-        lru.add((now, -node.depth, node.uid, node))
+            lru = self._lru[worker] = {}
+        for node in reversed(path):
+            lru.pop(node, None)
+            lru[node] = None
+            node.workers[worker] = now
 
     def _drop(self, node: Node, worker: WorkerId) -> int:
-        touch = node.workers.pop(worker)
-        self._lru[worker].remove((touch, -node.depth, node.uid, node))
+        del node.workers[worker]
+        del self._lru[worker][node]
         self._num_blocks[worker] -= len(node.key)
         self._prune(node)
         return len(node.key)
@@ -279,8 +279,16 @@ class PrefixIndex:
         child.key = child.key[at:]
         child.parent = upper
         upper.children[child.key[0]] = child
-        for worker, touch in upper.workers.items():
-            self._lru[worker].add((touch, -upper.depth, upper.uid, upper))
+        # The upper part must follow `child` and precede its own ancestors in each holder's
+        # order: it and its ancestors move to the end. An insert touches that path at once
+        # anyway; a split by remove_prefix makes it look recent.
+        for worker in upper.workers:
+            lru = self._lru[worker]
+            node = upper
+            while node is not self.root:
+                lru.pop(node, None)
+                lru[node] = None
+                node = node.parent  # type: ignore[assignment]
         return upper
 
     def _hit(self, node: Node, now: float) -> None:
@@ -309,9 +317,12 @@ class PrefixIndex:
                     assert parent.workers[w] >= touch, "ancestor touched no later than descendant"
         for w, n in self._num_blocks.items():
             assert counted.get(w, 0) == n, f"worker {w}: counted {counted.get(w, 0)} != {n}"
-            entries = {(e[3].uid, e[0]) for e in self._lru.get(w, ())}
-            held = {(node.uid, node.workers[w]) for node in self.nodes() if w in node.workers}
-            assert entries == held, f"worker {w}: LRU order out of step with holdings"
+            order = {node: i for i, node in enumerate(self._lru.get(w, ()))}
+            held = {node for node in self.nodes() if w in node.workers}
+            assert set(order) == held, f"worker {w}: LRU order out of step with holdings"
+            for node, i in order.items():
+                parent = node.parent
+                assert parent is self.root or order[parent] > i, "an ancestor before its child"
 
 
 def _common_prefix(key: tuple[BlockHash, ...], hashes: Sequence[BlockHash], pos: int) -> int:

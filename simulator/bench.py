@@ -134,6 +134,64 @@ def decision_times(repeats: int = 2000) -> list[dict[str, object]]:
     return rows
 
 
+def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
+    """Router.route end to end (policy, index insert and eviction, hooks) against a 1M-block
+    index on 16 workers, each request finished right after: the tail with the collector as it
+    is, and with the index frozen out of it (router.collector)."""
+    import gc
+
+    import policies
+    from router.collector import CollectorPacing
+    from router.core import Router
+
+    bs, num_workers, prompt_blocks = 16, 16, 8192 // 16
+    rows = []
+    for mode in ("default collector", "frozen (CollectorPacing)"):
+        gc.collect()
+        gc.unfreeze()
+        index, prompts, trunks = build_index(1_000_000, num_workers, prompt_blocks)
+        router = Router(
+            policies.global_policies.create("lpm"),
+            lambda: policies.local_policies.create("lpm"),
+            bs,
+            window=4,
+            cost=roofline("llama-3-8b", "a100-80g"),
+        )
+        router.view.index = router.approx_index = index
+        for w in range(num_workers):
+            router.add_worker(w, kv_capacity_blocks=index.num_blocks(w))
+        pacing = CollectorPacing(every=1.0) if mode.startswith("frozen") else None
+        rng = random.Random(2)
+        times = np.empty(num_requests)
+        now = float(len(prompts))
+        for i in range(num_requests):
+            doc = rng.choice(prompts)
+            blocks = doc[: prompt_blocks - 8] + [rng.getrandbits(63) for _ in range(8)]
+            request = Request(i, now, 8192 + 7, 128, blocks, client=f"c{i % 8}")
+            now += 0.001
+            started = time.perf_counter_ns()
+            if pacing is not None:
+                pacing.tick(time.monotonic())
+            routed = router.route(request, now)
+            times[i] = time.perf_counter_ns() - started
+            for r in routed.released:
+                router.finish(r, now)
+        gc.unfreeze()
+        us = times / 1000
+        rows.append(
+            {
+                "collector": mode,
+                "p50 us": float(np.percentile(us, 50)),
+                "p99 us": float(np.percentile(us, 99)),
+                "p99.9 us": float(np.percentile(us, 99.9)),
+                "max us": float(us.max()),
+                "full passes": gc.get_stats()[2]["collections"],
+            }
+        )
+        del router, index, prompts
+    return rows
+
+
 def run_bench(trace: str | None = None, quick: bool = False) -> int:
     path = Path(trace) if trace else DEFAULT_TRACE
     if not path.exists():
@@ -194,4 +252,7 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
     print(format_table(decision_times(500 if quick else 2000)))
+
+    print("\nDecision tail through the router core (route + index update + hooks), 1M blocks:")
+    print(format_table(decision_tail(5_000 if quick else 20_000)))
     return 0
