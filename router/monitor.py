@@ -57,36 +57,55 @@ class Monitor:
         self._zmq.term()
 
     async def _loop(self) -> None:
+        # Nothing a worker answers (or a bug in handling it) may end this loop: without it a
+        # worker marked down would never come back.
         while True:
-            workers = list(self.cluster.workers.values())
-            await asyncio.gather(*(self.check(w) for w in workers))
-            for w in workers:
-                if self.cluster.precise and w.kv_events and w.id not in self._subscribed:
-                    self._subscribed[w.id] = asyncio.create_task(self._subscribe(w))
+            try:
+                await self._round()
+            except Exception:
+                log.exception("health round failed; next one in %.1f s", self.interval)
             await asyncio.sleep(self.interval)
 
+    async def _round(self) -> None:
+        workers = list(self.cluster.workers.values())
+        await asyncio.gather(*(self.check(w) for w in workers))
+        for wid in [wid for wid in self._subscribed if wid not in self.cluster.workers]:
+            self._subscribed.pop(wid).cancel()  # removed: stop listening for its events
+        for w in workers:
+            if self.cluster.precise and w.kv_events and w.id not in self._subscribed:
+                self._subscribed[w.id] = asyncio.create_task(self._subscribe(w))
+
     async def check(self, worker: LiveWorker) -> None:
-        ok = False
+        ok = await self._healthy(worker)
+        if ok:
+            try:
+                await self._scrape(worker)
+            except Exception as e:  # gauges only: a bad scrape is not a failed health check
+                log.debug("worker %s: /metrics scrape failed: %r", worker.id, e)
+        if worker.id not in self.cluster.workers:
+            return
+        try:
+            if ok:
+                worker.consecutive_failures = 0
+                worker.consecutive_successes += 1
+                if worker.consecutive_successes >= self.rise:
+                    self.cluster.mark_up(worker.id)
+            else:
+                worker.consecutive_successes = 0
+                worker.consecutive_failures += 1
+                if worker.consecutive_failures >= self.fall:
+                    self.cluster.mark_down(worker.id)
+        except Exception:
+            log.exception("worker %s: marking it %s failed", worker.id, "up" if ok else "down")
+
+    async def _healthy(self, worker: LiveWorker) -> bool:
+        """GET /health answered 200 within `timeout` (a stopped worker does not answer)."""
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout)
             async with self.session.get(f"{worker.url}/health", timeout=timeout) as resp:
-                ok = resp.status == 200
-            if ok:
-                await self._scrape(worker)
+                return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok = False
-        if worker.id not in self.cluster.workers:
-            return
-        if ok:
-            worker.consecutive_failures = 0
-            worker.consecutive_successes += 1
-            if worker.consecutive_successes >= self.rise:
-                self.cluster.mark_up(worker.id)
-        else:
-            worker.consecutive_successes = 0
-            worker.consecutive_failures += 1
-            if worker.consecutive_failures >= self.fall:
-                self.cluster.mark_down(worker.id)
+            return False
 
     async def _scrape(self, worker: LiveWorker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
@@ -120,17 +139,25 @@ class Monitor:
         indexer = KVEventIndexer(self.cluster.view.index, worker.id)
         socket = self._zmq.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(worker.kv_events)  # type: ignore[arg-type]
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
         try:
+            socket.connect(worker.kv_events)  # type: ignore[arg-type]
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
             while True:
                 parts = await socket.recv_multipart()
-                if self.cluster.view.workers.get(worker.id) is None:
+                state = self.cluster.view.workers.get(worker.id)
+                if state is None:
                     return
-                if self.cluster.view.workers[worker.id].healthy:
-                    indexer.feed(parts, self.cluster.clock())
+                if state.healthy:
+                    try:
+                        indexer.feed(parts, self.cluster.clock())
+                    except Exception:  # one bad message costs its blocks, not the subscription
+                        log.exception("worker %s: a KV event batch failed", worker.id)
+        except zmq.ZMQError as e:
+            log.warning("worker %s: KV events at %s: %s", worker.id, worker.kv_events, e)
         finally:
             socket.close()
+            if self._subscribed.get(worker.id) is asyncio.current_task():
+                del self._subscribed[worker.id]  # the next round subscribes again
 
 
 def kv_cache_blocks(samples: list) -> tuple[int, int] | None:

