@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router.cluster import CostEstimates
+from router.collector import CollectorPacing
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
 from router.metrics import RouterMetrics
@@ -86,6 +87,7 @@ class LiveCluster:
         self.policy = policy
         self.workers: dict[WorkerId, LiveWorker] = {}
         self._ids = itertools.count()
+        self._collector = CollectorPacing()  # a full GC pass over the index is a 10+ ms stall
 
     @property
     def approx_index(self) -> PrefixIndex:
@@ -153,8 +155,10 @@ class LiveCluster:
         for worker in self.workers.values():
             self._report(worker)
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
+        now = self.clock()
+        self._collector.tick(now)
         try:
-            routed = self.router.route(request, self.clock(), exclude)
+            routed = self.router.route(request, now, exclude)
         except NoHealthyWorker:
             raise WorkerDown("no healthy worker") from None
         worker = self.workers[routed.decision.worker]
