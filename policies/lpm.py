@@ -79,10 +79,10 @@ class LongestPrefixFirst(FifoQueue):
 
     SGLang sorts once per scheduling round, so a request admitted in a round still holds its
     siblings back for the rest of that round. Here the owner asks one `peek` at a time, so a
-    request popped but whose prompt is not yet computed stays in the in-batch set (as if still
-    first among its siblings) until `cached_blocks` shows its prompt cached, or it finishes, or
-    it is preempted. Held back means last, not blocked: with nothing else waiting, a sibling
-    still goes (so does SGLang's).
+    request popped but not yet computed stays in the in-batch set (as if still first among its
+    siblings) until `cached_blocks` shows the blocks its siblings match it on computed (by
+    then they see them as their own cache hit), or it finishes, or it is preempted. Held back
+    means last, not blocked: with nothing else waiting, a sibling still goes (so does SGLang's).
 
     Chained block hashes make the in-batch match a lookup: two prompts share their first k
     blocks exactly when their k-th hashes are equal.
@@ -106,10 +106,10 @@ class LongestPrefixFirst(FifoQueue):
         self._prefilling: dict[int, Request] = {}  # popped, prompt not yet seen computed
 
     def peek(self, cached_blocks: Callable[[Request], int]) -> Request | None:
-        if len(self._queue) > self.max_scan:
-            return self._queue[0] if self._queue else None
         if not self._queue:
             return None
+        if len(self._queue) > self.max_scan:
+            return self._queue[0]
         cached = {r.id: cached_blocks(r) for r in self._queue}
         held_back = self._in_batch_duplicates(cached, cached_blocks)
         best = min(
@@ -139,7 +139,7 @@ class LongestPrefixFirst(FifoQueue):
             return set()
         k = self.deprioritize_blocks - 1  # sharing hash k = sharing the first k + 1 blocks
         for rid, r in list(self._prefilling.items()):
-            if cached_blocks(r) >= r.num_blocks:
+            if cached_blocks(r) > k:
                 del self._prefilling[rid]  # computed: siblings now see it as cached
         seen = {r.block_hashes[k] for r in self._prefilling.values()}
         held_back = set()

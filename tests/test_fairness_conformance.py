@@ -321,6 +321,18 @@ class TestLPMAsSGLang:
         q.push(make_req(4, [60, 61, 62]))
         assert q.peek(cached) is sibling and cached(sibling) == 6
 
+    def test_released_once_the_blocks_it_is_matched_on_are_computed(self) -> None:
+        """A prompt's last hash may cover a partial block the worker never caches (Mooncake's
+        hash_ids): the hold ends with the matched blocks, not the whole prompt, computed."""
+        q = policies.local_policies.create("lpm")
+        first, sibling, other = make_req(1, [1, 2, 3]), make_req(2, [1, 2, 4]), make_req(3, [9])
+        for r in (first, sibling, other):
+            q.push(r)
+        q.pop(q.peek(no_cache), 0)
+        prefix = lambda r: 2 if r.block_hashes[:2] == [1, 2] else 0  # noqa: E731
+        assert q.peek(no_cache) is other
+        assert q.peek(prefix) is sibling
+
     def test_siblings_waiting_together_go_one_at_a_time(self) -> None:
         """SGLang's waiting-queue tree: of uncached requests sharing a prefix, the first goes
         in its place, the rest behind everything else."""
