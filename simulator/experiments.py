@@ -18,7 +18,7 @@ from pathlib import Path
 from router.tables import format_table, summary_row
 from simulator.cluster import SimConfig, simulate
 from simulator.cost_model import roofline
-from traces.generators import flood, shared_prefix
+from traces.generators import agent_loops, flood, late_joiner, shared_prefix
 from traces.loaders import load_trace
 from traces.schema import Trace
 
@@ -73,15 +73,88 @@ def _mooncake(seed: int) -> Trace:
     return load_trace(MOONCAKE)
 
 
+def _documents(
+    tenants: int, per_tenant: int, tokens: int, question: int, output: int, rate: float
+) -> Callable[[int], Trace]:
+    def make(seed: int) -> Trace:
+        return shared_prefix(
+            num_requests=int(150 * rate),
+            num_tenants=tenants,
+            prefixes_per_tenant=per_tenant,
+            prefix_tokens=tokens,
+            question_tokens=question,
+            output_tokens=output,
+            rate=rate,
+            seed=seed,
+        )
+
+    return make
+
+
+def _agents(seed: int) -> Trace:
+    # Preble's tool/agent kind: a shared tool preamble, then each session's growing history.
+    return agent_loops(num_sessions=240, steps=10, preamble_tokens=3000, rate=2.0, seed=seed)
+
+
 WORKLOADS: dict[str, Callable[[int], Trace]] = {
     "shared_prefix_8": _shared_prefix(8.0),
     "shared_prefix_24": _shared_prefix(24.0),
     "flood_1": _flood(1),
     "flood_4": _flood(4),
     "mooncake": _mooncake,
+    "light_late": lambda seed: late_joiner(rate=18.0, late_rate=6.0, seed=seed),
+    "heavy_late": lambda seed: late_joiner(rate=12.0, late_rate=12.0, seed=seed),
+    # One worker's cache holds about half of these 64 documents of ~8k tokens: locality is
+    # worth throughput (DLPM's setting), and the worker is overloaded.
+    "documents_1w": _documents(16, 4, 8000, 200, 128, 2.0),
+    # Preble's workload kinds: long-document QA (many long documents, a few questions each) and
+    # shared long prefixes such as video QA (a few very long prefixes, many short questions).
+    "long_documents": _documents(40, 2, 16000, 100, 64, 6.0),
+    "video_qa": _documents(4, 2, 10000, 30, 32, 24.0),
+    "agents": _agents,
 }
 
 EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
+    "vtc": (
+        "VTC's headline comparison on one overloaded worker: a steady client from the start and "
+        "one that idles for the first minute, then asks for a third as much (light) or as much "
+        "(heavy); FCFS, least counter first without VTC's lift, VTC",
+        [
+            _run(f"{kind} {local}", f"{kind}_late", "least_load", 1, local_policy=local)
+            for kind in ("light", "heavy")
+            for local in ("fcfs", "lcf", "vtc")
+        ],
+    ),
+    "dlpm": (
+        "DLPM's headline comparison: 16 tenants x 4 documents of ~8k tokens on one overloaded "
+        "worker whose cache holds about half of them; DLPM's quantum swept between VTC "
+        "(fairness) and LPM (locality)",
+        [
+            _run("fcfs", "documents_1w", "least_load", 1, local_policy="fcfs"),
+            _run("vtc", "documents_1w", "least_load", 1, local_policy="vtc"),
+            *(
+                _run(
+                    f"dlpm Q={q}",
+                    "documents_1w",
+                    "lpm",
+                    1,
+                    local_policy="dlpm",
+                    local_params={"quantum": q},
+                )  # fmt: skip
+                for q in (256, 2048, 16384, 131072)
+            ),
+            _run("lpm", "documents_1w", "lpm", 1, local_policy="lpm"),
+        ],
+    ),
+    "preble": (
+        "Preble's headline comparison on its workload kinds, 8 workers: tool/agent sessions "
+        "(closed loop), long-document QA, shared long prefixes (video QA)",
+        [
+            _run(f"{kind} {policy}", kind, policy, 8, closed_loop=kind == "agents")
+            for kind in ("agents", "long_documents", "video_qa")
+            for policy in ("round_robin", "least_load", "lpm", "preble")
+        ],
+    ),
     "shared-prefix": (
         "Tenants with long shared documents, Poisson arrivals at 8 and 24 req/s, 8 workers "
         "(Preble's setting)",
@@ -195,6 +268,9 @@ def experiment_row(label: str, summary: dict[str, object]) -> dict[str, object]:
     if "flood" in clients:  # type: ignore[operator]
         row["calm TTFT s"] = sum(c["ttft"]["mean"] for c in calm) / len(calm)
         row["flood TTFT s"] = clients["flood"]["ttft"]["mean"]  # type: ignore[index]
+    if "late" in clients:  # type: ignore[operator]
+        for name in ("steady", "late"):
+            row[f"{name} TTFT s"] = clients[name]["ttft"]["mean"]  # type: ignore[index]
     row["gap (k tok)"] = summary["fairness"]["max_service_gap"] / 1000  # type: ignore[index]
     row["promised hit %"] = 100 * summary["prefix_cache"]["predicted_hit_rate"]  # type: ignore[index]
     for key in ("done", "TPOT ms", "imbalance", "bound %"):

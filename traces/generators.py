@@ -257,7 +257,37 @@ def flood(
     return finish(Trace(renumber(reqs), block_size, source="generated:flood"))
 
 
+def late_joiner(
+    duration: float = 120.0,
+    rate: float = 18.0,
+    late_rate: float = 6.0,
+    late_start: float = 60.0,
+    prompt_tokens: int = 512,
+    output_tokens: int = 256,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """A heavy client, `steady`, that overloads a worker alone, and a light one, `late`, that
+    asks for less than half the worker but only from `late_start` (the VTC paper's cases: a
+    light client behind a heavy one, and an idle client that returns). FCFS makes the light
+    client wait behind the heavy one's backlog; a scheduler that banks the idle client's credit
+    (least counter first without VTC's lift) hands it everything until it has caught up.
+    Distinct prompts: no prefix sharing."""
+    rng, tokens = random.Random(seed), _Tokens(seed)
+    reqs = []
+    for client, r, start in (("steady", rate, 0.0), ("late", late_rate, late_start)):
+        t = start + rng.expovariate(r)
+        while t < duration:
+            prompt = tokens.take(_lognormal_int(rng, prompt_tokens, 0.3, block_size))
+            out = _lognormal_int(rng, output_tokens, 0.3)
+            reqs.append(_request(0, t, prompt, out, block_size, client=client))
+            t += rng.expovariate(r)
+    reqs.sort(key=lambda r: r.arrival)
+    return finish(Trace(renumber(reqs), block_size, source="generated:late_joiner"))
+
+
 GENERATORS: dict[str, Callable[..., Trace]] = {
+    "late_joiner": late_joiner,
     "flood": flood,
     "shared_prefix": shared_prefix,
     "few_shot": few_shot,
