@@ -104,9 +104,9 @@ WORKLOADS: dict[str, Callable[[int], Trace]] = {
     "mooncake": _mooncake,
     "light_late": lambda seed: late_joiner(rate=18.0, late_rate=6.0, seed=seed),
     "heavy_late": lambda seed: late_joiner(rate=12.0, late_rate=12.0, seed=seed),
-    # One worker's cache holds about half of these 64 documents of ~8k tokens: locality is
+    # One worker's cache holds about half of these 128 documents of ~8k tokens: locality is
     # worth throughput (DLPM's setting), and the worker is overloaded.
-    "documents_1w": _documents(16, 4, 8000, 200, 128, 2.0),
+    "documents_1w": _documents(32, 4, 8000, 200, 128, 5.0),
     # Preble's workload kinds: long-document QA (many long documents, a few questions each) and
     # shared long prefixes such as video QA (a few very long prefixes, many short questions).
     "long_documents": _documents(40, 2, 16000, 100, 64, 6.0),
@@ -126,7 +126,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
         ],
     ),
     "dlpm": (
-        "DLPM's headline comparison: 16 tenants x 4 documents of ~8k tokens on one overloaded "
+        "DLPM's headline comparison: 32 tenants x 4 documents of ~8k tokens on one overloaded "
         "worker whose cache holds about half of them; DLPM's quantum swept between VTC "
         "(fairness) and LPM (locality)",
         [
