@@ -1,10 +1,32 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Every answer the proxy gives that is not a worker's own reply is in this shape, including the
+ones aiohttp would otherwise write as text/plain (unknown path, wrong method, body too large,
+headers too large, an unexpected exception): see `openai_errors` below.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from http import HTTPStatus
 
 from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+# The OpenAI error type for a status the proxy answers itself.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    414: "invalid_request_error",
+    431: "invalid_request_error",
+}
 
 
 class APIError(Exception):
@@ -24,6 +46,18 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers: dict[str, str] = {}
+        self.close = False  # close the connection after answering (a body left unread)
+
+    @classmethod
+    def of_status(cls, status: int, message: str | None = None, code: str | None = None):
+        """An error for a bare HTTP status, typed as OpenAI types it."""
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Error"
+        kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return cls(status, message or phrase, kind, code=code)
 
     @property
     def body(self) -> dict[str, object]:
@@ -37,7 +71,10 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body, status=self.status)
+        response = web.json_response(self.body, status=self.status, headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
 
     def sse(self) -> bytes:
         """A mid-stream error as one framed SSE event, then the stream's end."""
@@ -50,3 +87,33 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", code="no_healthy_worker")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Answer aiohttp's own errors (404, 405, 413, ...) and any escaped exception in the OpenAI
+    shape, without a traceback. An answer already under way cannot be replaced: it re-raises."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        error = APIError.of_status(e.status, _reason(e))
+        if allow := e.headers.get("Allow"):
+            error.headers["Allow"] = allow
+        return error.response()
+    except Exception:
+        if request.writer is not None and request.writer.output_size > 0:
+            raise
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return APIError.of_status(500, "internal error in the router").response()
+
+
+def _reason(e: web.HTTPException) -> str:
+    if e.status == 404:
+        return "Not Found: no such endpoint"
+    if e.status == 405:
+        return f"Method Not Allowed: use {e.headers.get('Allow', 'another method')}"
+    return e.text or e.reason

@@ -1,18 +1,32 @@
-"""An OpenAI request body, checked and turned into the router's Request.
+"""An OpenAI request, checked and turned into the router's Request.
 
-One definition of a well-formed request, shared by the proxy and the emulated worker: the body
-is parsed, the model and lengths checked, the prompt tokenized and hashed, the client named.
+One definition of a well-formed request, shared by the proxy and the emulated worker. In order,
+each step bounded so that no input costs the proxy more than its limits allow:
+
+    headers   sizes (431/414), the API key (401) ........ before the body is read
+    body      size (413), a read deadline (408) ......... slow or huge senders cut off
+    JSON      syntax, nesting depth (400) ............... parsed once, off the loop if large
+    fields    model (404), n, best_of, stream, max_tokens, the client's identity and weight
+    prompt    characters bounded before tokenizing, token ids in the vocabulary (400)
+
 Every rejection is an APIError in the OpenAI shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import math
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from router.errors import APIError, bad_request
 from router.prompts import PromptEncoder, PromptError
@@ -21,34 +35,227 @@ from router.request import Request
 if TYPE_CHECKING:
     from router.proxy import ProxySettings
 
+MAX_BODY_BYTES = 4 * 1024 * 1024
+BODY_TIMEOUT = 30.0  # seconds for the whole body to arrive
+MAX_HEADER_BYTES = 8190  # one header line (aiohttp's own default), answered in the OpenAI shape
+PARSER_LIMIT = 64 * 1024  # aiohttp's parser refuses (text/plain) only beyond this
+MAX_DEPTH = 64  # JSON nesting: tool schemas nest, prompts do not; far below the recursion limit
+INLINE_BYTES = 16 * 1024  # larger bodies are parsed and tokenized on the worker threads
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+MAX_CLIENT_ID = 128
+MAX_N = 128  # choices per request (vLLM's default max_num_seqs on CPU)
+
 _request_ids = itertools.count()
 
 
-def client_identity(request: web.Request, body: dict) -> str:
-    """Who to be fair to: X-Client-Id, else the OpenAI `user` field, else the API key."""
-    if cid := request.headers.get("X-Client-Id"):
-        return cid
-    if isinstance(body.get("user"), str) and body["user"]:
-        return body["user"]
-    auth = request.headers.get("Authorization", "")
-    if auth.startswith("Bearer ") and len(auth) > 7:
-        return "key:" + auth[7:][-8:]  # the key's tail: tells tenants apart, not a secret
-    return "anonymous"
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who an API key belongs to (cluster.yaml `tenants`)."""
+
+    client: str
+    weight: float = 1.0
 
 
-async def parse_body(request: web.Request) -> dict:
+# ----------------------------------------------------------------------------- HTTP layer
+
+
+@web.middleware
+async def header_limits(request: web.Request, handler) -> web.StreamResponse:
+    """Oversized headers in the OpenAI shape. aiohttp's parser, which answers before any
+    middleware in text/plain, is given PARSER_LIMIT (see `parser_limits`); this answers below it."""
+    if len(request.raw_path) > MAX_HEADER_BYTES:
+        raise APIError.of_status(414, f"the URL is longer than {MAX_HEADER_BYTES} bytes")
+    for name, value in request.raw_headers:
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            raise APIError.of_status(
+                431, f"header {name[:64].decode(errors='replace')} is longer than "
+                f"{MAX_HEADER_BYTES} bytes", code="header_too_large",
+            )  # fmt: skip
+    return await handler(request)
+
+
+def parser_limits() -> dict[str, int]:
+    """aiohttp handler_args: the parser's own limits, above the ones `header_limits` enforces."""
+    return {"max_line_size": PARSER_LIMIT, "max_field_size": PARSER_LIMIT}
+
+
+async def read_body(
+    request: web.Request, max_bytes: int = MAX_BODY_BYTES, timeout: float = BODY_TIMEOUT
+) -> bytes:
+    """The whole body, refused past `max_bytes` (413) or when it takes over `timeout` s (408),
+    without holding more than `max_bytes` of it."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        async with asyncio.timeout(timeout):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_large(max_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        error = APIError(
+            408, f"the request body did not arrive within {timeout:g} s", "timeout_error",
+            code="body_timeout",
+        )  # fmt: skip
+        error.close = True
+        raise error from None
+    except (ConnectionError, aiohttp.ClientError, HttpProcessingError):
+        raise APIError(400, "the request body was cut short", code="body_incomplete") from None
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413, f"the request body is larger than {max_bytes} bytes", code="request_too_large"
+    )
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad_request(f"request body nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
         raise bad_request("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    # Fewer brackets than the limit cannot nest deeper: most bodies stop at the count.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and not _depth_within(body, MAX_DEPTH):
+        raise bad_request(f"request body nests deeper than {MAX_DEPTH} levels")
     return body
 
 
+def _depth_within(obj: object, limit: int) -> bool:
+    level = [obj]
+    for _ in range(limit):
+        below: list = []
+        for o in level:
+            values = o.values() if isinstance(o, dict) else o
+            below.extend(v for v in values if isinstance(v, (dict, list)))  # type: ignore[union-attr]
+        if not below:
+            return True
+        level = below
+    return False
+
+
+async def parse_body(
+    request: web.Request, max_bytes: int = MAX_BODY_BYTES, timeout: float = BODY_TIMEOUT
+) -> dict:
+    return parse_json(await read_body(request, max_bytes, timeout))
+
+
+async def read_request(
+    http: web.Request, encoder: PromptEncoder, s: ProxySettings, chat: bool, pool: Executor
+) -> tuple[dict, Request]:
+    """Authenticate, read, parse and tokenize one generation request. A large body is parsed
+    and tokenized on `pool` (the tokenizer releases the GIL), so the event loop stays free."""
+    tenant = authenticate(http, s)  # before reading a body an unknown caller sent
+    raw = await read_body(http, s.max_body_bytes, s.body_timeout)
+
+    def work() -> tuple[dict, Request]:
+        body = parse_json(raw)
+        return body, build_request(http, body, encoder, s, chat, tenant)
+
+    if len(raw) <= INLINE_BYTES:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(pool, work)
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def authenticate(http: web.Request, s: ProxySettings) -> Tenant | None:
+    """The tenant of the request's API key when cluster.yaml lists tenants (else None);
+    an unknown or missing key is a 401."""
+    if not s.tenants:
+        return None
+    tenant = s.tenants.get(_bearer(http) or "")
+    if tenant is None:
+        raise APIError(
+            401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key"
+        )
+    return tenant
+
+
+def client_identity(
+    http: web.Request, body: dict, tenant: Tenant | None, s: ProxySettings
+) -> tuple[str, float]:
+    """Who to be fair to, and with what weight.
+
+    The tenant of the API key when tenants are configured; X-Client-Id and X-Client-Weight only
+    when the config trusts them (a gateway in front that sets them); otherwise the OpenAI `user`
+    field, else the API key's tail, else "anonymous", at weight 1.
+    """
+    client, weight = (tenant.client, tenant.weight) if tenant else (None, 1.0)
+    if s.trust_client_headers:
+        if cid := http.headers.get("X-Client-Id"):
+            client = _client_name(cid, "X-Client-Id")
+        if (w := http.headers.get("X-Client-Weight")) is not None:
+            weight = _weight(w)
+    if client is None:
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise bad_request("'user' must be a string", "user")
+        if user:
+            client = _client_name(user, "user")
+    if client is None:
+        key = _bearer(http)
+        key_ok = key and key.isascii() and key.isprintable()
+        client = "key:" + key[-8:] if key_ok else "anonymous"  # tells tenants apart, not a secret
+    return client, weight
+
+
+def _bearer(http: web.Request) -> str | None:
+    auth = http.headers.get("Authorization", "")
+    return auth[7:] if auth.startswith("Bearer ") and len(auth) > 7 else None
+
+
+def _client_name(name: str, param: str) -> str:
+    if len(name) > MAX_CLIENT_ID or not name.isprintable():
+        raise bad_request(f"{param} must be at most {MAX_CLIENT_ID} printable characters", param)
+    return name
+
+
+def _weight(text: str) -> float:
+    try:
+        w = float(text)
+    except ValueError:
+        raise bad_request("X-Client-Weight must be a number", "X-Client-Weight") from None
+    if not (math.isfinite(w) and MIN_WEIGHT <= w <= MAX_WEIGHT):
+        raise bad_request(
+            f"X-Client-Weight must be between {MIN_WEIGHT:g} and {MAX_WEIGHT:g}",
+            "X-Client-Weight",
+        )
+    return w
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+def _optional(body: dict, key: str, check: Callable[[object], bool], what: str) -> None:
+    value = body.get(key)
+    if value is not None and not check(value):
+        raise bad_request(f"'{key}' must be {what}", key)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def build_request(
-    http: web.Request, body: dict, encoder: PromptEncoder, s: ProxySettings, chat: bool
+    http: web.Request,
+    body: dict,
+    encoder: PromptEncoder,
+    s: ProxySettings,
+    chat: bool,
+    tenant: Tenant | None = None,
 ) -> Request:
+    """The router's Request for a parsed body. A batch of prompts (/v1/completions with a list
+    of strings or token-id lists) is routed as one request, as the worker runs it: prompt_len is
+    the whole batch's, the prefix hashed is the longest prompt's, and the output is max_tokens
+    for each prompt and each of the `n` choices."""
     model = body.get("model")
     if not isinstance(model, str):
         raise bad_request("'model' is required", "model")
@@ -56,20 +263,29 @@ def build_request(
         raise APIError(
             404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found"
         )
+    client, weight = client_identity(http, body, tenant, s)
+    _optional(body, "stream", lambda v: isinstance(v, bool), "true or false")
+    _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    _optional(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer 1 to {MAX_N}")
+    n = body.get("n") or 1
+    best_of = body.get("best_of")
+    if best_of is not None and best_of not in (1, n):  # vLLM's server ignores it: say so
+        raise bad_request("'best_of' is not supported (the vLLM workers ignore it)", "best_of")
     try:
         if chat:
-            ids = encoder.chat_ids(body.get("messages"))
+            prompts = [encoder.chat_ids(body.get("messages"), s.max_model_len)]
         else:
             if "prompt" not in body:
                 raise bad_request("'prompt' is required", "prompt")
-            ids = encoder.completion_ids(body["prompt"])
+            prompts = encoder.completion_prompts(body["prompt"], s.max_model_len)
     except PromptError as e:
         raise bad_request(str(e), e.param) from None
+    ids = max(prompts, key=len)  # the first longest
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is None:
         max_tokens = s.max_model_len - len(ids) if chat else s.default_max_tokens
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if not _is_int(max_tokens) or max_tokens < 1:
         raise bad_request(f"'{key}' must be a positive integer", key)
     if len(ids) + max_tokens > s.max_model_len:
         raise bad_request(
@@ -78,21 +294,12 @@ def build_request(
             f"{max_tokens} in the completion). Please reduce the length.",
             key,
         )
-    if max_tokens <= 0 or len(ids) == 0:
-        raise bad_request("the prompt is empty", "prompt")
-    weight = http.headers.get("X-Client-Weight")
-    try:
-        w = float(weight) if weight else 1.0
-    except ValueError:
-        raise bad_request("X-Client-Weight must be a number") from None
-    if w <= 0:
-        raise bad_request("X-Client-Weight must be positive")
     return Request(
         id=next(_request_ids),
         arrival=time.monotonic(),
-        prompt_len=len(ids),
-        output_len=max_tokens,
+        prompt_len=sum(len(p) for p in prompts),
+        output_len=max_tokens * n * len(prompts),
         block_hashes=encoder.block_hashes(ids),
-        client=client_identity(http, body),
-        weight=w,
+        client=client,
+        weight=weight,
     )

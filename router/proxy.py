@@ -1,8 +1,9 @@
 """The OpenAI-compatible proxy: validate, tokenize, route, queue, forward, account.
 
-Forwarding commits at the first byte: until the worker has answered with a status line, a
-failure (refused connection, 5xx, timeout) sends the request to another worker; after it, the
-bytes already sent cannot be taken back, so a broken stream ends with a framed SSE error event.
+Forwarding commits at the client's first byte: until then (a whole non-streamed answer, a
+stream's first chunk), a failure (refused connection, 5xx, a stalled worker) sends the request
+to another worker; after it, the bytes already sent cannot be taken back, so a broken stream
+ends with a framed SSE error event and `data: [DONE]` (see `Forward`).
 """
 
 from __future__ import annotations
@@ -13,16 +14,26 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from router.errors import APIError, bad_request, unavailable
+from router.errors import APIError, bad_request, openai_errors, unavailable
 from router.live import LiveCluster, LiveWorker, WorkerDown
 from router.monitor import Monitor
-from router.openai_request import build_request, parse_body
+from router.openai_request import (
+    BODY_TIMEOUT,
+    MAX_BODY_BYTES,
+    Tenant,
+    header_limits,
+    parse_body,
+    parser_limits,
+    read_request,
+)
 from router.prompts import PromptEncoder
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
@@ -49,6 +60,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 RECORDER = web.AppKey("recorder", object)
 STARTED = web.AppKey("started", float)
 ENCODER = web.AppKey("encoder", PromptEncoder)
+POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
 
 
 @dataclass(frozen=True)
@@ -59,16 +71,42 @@ class ProxySettings:
     max_retries: int = 2
     queue_timeout: float = 60.0  # waiting in the router's dispatch queue
     connect_timeout: float = 5.0
-    first_byte_timeout: float = 60.0
+    first_byte_timeout: float = 60.0  # until the client's first byte: retried elsewhere after
+    stream_timeout: float = 30.0  # between two chunks of a stream, once it has begun
     request_timeout: float = 600.0
     admin_token: str | None = None
     policy_name: str = "?"
     health_interval: float = 1.0
     record_dir: str | None = None  # write requests.csv there, for `fairway report`
+    max_body_bytes: int = MAX_BODY_BYTES  # larger bodies are refused (413) unread
+    body_timeout: float = BODY_TIMEOUT  # for the whole body to arrive (else 408)
+    client_labels: int = 20  # clients besides the tenants with metric labels of their own
+    trust_client_headers: bool = False  # X-Client-Id / X-Client-Weight set by a trusted gateway
+    tenants: Mapping[str, Tenant] = field(default_factory=dict)  # API key -> tenant; none: open
 
 
 class Forward:
-    """One request's trip through the cluster, retried before the first byte."""
+    """One request's trip through the cluster: route, wait in the worker's queue, send, relay.
+
+    The promise: every request ends complete, or with an error in the OpenAI shape; once a
+    stream has begun, that is an SSE error event and then `data: [DONE]`.
+
+        route ─▶ queue ─▶ send ─▶ first byte ─┬─▶ answer (whole JSON)
+          ▲        │        │     (commit)    └─▶ relay events ─▶ [DONE]
+          └────────┴────────┘                          └─ broken, stalled, truncated:
+          worker down, refused, 5xx, stalled:              error event + [DONE]
+          another worker (max_retries)
+
+    - Until the client has seen a byte (a non-streamed answer whole, a stream's first chunk),
+      a failure is retried on another worker: refused, 5xx, or nothing within
+      `first_byte_timeout` (a stalled worker). Then the proxy commits.
+    - A committed stream that breaks, stalls past `stream_timeout` between chunks, or ends
+      without `[DONE]` gets an error event and `[DONE]`.
+    - Cluster bookkeeping (policy hooks run inside it) goes through `_book`: what it raises is
+      logged and the request goes on. Accounting may suffer from a hook's bug; the answer not.
+    - Each routed attempt is given back exactly once: `abandon` while queued (timed out,
+      worker down, client gone), `release` once sent.
+    """
 
     def __init__(self, app: web.Application, http: web.Request, body: dict, req: Request) -> None:
         self.cluster: LiveCluster = app[CLUSTER]
@@ -82,10 +120,28 @@ class Forward:
         self.cached_tokens = 0
         self.first_byte_at: float | None = None
         self.admitted_at: float | None = None
+        self.response: web.StreamResponse | None = None  # a stream the client is reading
         self.recorder: RecordWriter | None = app.get(RECORDER)  # type: ignore[assignment]
         self.t0 = app[STARTED]
+        self._book_failed = False
 
     async def run(self, path: str) -> web.StreamResponse:
+        try:
+            return await self._attempts(path)
+        except APIError as e:
+            if self.response is None:
+                raise
+            await self._end_stream(e)
+            return self.response
+        except Exception as e:  # a bug here must still leave the client a clear ending
+            log.exception("request %s: failed inside the router", self.request_id)
+            error = APIError(500, "internal error in the router", "server_error", code="internal")
+            if self.response is None:
+                raise error from e
+            await self._end_stream(error)
+            return self.response
+
+    async def _attempts(self, path: str) -> web.StreamResponse:
         tried: set[int] = set()
         last_error: APIError = unavailable("no healthy worker")
         for _ in range(self.settings.max_retries + 1):
@@ -93,89 +149,103 @@ class Forward:
                 worker, reason, admitted = self.cluster.route(self.req, exclude=tried)
             except WorkerDown:
                 break
-            try:
-                await asyncio.wait_for(admitted, self.settings.queue_timeout)
-                self.admitted_at = time.monotonic()
-            except WorkerDown:
-                tried.add(worker.id)
-                self.cluster.abandon(worker, self.req)
-                continue
-            except asyncio.TimeoutError:
-                self.cluster.abandon(worker, self.req)
-                self._count(reason, worker, "queue_timeout")
+            except Exception as e:
+                log.exception("request %s: routing failed", self.request_id)
                 raise APIError(
-                    503,
-                    "timed out waiting in the router queue",
-                    "service_unavailable",
-                    code="queue_timeout",
-                ) from None
+                    503, "the router could not place the request", "service_unavailable",
+                    code="routing_error",
+                ) from e  # fmt: skip
+            if not await self._admitted(worker, reason, admitted):
+                tried.add(worker.id)
+                continue
             try:
-                upstream, data = await self._send(worker, path)
+                upstream, head, stream = await self._send(worker, path)
             except APIError as e:  # nothing reached the client yet: try elsewhere
-                self.cluster.release(worker, self.req, 0)
-                self.cluster.mark_failure(worker)
+                self._book(self.cluster.release, worker, self.req, 0)
+                self._book(self.cluster.mark_failure, worker)
                 self._count(reason, worker, "retried")
                 self.metrics.retries.labels(worker.label).inc()
                 tried.add(worker.id)
                 last_error = e
                 continue
+            except BaseException:
+                self._book(self.cluster.release, worker, self.req, 0)
+                raise
             try:
-                if data is not None:
-                    return self._answer(upstream, data, worker, reason)
-                return await self._relay(upstream, worker, reason)
+                if stream:
+                    return await self._relay(upstream, head, worker, reason)
+                return self._answer(upstream, head, worker, reason)
             finally:
                 upstream.release()
-                self.cluster.release(worker, self.req, self.output_tokens)
+                self._book(self.cluster.release, worker, self.req, self.output_tokens)
         self.metrics.requests.labels(
             self.settings.policy_name, "exhausted", "none", f"http_{last_error.status}"
         ).inc()
         raise last_error
 
+    async def _admitted(
+        self, worker: LiveWorker, reason: str, admitted: asyncio.Future[LiveWorker]
+    ) -> bool:
+        """Wait until the worker's dispatch queue releases the request. False: the worker went
+        down first (try another). Timing out in the queue is the client's answer (503)."""
+        try:
+            async with asyncio.timeout(self.settings.queue_timeout):
+                await admitted
+        except WorkerDown:
+            self._book(self.cluster.abandon, worker, self.req)
+            return False
+        except TimeoutError:
+            self._book(self.cluster.abandon, worker, self.req)
+            self._count(reason, worker, "queue_timeout")
+            raise APIError(
+                503, "timed out waiting in the router queue", "service_unavailable",
+                code="queue_timeout",
+            ) from None  # fmt: skip
+        except BaseException:  # the client left (cancelled), or the cluster failed the wait
+            self._book(self.cluster.abandon, worker, self.req)
+            raise
+        self.admitted_at = time.monotonic()
+        return True
+
     async def _send(
         self, worker: LiveWorker, path: str
-    ) -> tuple[aiohttp.ClientResponse, bytes | None]:
-        """Send, and read a whole (non-streamed) answer too: failing anywhere before the client
-        has seen a byte is retryable. Returns the response and its body if it was read."""
+    ) -> tuple[aiohttp.ClientResponse, bytes, bool]:
+        """Send, and wait for what the client would see first: a non-streamed answer whole, or
+        a stream's first chunk. Failing anywhere before that is an APIError (retryable).
+        Returns the response, those bytes, and whether it is a stream."""
         s = self.settings
         headers = {k: v for k, v in self.http.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["X-Request-Id"] = self.request_id
-        timeout = aiohttp.ClientTimeout(
-            total=s.request_timeout, sock_connect=s.connect_timeout, sock_read=s.first_byte_timeout
-        )
+        # No sock_read: the first byte has its own deadline below, a stream's chunks theirs.
+        timeout = aiohttp.ClientTimeout(total=s.request_timeout, sock_connect=s.connect_timeout)
+        resp: aiohttp.ClientResponse | None = None
         try:
-            resp = await self.session.post(
-                f"{worker.url}{path}", json=self.upstream_body, headers=headers, timeout=timeout
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise APIError(
-                502,
-                f"worker {worker.id} failed: {type(e).__name__}: {e}",
-                "bad_gateway",
-                code="worker_error",
-            ) from e
-        try:
-            if resp.status >= 500:
-                text = await resp.text()
-                raise APIError(
-                    502,
-                    f"worker {worker.id} answered {resp.status}: {text[:200]}",
-                    "bad_gateway",
-                    code="worker_error",
+            async with asyncio.timeout(s.first_byte_timeout):
+                resp = await self.session.post(
+                    f"{worker.url}{path}", json=self.upstream_body, headers=headers, timeout=timeout
                 )
-            if resp.status >= 400 or "text/event-stream" not in resp.content_type:
-                return resp, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            resp.release()
-            raise APIError(
-                502,
-                f"worker {worker.id} failed mid-answer: {type(e).__name__}",
-                "bad_gateway",
-                code="worker_error",
-            ) from e
-        except APIError:
-            resp.release()
+                if resp.status >= 500:
+                    text = await resp.text(errors="replace")
+                    raise _bad_gateway(f"worker {worker.id} answered {resp.status}: {text[:200]}")
+                if resp.status >= 400 or "text/event-stream" not in resp.content_type:
+                    return resp, await resp.read(), False
+                head = await resp.content.readany()
+                if not head:
+                    raise _bad_gateway(f"worker {worker.id} ended the stream before any event")
+                return resp, head, True
+        except (aiohttp.ClientError, TimeoutError) as e:
+            if resp is not None:
+                resp.close()
+            what = (
+                f"no answer within {s.first_byte_timeout:g} s"
+                if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ClientError)
+                else f"{type(e).__name__}: {e}"
+            )
+            raise _bad_gateway(f"worker {worker.id} failed: {what}") from e
+        except BaseException:
+            if resp is not None:
+                resp.close()
             raise
-        return resp, None
 
     def _answer(
         self, upstream: aiohttp.ClientResponse, data: bytes, worker: LiveWorker, reason: str
@@ -183,7 +253,7 @@ class Forward:
         self._mark_first_byte(worker)
         if upstream.status < 400:
             self.output_tokens, self.cached_tokens = _usage(data)
-            self.cluster.tokens(worker, self.req, self.output_tokens)
+            self._book(self.cluster.tokens, worker, self.req, self.output_tokens)
         self._finish(reason, worker, "ok" if upstream.status < 400 else f"http_{upstream.status}")
         return web.Response(
             body=data, status=upstream.status, headers=self._headers(upstream, worker)
@@ -196,68 +266,121 @@ class Forward:
         return headers
 
     async def _relay(
-        self, upstream: aiohttp.ClientResponse, worker: LiveWorker, reason: str
+        self, upstream: aiohttp.ClientResponse, head: bytes, worker: LiveWorker, reason: str
     ) -> web.StreamResponse:
         req, metrics = self.req, self.metrics
+        self._mark_first_byte(worker)
         response = web.StreamResponse(
             status=upstream.status, headers=self._headers(upstream, worker)
         )
-        await response.prepare(self.http)
-        account = StreamAccount(forward_usage=client_wants_usage(self.body))
-        last = time.monotonic()
         try:
-            async for chunk in upstream.content.iter_any():
-                now = time.monotonic()
-                if self.first_byte_at is None:
-                    self._mark_first_byte(worker)
-                else:
-                    metrics.itl.labels(req.client).observe(now - last)
-                last = now
+            await response.prepare(self.http)
+        except ConnectionError:
+            upstream.close()
+            self._finish(reason, worker, "client_gone")
+            return response
+        self.response = response
+        account = StreamAccount(forward_usage=client_wants_usage(self.body))
+        per_chunk = None if _arm_read_timeout(upstream, self.settings.stream_timeout) else (
+            self.settings.stream_timeout)  # fmt: skip
+        ended = False  # the worker's `data: [DONE]` has gone by
+        chunk, last = head, time.monotonic()
+        try:
+            while chunk:
                 events, n = account.feed(chunk)
                 if n:
                     self.output_tokens += n
-                    self.cluster.tokens(worker, req, n)
-                try:
-                    if events:
+                    self._book(self.cluster.tokens, worker, req, n)
+                if events:
+                    ended = ended or b"data: [DONE]" in events
+                    try:
                         await response.write(events)
-                except ConnectionError:
-                    # The client went away. aiohttp's reset error is a ClientError too, so it is
-                    # told apart from the worker's errors here; closing upstream aborts the
-                    # worker's request as well.
-                    upstream.close()
-                    self._finish(reason, worker, "client_gone")
-                    return response
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self.cluster.mark_failure(worker)
-            error = APIError(
-                502,
-                f"worker {worker.id} broke off the stream: {type(e).__name__}",
-                "bad_gateway",
-                code="stream_broken",
+                    except ConnectionError:
+                        # The client went away. aiohttp's reset error is a ClientError too, so
+                        # it is told apart from the worker's errors here; closing upstream
+                        # aborts the worker's request as well.
+                        upstream.close()
+                        self._finish(reason, worker, "client_gone")
+                        return response
+                if per_chunk is None:
+                    chunk = await upstream.content.readany()
+                else:
+                    async with asyncio.timeout(per_chunk):
+                        chunk = await upstream.content.readany()
+                now = time.monotonic()
+                metrics.itl.labels(req.client).observe(now - last)
+                last = now
+        except (aiohttp.ClientError, TimeoutError) as e:
+            if not ended:
+                self._book(self.cluster.mark_failure, worker)
+                what = "stalled" if isinstance(e, TimeoutError) else type(e).__name__
+                return await self._broken(f"worker {worker.id} broke off the stream: {what}",
+                                          reason, worker)  # fmt: skip
+        except asyncio.CancelledError:  # shutting down (or the client left): end it cleanly
+            await self._end_stream(
+                APIError(
+                    503, "the router stopped this stream", "service_unavailable", code="cancelled"
+                )
             )
+            raise
+        if rest := account.flush():  # bytes after the last whole event
+            if b"[DONE]" not in rest:
+                return await self._broken(f"worker {worker.id} cut an event short", reason, worker)
+            ended = True
             with contextlib.suppress(ConnectionError):
-                await response.write(error.sse())
-            self._finish(reason, worker, "stream_broken")
-            return response
+                await response.write(rest)
+        if not ended:
+            return await self._broken(
+                f"worker {worker.id} ended the stream without [DONE]", reason, worker
+            )
         if account.usage is not None:
             # The worker's own count replaces the running estimate (charged as a correction).
             exact = account.usage.completion_tokens
             if exact != self.output_tokens:
-                self.cluster.tokens(worker, req, exact - self.output_tokens)
+                self._book(self.cluster.tokens, worker, req, exact - self.output_tokens)
             self.output_tokens, self.cached_tokens = exact, account.usage.cached_tokens
         self._finish(reason, worker, "ok")
         with contextlib.suppress(ConnectionError):
-            if rest := account.flush():
-                await response.write(rest)
             await response.write_eof()
         return response
+
+    async def _broken(self, message: str, reason: str, worker: LiveWorker) -> web.StreamResponse:
+        assert self.response is not None, "only a stream the client reads can break"
+        await self._end_stream(_bad_gateway(message, code="stream_broken"))
+        self._finish(reason, worker, "stream_broken")
+        return self.response
+
+    async def _end_stream(self, error: APIError) -> None:
+        """End a stream the client has begun reading: an error event, then `[DONE]`."""
+        assert self.response is not None, "no stream to end"
+        with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
+            async with asyncio.timeout(5.0):  # a client that stopped reading cannot hold us
+                await self.response.write(error.sse())
+                await self.response.write_eof()
 
     def _mark_first_byte(self, worker: LiveWorker) -> None:
         self.first_byte_at = time.monotonic()
         self.metrics.ttft.labels(self.req.client).observe(self.first_byte_at - self.req.arrival)
-        self.cluster.first_token(worker, self.req)
+        self._book(self.cluster.first_token, worker, self.req)
+
+    def _book(self, fn: Callable[..., object], *args: object) -> None:
+        """Cluster bookkeeping: what it raises is logged (once a request), never passed on."""
+        try:
+            fn(*args)
+        except Exception:
+            if not self._book_failed:
+                self._book_failed = True
+                log.exception("request %s: %s failed; the request goes on", self.request_id,
+                              getattr(fn, "__name__", fn))  # fmt: skip
 
     def _finish(self, reason: str, worker: LiveWorker, status: str) -> None:
+        try:
+            self._record(worker, status)
+        except Exception:  # a full disk or a metrics bug costs the record, not the answer
+            log.exception("request %s: recording its end failed", self.request_id)
+        self._count(reason, worker, status)
+
+    def _record(self, worker: LiveWorker, status: str) -> None:
         req = self.req
         now = time.monotonic()
         self.metrics.e2e.labels(req.client).observe(now - req.arrival)
@@ -272,10 +395,25 @@ class Forward:
             ), flush=True)  # fmt: skip
         service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)
-        self._count(reason, worker, status)
 
     def _count(self, reason: str, worker: LiveWorker, status: str) -> None:
         self.metrics.requests.labels(self.settings.policy_name, reason, worker.label, status).inc()
+
+
+def _bad_gateway(message: str, code: str = "worker_error") -> APIError:
+    return APIError(502, message, "bad_gateway", code=code)
+
+
+def _arm_read_timeout(upstream: aiohttp.ClientResponse, seconds: float) -> bool:
+    """Set a stream's limit between two chunks on aiohttp's own socket read timer, which it
+    re-arms on every chunk anyway (a timer of our own per chunk would double that cost).
+    False if this aiohttp has no such timer to set: the caller then times each read."""
+    protocol = getattr(upstream.connection, "protocol", None)
+    if protocol is None or not hasattr(protocol, "start_timeout"):
+        return False
+    protocol.read_timeout = seconds
+    protocol.start_timeout()
+    return True
 
 
 def _usage(data: bytes) -> tuple[int, int]:
@@ -294,8 +432,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     settings: ProxySettings = app[SETTINGS]  # type: ignore[assignment]
     try:
-        body = await parse_body(request)
-        req = build_request(request, body, app[ENCODER], settings, chat)
+        body, req = await read_request(request, app[ENCODER], settings, chat, app[POOL])
     except APIError as e:  # rejected before routing: no worker was involved
         app[CLUSTER].metrics.requests.labels(
             settings.policy_name, "rejected", "none", f"http_{e.status}"
@@ -354,7 +491,8 @@ async def admin_workers(request: web.Request) -> web.Response:
     try:
         _check_admin(request)
         if request.method == "POST":
-            body = await parse_body(request)
+            s: ProxySettings = request.app[SETTINGS]  # type: ignore[assignment]
+            body = await parse_body(request, s.max_body_bytes, s.body_timeout)
             url = body.get("url")
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise bad_request("'url' must be an http(s) URL", "url")
@@ -392,8 +530,16 @@ def _describe(cluster: LiveCluster, w: LiveWorker) -> dict[str, object]:
 def create_app(
     cluster: LiveCluster, encoder: PromptEncoder, settings: ProxySettings, monitor: bool = True
 ) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    # Errors in the OpenAI shape, aiohttp's own too; header sizes checked below the parser's
+    # limits, so that the answer to oversized headers has that shape as well.
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[openai_errors, header_limits],
+        handler_args=parser_limits(),
+    )
     app[CLUSTER] = cluster
+    cluster.metrics.label_clients((t.client for t in settings.tenants.values()),
+                                  settings.client_labels)  # fmt: skip
     app[ENCODER] = encoder
     app[SETTINGS] = settings
     app[STARTED] = time.monotonic()
@@ -404,11 +550,13 @@ def create_app(
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             app[SESSION] = session
+            app[POOL] = ThreadPoolExecutor(2, thread_name_prefix="fairway-tokenize")
             watcher = Monitor(cluster, session, interval=settings.health_interval)
             if monitor:
                 watcher.start()
             yield
             await watcher.stop()
+            app[POOL].shutdown(wait=False, cancel_futures=True)
             if settings.record_dir:
                 app[RECORDER].close()  # type: ignore[attr-defined]
 

@@ -9,7 +9,9 @@ Configuration is validated on load; an error names the field (`workers.count: ..
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,14 @@ from pydantic import (
 
 import policies
 from router.live import LiveCluster
+from router.openai_request import (
+    BODY_TIMEOUT,
+    MAX_BODY_BYTES,
+    MAX_CLIENT_ID,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    Tenant,
+)
 from router.prompts import PromptEncoder
 from router.proxy import ProxySettings, create_app
 from simulator.cost_model import GPUS, MODELS, FittedCost, roofline
@@ -99,8 +109,25 @@ class PolicyConfig(Strict):
 class TimeoutsConfig(Strict):
     queue: float = Field(60.0, gt=0)
     connect: float = Field(5.0, gt=0)
-    first_byte: float = Field(60.0, gt=0)
+    first_byte: float = Field(60.0, gt=0, description="until the client's first byte")
+    stream: float = Field(30.0, gt=0, description="between two chunks of a stream")
     request: float = Field(600.0, gt=0)
+    body: float = Field(BODY_TIMEOUT, gt=0, description="for a request body to arrive (408)")
+
+
+class LimitsConfig(Strict):
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get a 413")
+    client_labels: int = Field(
+        20, ge=0, description="clients besides the tenants with metric series of their own"
+    )
+
+
+class TenantConfig(Strict):
+    """An API key, and the client (tenant) and weight it stands for."""
+
+    api_key: str = Field(min_length=8)
+    client: str = Field(min_length=1, max_length=MAX_CLIENT_ID)
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT)
 
 
 class ClusterConfig(Strict):
@@ -126,6 +153,21 @@ class ClusterConfig(Strict):
         "else the cost_preset / cost_gpu roofline",
     )
     record_dir: str | None = Field(None, description="write requests.csv here for reports")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="API keys; when set, a request needs one (else 401)"
+    )
+    trust_client_headers: bool = Field(
+        False, description="honour X-Client-Id / X-Client-Weight (a trusted gateway sets them)"
+    )
+
+    @field_validator("tenants")
+    @classmethod
+    def _keys(cls, v: list[TenantConfig]) -> list[TenantConfig]:
+        keys = [t.api_key for t in v]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an api_key is listed twice")
+        return v
 
     @field_validator("cost_profile")
     @classmethod
@@ -277,11 +319,17 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
         queue_timeout=t.queue,
         connect_timeout=t.connect,
         first_byte_timeout=t.first_byte,
+        stream_timeout=t.stream,
         request_timeout=t.request,
         admin_token=config.admin_token,
         policy_name=config.policy.name,
         health_interval=config.health_interval,
         record_dir=config.record_dir,
+        max_body_bytes=config.limits.max_body_bytes,
+        body_timeout=t.body,
+        client_labels=config.limits.client_labels,
+        trust_client_headers=config.trust_client_headers,
+        tenants={t.api_key: Tenant(t.client, t.weight) for t in config.tenants},
     )
 
 
@@ -304,16 +352,41 @@ def serve(config: ClusterConfig) -> int:
             specs, config.workers.ray_address, config.workers.gpus_per_worker, scratch
         )
         log.info("starting %d %s workers (logs in %s)", len(specs), config.workers.backend, scratch)
-        for spec in pool.start():
+        try:
+            pool.start()
+        except BaseException:
+            pool.stop()  # the servers that did start
+            raise
+        for spec in specs:
             cluster.add_worker(spec.url, spec.kv_events)
+        pool.watch(_shut_down)
     app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings_of(config))
     log.info(
         "Fairway proxy on http://%s:%d (policy %s)", config.host, config.port, config.policy.name
     )
     try:
-        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+        web.run_app(
+            app,
+            host=config.host,
+            port=config.port,
+            print=None,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_GRACE,
+        )
     finally:
         if pool is not None:
             pool.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+# In-flight requests get this long to finish when the proxy stops; then streams end with an
+# error event. Well inside the minute Ray gives a driver whose GCS is gone.
+SHUTDOWN_GRACE = 20.0
+
+
+def _shut_down(reason: str) -> None:
+    """The pool's Ray cluster is gone: stop as on SIGTERM (finish in-flight requests, stop the
+    servers), before Ray ends this process and leaves them running."""
+    log.error("%s: shutting down", reason)
+    os.kill(os.getpid(), signal.SIGTERM)

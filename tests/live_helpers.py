@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 from openai import AsyncOpenAI
 
 from router.live import LiveCluster
+from router.load import LoadResult
 from router.prompts import PromptEncoder
 from router.proxy import ProxySettings, create_app
 from router.serve import ClusterConfig, build_cluster, ensure_tiny_model
@@ -55,6 +65,7 @@ async def proxy(
     cluster = build_cluster(config)
     for url in worker_urls:
         cluster.add_worker(url)
+    settings.setdefault("trust_client_headers", True)  # tests name clients as a gateway would
     s = ProxySettings(model_name="tiny", policy_name=policy, health_interval=0.2, **settings)
     app = create_app(cluster, PromptEncoder(tokenizer_dir(), BLOCK), s)
     async with serving(app) as url:
@@ -68,3 +79,150 @@ def client(base: str, **kw) -> AsyncOpenAI:
 
 def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 120.0) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), timeout))
+
+
+# ------------------------------------------------------------ processes to hurt on purpose
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(1)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
+
+
+@dataclass
+class ServerProc:
+    """An emulated vLLM server in a process of its own (so it can be killed or stopped)."""
+
+    url: str
+    proc: subprocess.Popen
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+
+@contextlib.asynccontextmanager
+async def emulated_processes(n: int, speed: float = 1.0) -> AsyncIterator[list[ServerProc]]:
+    """`n` emulated servers, each in a session of its own; all stopped (woken first, if
+    stopped) and reaped on exit."""
+    servers = []
+    try:
+        for _ in range(n):
+            port = free_port()
+            argv = emulated.command(port, tokenizer_dir(), "tiny", BLOCK, speed=speed)
+            quiet = subprocess.DEVNULL
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, start_new_session=True, stdout=quiet, stderr=quiet
+            )
+            servers.append(ServerProc(f"http://127.0.0.1:{port}", proc))
+        await asyncio.gather(*(wait_healthy(s.url) for s in servers))
+        yield servers
+    finally:
+        for s in servers:
+            s.signal(signal.SIGCONT)
+            s.signal(signal.SIGTERM)
+        for s in servers:
+            try:
+                await asyncio.to_thread(s.proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                s.signal(signal.SIGKILL)
+                s.proc.wait()
+
+
+def session_pids(sid: int) -> list[int]:
+    """The processes of session `sid` (/proc), zombies included."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[3]) == sid:
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def process_args(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@dataclass
+class RayHead:
+    """A Ray head this test started, on free loopback ports, in a session of its own."""
+
+    address: str
+    proc: subprocess.Popen  # `ray start --head --block`: the parent of the head's processes
+    temp_dir: Path
+
+    def pids(self) -> list[int]:
+        return [p for p in session_pids(self.proc.pid) if p != self.proc.pid]
+
+    def gcs_pid(self) -> int:
+        found = [p for p in self.pids() if "gcs_server" in process_args(p)]
+        assert found, "the head has a GCS process"
+        return found[0]
+
+
+@contextlib.contextmanager
+def ray_head(temp_dir: Path) -> Iterator[RayHead]:
+    """Start a Ray head of the test's own and stop exactly it: its `ray start` process is
+    told to stop, and anything left in its session is killed by pid. Never `ray stop`, which
+    stops every Ray cluster on the host."""
+    cli = str(Path(sys.executable).with_name("ray"))
+    port = free_port()
+    argv = [
+        cli, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+        f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=false",
+        "--disable-usage-stats", f"--dashboard-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = open(temp_dir / "ray-start.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    head = RayHead(f"127.0.0.1:{port}", proc, temp_dir)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            assert proc.poll() is None, f"ray start exited: see {log.name}"
+            assert time.monotonic() < deadline, "the Ray head did not come up in 60 s"
+            time.sleep(0.1)
+        yield head
+    finally:
+        proc.send_signal(signal.SIGTERM)  # ray start --block stops its processes on SIGTERM
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(20)
+        for pid in session_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        log.close()
+
+
+def assert_every_request_ended(result: LoadResult, sent: int | None = None) -> None:
+    """Count in == count out, and none lost: each ended complete or with a clean error."""
+    if sent is not None:
+        assert len(result.outcomes) == sent, f"sent {sent}, {len(result.outcomes)} ended"
+    lost = result.lost
+    details = Counter(o.detail for o in lost).most_common(5)
+    assert not lost, f"{result.summary()}; lost: {details}"
