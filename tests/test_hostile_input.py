@@ -30,6 +30,8 @@ import pytest
 
 from router.bench_proxy import free_port, wait_healthy
 from router.metrics import ClientLabels, RouterMetrics
+from router.openai_request import Tenant
+from router.serve import settings_of, validate_config
 from tests.live_helpers import ROOT, tokenizer_dir
 from workers import emulated
 
@@ -473,3 +475,30 @@ class TestClientLabels:
         assert 'fairway_client_service_tokens_total{client="other"} 5.0' in text
         assert 'fairway_client_service_tokens_total{client="b"} 5.0' in text
         assert metrics.clients.service == {"a": 1.0, "b": 10.0}, "exact per client inside"
+
+
+class TestTenantConfig:
+    @pytest.mark.parametrize(
+        "raw, field",
+        [
+            ({"tenants": [{"api_key": "sk-0123456789", "client": "a", "weight": "nan"}]}, "weight"),
+            ({"tenants": [{"api_key": "sk-0123456789", "client": "a", "weight": 1e9}]}, "weight"),
+            ({"tenants": [{"api_key": "short", "client": "a"}]}, "api_key"),
+            ({"tenants": [{"api_key": "sk-0123456789", "client": ""}]}, "client"),
+            ({"tenants": [{"api_key": "sk-0123456789", "client": c} for c in "ab"]}, "tenants"),
+            ({"limits": {"max_body_bytes": 10}}, "limits.max_body_bytes"),
+            ({"timeouts": {"body": 0}}, "timeouts.body"),
+        ],
+    )
+    def test_bad_tenants_and_limits_name_the_field(self, raw: dict, field: str) -> None:
+        with pytest.raises(ValueError, match=rf"{field}: "):
+            validate_config(raw)
+
+    def test_settings_carry_keys_and_limits(self) -> None:
+        config = validate_config(
+            {"tenants": [{"api_key": "sk-0123456789", "client": "a", "weight": 3}],
+             "limits": {"client_labels": 7}, "timeouts": {"body": 5}}
+        )  # fmt: skip
+        s = settings_of(config)
+        assert s.tenants == {"sk-0123456789": Tenant("a", 3.0)} and not s.trust_client_headers
+        assert (s.client_labels, s.body_timeout) == (7, 5.0)

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from router.openai_request import Tenant
 from router.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
 
@@ -345,3 +346,50 @@ class TestStreamAccounting:
         run(go)
         rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
         assert [int(r["output_tokens"]) for r in rows] == [7, 5]
+
+
+class TestClientIdentity:
+    """Who a request is charged to: the API key's tenant, headers only from a trusted gateway;
+    metric labels folded, the router's own accounting not."""
+
+    @staticmethod
+    async def _ask(base: str, headers: dict[str, str]) -> int:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+            async with s.post(f"{base}/v1/completions", json=body, headers=headers) as r:
+                return r.status
+
+    def test_tenant_key_sets_client_and_weight_and_headers_are_ignored(self, tmp_path) -> None:
+        tenants = {"sk-alpha-000000": Tenant("alpha", 2.0)}
+
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=20) as urls,
+                proxy(urls, tenants=tenants, trust_client_headers=False,
+                      record_dir=str(tmp_path)) as (base, _),
+            ):  # fmt: skip
+                key = {"Authorization": "Bearer sk-alpha-000000"}
+                forged = {**key, "X-Client-Id": "mallory", "X-Client-Weight": "1000"}
+                assert await self._ask(base, forged) == 200
+                assert await self._ask(base, {"Authorization": "Bearer sk-other-0000"}) == 401
+
+        run(go)
+        rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+        assert [(r["client"], float(r["weight"])) for r in rows] == [("alpha", 2.0)]
+
+    def test_metrics_fold_clients_the_router_still_tells_apart(self, tmp_path) -> None:
+        async def go() -> str:
+            async with (
+                emulated_workers(1, speed=20) as urls,
+                proxy(urls, client_labels=1, record_dir=str(tmp_path)) as (base, cluster),
+            ):
+                for who in ("a", "b", "c"):
+                    assert await self._ask(base, {"X-Client-Id": who}) == 200
+                return cluster.metrics.render().decode()
+
+        text = asyncio.run(asyncio.wait_for(go(), 60))
+        rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+        assert {r["client"] for r in rows} == {"a", "b", "c"}, "real ids inside the router"
+        assert 'fairway_client_service_tokens_total{client="a"}' in text
+        assert 'client="b"' not in text and 'client="c"' not in text
+        assert 'fairway_client_service_tokens_total{client="other"}' in text
