@@ -239,7 +239,7 @@ class Forward:
             what = (
                 f"no answer within {s.first_byte_timeout:g} s"
                 if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ClientError)
-                else f"{type(e).__name__}: {e}"
+                else type(e).__name__  # not its text: that names the worker's address
             )
             raise _bad_gateway(f"worker {worker.id} failed: {what}") from e
         except BaseException:

@@ -393,3 +393,20 @@ class TestClientIdentity:
         assert 'fairway_client_service_tokens_total{client="a"}' in text
         assert 'client="b"' not in text and 'client="c"' not in text
         assert 'fairway_client_service_tokens_total{client="other"}' in text
+
+
+class TestErrorsKeepWorkersPrivate:
+    def test_a_502_does_not_show_the_workers_address(self) -> None:
+        async def go() -> None:
+            async with (
+                proxy(["http://127.0.0.1:9"], max_retries=0) as (base, _),
+                aiohttp.ClientSession() as s,
+            ):
+                status, body = await post(
+                    s, f"{base}/v1/completions", {"model": "tiny", "prompt": "x"}
+                )
+            assert status == 502, body
+            assert "127.0.0.1" not in body["error"]["message"], body
+            assert ":9" not in body["error"]["message"], body
+
+        run(go, timeout=30)
