@@ -11,6 +11,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 TINY_MODEL := build/tiny-model/model.safetensors
 # Debian packages the tests drive for real: Prometheus (dashboards) and Chromium (reports).
 SYSTEM_STAMP := build/.system-deps-stamp
+# `make bench`'s soak: fairway serve under mixed load this long (RSS, loop lag, lost: 0).
+SOAK_SECONDS ?= 600
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test test-fast bench lint format clean serve
@@ -55,6 +57,7 @@ bench: $(STAMP) $(TINY_MODEL)
 	$(VENV)/bin/fairway bench
 	$(VENV)/bin/fairway bench-proxy
 	$(VENV)/bin/fairway bench-sim2real
+	$(VENV)/bin/fairway bench-soak --duration $(SOAK_SECONDS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -456,6 +456,14 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
     return run_proxy_bench(quick=args.quick)
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from router.bench_soak import run_soak_bench
+
+    return run_soak_bench(
+        args.duration, args.workers, args.concurrency, args.policy, args.sample, args.tenants
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from traces.generators import GENERATORS
 
@@ -544,6 +552,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-proxy", help="proxy overhead and throughput vs sglang-router")
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=cmd_bench_proxy)
+
+    p = sub.add_parser("bench-soak", help="fairway serve under mixed load: RSS, loop lag, lost")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    p.add_argument("--workers", type=int, default=3, help="emulated workers")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--policy", default="vtc")
+    p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--sample", type=float, help="seconds between rows (default duration/20)")
+    p.set_defaults(func=cmd_bench_soak)
     return parser
 
 
