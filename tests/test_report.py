@@ -143,56 +143,40 @@ def test_chromium_shows_the_plots(compared: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_compare_runs_policies_as_ray_tasks(tmp_path: Path) -> None:
-    import os
-    import socket
-    import sys
+    import tempfile
 
     import ray
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cli = str(Path(sys.executable).with_name("ray"))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    subprocess.run(
-        [
-            cli,
-            "start",
-            "--head",
-            f"--port={port}",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
-        check=True,
-        capture_output=True,
-        env=env,
-        timeout=120,
-    )
-    try:
-        out = tmp_path / "cmp"
-        code = main(
-            [
-                "compare",
-                "--trace",
-                "gen:few_shot",
-                "--gen",
-                "num_requests=200",
-                "--workers",
-                "2",
-                "--policies",
-                "lpm,round_robin",
-                "--out",
-                str(out),
-                "--ray-address",
-                f"127.0.0.1:{port}",
-            ]
-        )
-        assert code == 0
-        assert ray.is_initialized(), "the policies ran as Ray tasks"
-        for name in ("lpm", "round_robin"):
-            assert json.loads((out / name / "summary.json").read_text())["completed"] == 200
-        assert (out / "report.html").exists()
-    finally:
-        ray.shutdown()
-        subprocess.run([cli, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    from tests.live_helpers import ray_head
+
+    temp = Path(tempfile.mkdtemp(prefix="fw-ray-", dir="/tmp"))  # short: Ray's socket paths
+    # A head of the test's own, stopped by its pids: never `ray stop`, which stops every Ray
+    # cluster on the host.
+    with ray_head(temp) as head:
+        try:
+            out = tmp_path / "cmp"
+            code = main(
+                [
+                    "compare",
+                    "--trace",
+                    "gen:few_shot",
+                    "--gen",
+                    "num_requests=200",
+                    "--workers",
+                    "2",
+                    "--policies",
+                    "lpm,round_robin",
+                    "--out",
+                    str(out),
+                    "--ray-address",
+                    head.address,
+                ]
+            )
+            assert code == 0
+            assert ray.is_initialized(), "the policies ran as Ray tasks"
+            for name in ("lpm", "round_robin"):
+                assert json.loads((out / name / "summary.json").read_text())["completed"] == 200
+            assert (out / "report.html").exists()
+        finally:
+            ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
