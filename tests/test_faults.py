@@ -23,8 +23,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 
-from router.load import LoadResult, LoadSpec, run_load
+from router.load import LoadResult, LoadSpec, run_load, send
 from router.serve import VLLM_PYTHON, ClusterConfig, server_specs
 from tests.live_helpers import (
     ROOT,
@@ -36,6 +37,7 @@ from tests.live_helpers import (
     proxy,
     ray_head,
     run,
+    serving,
     wait_healthy,
 )
 from workers.pool import WorkerPool, guarded
@@ -76,6 +78,71 @@ class TestBookkeepingThatRaises:
                 result = await run_load(base, dataclasses.replace(LOAD, num_requests=120))
             assert_every_request_ended(result, 120)
             assert result.counts["ok"] == 120, result.summary()
+
+        run(go)
+
+
+def misbehaving_worker(behaviour: str, release: asyncio.Event) -> web.Application:
+    """A worker that answers a completion badly, in one of a few ways; its stalls last until
+    `release` is set."""
+    event = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        if behaviour == "5xx":
+            return web.Response(status=500, text="engine dead")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if behaviour == "stall_before_first_event":
+            await release.wait()
+        await resp.write(event)
+        if behaviour == "stall_mid_stream":
+            await release.wait()
+        elif behaviour == "partial_event":
+            await resp.write(event[:20])
+        await resp.write_eof()  # "no_done" and "partial_event": a clean end, but no [DONE]
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", ok)
+    return app
+
+
+class TestMisbehavingWorker:
+    @pytest.mark.parametrize(
+        "behaviour, expected",
+        [
+            ("5xx", "ok"),  # before the first byte: retried on the good worker
+            ("stall_before_first_event", "ok"),  # headers only, then nothing: retried
+            ("stall_mid_stream", "error"),  # committed: error event, [DONE]
+            ("no_done", "error"),
+            ("partial_event", "error"),
+        ],
+    )
+    def test_every_stream_ends_framed(self, behaviour: str, expected: str) -> None:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 1, "stream": True}
+
+        async def go() -> None:
+            release = asyncio.Event()
+            async with (
+                serving(misbehaving_worker(behaviour, release)) as bad,
+                emulated_workers(1) as good,
+                aiohttp.ClientSession() as session,
+            ):
+                # Committed cases: the bad worker alone, so the request must meet it.
+                urls = [bad, *good] if expected == "ok" else [bad]
+                settings = {"first_byte_timeout": 1.0, "stream_timeout": 0.5}
+                async with proxy(urls, "round_robin", **settings) as (base, cluster):
+                    outcomes = [
+                        await send(session, base, "/v1/completions", body, timeout=10)
+                        for _ in range(4)
+                    ]
+                    assert cluster.workers[0].dispatch.in_flight == 0, "slots given back"
+                release.set()
+            assert [o.kind for o in outcomes] == [expected] * 4, outcomes
 
         run(go)
 
