@@ -22,6 +22,7 @@ from policies.lpm import LongestPrefixMatch
 from policies.queues import ClientQueues
 from policies.service_cost import VTC_PROFILE, make_meter
 from router.policy import LocalPolicy
+from router.ledger import Ledger
 from router.registry import global_policies, local_policies
 from router.request import Request
 
@@ -51,7 +52,7 @@ class DeficitLongestPrefixMatch(LocalPolicy):
             raise ValueError(f"quantum: must be positive, got {quantum}")
         self.quantum, self.max_scan = quantum, max_scan
         self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
-        self.deficits: dict[str, float] = {}
+        self.deficits: dict[str, float] = Ledger()  # shared by router replicas
         self.waiting = ClientQueues()
 
     def push(self, request: Request) -> None:

@@ -23,6 +23,7 @@ from policies.baselines import LeastLoad
 from policies.queues import ClientQueues
 from policies.service_cost import VTC_PROFILE, make_meter
 from router.policy import LocalPolicy
+from router.ledger import Ledger
 from router.registry import global_policies, local_policies
 from router.request import Request
 
@@ -39,7 +40,7 @@ class VirtualTokenCounter(LocalPolicy):
         predict_window: int = 5,
     ) -> None:
         self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
-        self.counters: dict[str, float] = {}
+        self.counters: dict[str, float] = Ledger()  # shared by router replicas
         self.waiting = ClientQueues()
         self._last_departed = 0.0  # counter of the client whose queue emptied last
 

@@ -116,6 +116,22 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --placement router: requests in flight per worker",
     )
+    g.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router replicas behind a round-robin load balancer, each with its own index, "
+        "counters and queues",
+    )
+    g.add_argument(
+        "--router-sync",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --routers: how often replicas share counters and routing decisions "
+        "(0: at once, as one store)",
+    )
     g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
     g.add_argument(
         "--cost",
@@ -189,6 +205,8 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
         kv_event_delay=args.kv_event_delay,
         placement=args.placement,
         window=args.dispatch_window,
+        routers=args.routers,
+        router_sync=args.router_sync,
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.dispatch import DispatchQueue
+from router.ledger import Ledger, ledgers_of
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
@@ -100,6 +101,8 @@ class Router:
         self.routed: Counter[WorkerId] = Counter()
         self.predicted_hit_tokens = 0  # what routing expected to be cached, capped as engines cap
         self.hook_errors = 0
+        # A replica among several logs what it routed, for the others' approximate indexes.
+        self.routing_log: list[tuple[list[int], WorkerId, float]] | None = None
 
     # ------------------------------------------------------------ membership
 
@@ -183,6 +186,8 @@ class Router:
         bs = view.block_size
         hashes = request.block_hashes[: request.prompt_len // bs]
         approximate = self._insert_routed(self.approx_index, hashes, wid, now)
+        if self.routing_log is not None and self.approx_index is not None:
+            self.routing_log.append((hashes, wid, now))
         # Precise: what it holds comes from KV events, and the reuse counts as a hit.
         hit = view.index.touch(hashes, wid, now) if self.precise else approximate
         # Capped as an engine caps a hit: the last prompt token is always computed.
@@ -255,6 +260,27 @@ class Router:
         self.view.now = now
         self._hook(self.policy.on_withdraw, request, flight.worker, self.view)
         return True
+
+    # ------------------------------------------------------------- replicas
+
+    def ledgers(self) -> dict[tuple[object, ...], Ledger]:
+        """The shareable counters of this router's policies: the global policy's, and each
+        worker's queue discipline's (keyed so that replicas' keys for the same thing match)."""
+        out: dict[tuple[object, ...], Ledger] = {
+            ("global", name): ledger for name, ledger in ledgers_of(self.policy).items()
+        }
+        for wid, queue in self.queues.items():
+            for name, ledger in ledgers_of(queue.discipline).items():
+                out[("queue", wid, name)] = ledger
+        return out
+
+    def learn_routed(self, routed: list[tuple[list[int], WorkerId, float]]) -> None:
+        """Other replicas' routing decisions, into this one's approximate index."""
+        if self.approx_index is None:
+            return
+        for hashes, wid, at in routed:
+            if wid in self.view.workers:
+                self._insert_routed(self.approx_index, hashes, wid, at)
 
     def is_released(self, request: Request) -> bool:
         flight = self._flights.get(request.id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +59,11 @@ class SimConfig:
     # (start, end, worker): the router holds the worker down over [start, end), as after failed
     # health checks: its queued requests are routed elsewhere, what its engine runs finishes.
     outages: tuple[tuple[float, float, int], ...] = ()
+    # Router replicas behind a load balancer (round robin over arrivals), each with its own
+    # index, counters, load accounting and queues, sharing counters and routing decisions every
+    # `router_sync` seconds (0: a store written through at once, the replicas as one).
+    routers: int = 1
+    router_sync: float = 0.0
     seed: int = 0
     show_progress: bool = False
 
@@ -79,6 +84,10 @@ class SimConfig:
             raise ValueError(f"placement: 'engine' or 'router', got {self.placement!r}")
         if self.window < 1:
             raise ValueError(f"window: must be at least 1, got {self.window}")
+        if self.routers < 1:
+            raise ValueError(f"routers: must be at least 1, got {self.routers}")
+        if self.router_sync < 0:
+            raise ValueError(f"router_sync: must be >= 0, got {self.router_sync}")
         for start, end, worker in self.outages:
             if not 0 <= start < end or not 0 <= worker < self.num_workers:
                 raise ValueError(f"outages: ({start}, {end}, {worker}) is not a (start < end, "
@@ -98,9 +107,7 @@ class SimCluster:
     def __init__(self, trace: Trace, cost: CostModel, config: SimConfig) -> None:
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
-        self.policy: GlobalPolicy = policies.global_policies.build(
-            config.policy, config.policy_params, config.seed
-        )
+        self.policy: GlobalPolicy = self._global_policy()
         local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
             local_name, config.local_params, config.seed
@@ -108,31 +115,90 @@ class SimCluster:
         self.placement = config.placement
         fcfs = policies.local_policies.get("fcfs")
         in_router = config.placement == "router"
-        self.router = Router(
-            self.policy,
-            self.local_factory if in_router else fcfs,
-            trace.block_size,
-            window=config.window if in_router else None,
-            cost=cost,
-            precise=config.index == "precise",
-        )
+        self.precise = config.index == "precise"
+        self.routers = [
+            Router(
+                self.policy if r == 0 else self._global_policy(),
+                self.local_factory if in_router else fcfs,
+                trace.block_size,
+                window=config.window if in_router else None,
+                cost=cost,
+                precise=self.precise,
+            )
+            for r in range(config.routers)
+        ]
+        self.router = self.routers[0]
         self.view = self.router.view
         engine_config = replace(config.engine, block_size=trace.block_size)
-        self.precise = config.index == "precise"
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
         for i in range(config.num_workers):
-            events = KVEventIndexer(self.view.index, i) if self.precise else None
-            sink = DelayedKVEvents(self, i, events) if events else None
+            # Precise: every replica subscribes to every engine's KV events.
+            indexers = [KVEventIndexer(r.view.index, i) for r in self.routers]
+            sink = DelayedKVEvents(self, i, indexers) if self.precise else None
             # Router placement: a stock vLLM behind the router's queue, first come first served.
             local = fcfs() if in_router else self.local_factory()
             engine = Engine(self.env, i, cost, engine_config, local, self, sink)
             self.engines.append(engine)
-            self.router.add_worker(i, engine.blocks.num_blocks)
+            for router in self.routers:
+                router.add_worker(i, engine.blocks.num_blocks)
+        self._owner: dict[int, Router] = {}  # request id -> the replica that routed it
+        self._next_router = 0
+        if len(self.routers) > 1:
+            if config.router_sync > 0:
+                for router in self.routers:
+                    router.routing_log = []
+            else:
+                self._share_state()
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
+
+    def _global_policy(self) -> GlobalPolicy:
+        c = self.config
+        return policies.global_policies.build(c.policy, c.policy_params, c.seed)
+
+    # ---------------------------------------------------------------- replicas
+
+    def _share_state(self) -> None:
+        """Sync 0: a store written through at once. The replicas' counters and indexes are
+        the same objects; load accounting and queues stay each replica's own."""
+        first = self.routers[0]
+        shared = first.ledgers()
+        for router in self.routers[1:]:
+            for key in router.ledgers():
+                owner = router.policy if key[0] == "global" else router.queues[key[1]].discipline
+                setattr(owner, key[-1], shared[key])  # type: ignore[index]
+            if not self.precise:
+                router.view.index = router.approx_index = first.view.index
+                router.held = first.held
+
+    def _sync_routers(self) -> simpy.events.ProcessGenerator:
+        """Every `router_sync` seconds each replica sends what it charged and routed since the
+        last sync, and applies what the others sent."""
+        while True:
+            yield self.env.timeout(self.config.router_sync)
+            sent = [
+                ({key: ledger.take() for key, ledger in r.ledgers().items()}, r.routing_log or [])
+                for r in self.routers
+            ]
+            for r in self.routers:
+                r.routing_log = []
+            for i, router in enumerate(self.routers):
+                ledgers = router.ledgers()
+                for j, (changes, routed) in enumerate(sent):
+                    if i == j:
+                        continue
+                    for key, delta in changes.items():
+                        if delta and key in ledgers:
+                            ledgers[key].apply(delta)
+                    router.learn_routed(routed)
+            if self._done():
+                return
+
+    def _done(self) -> bool:
+        return len(self.records) >= len(self.trace)
 
     # ----------------------------------------------------------------- driving
 
@@ -148,6 +214,8 @@ class SimCluster:
         self.env.process(self._arrivals())
         for outage in self.config.outages:
             self.env.process(self._outage(*outage))
+        if len(self.routers) > 1 and self.config.router_sync > 0:
+            self.env.process(self._sync_routers())
         self.env.run()
         self._progress.close()
         wall = time.perf_counter() - started
@@ -162,11 +230,12 @@ class SimCluster:
             wall_seconds=wall,
             config=self._config_summary(),
         )
-        decisions = self.router.decisions
+        decisions = sum((r.decisions for r in self.routers), Counter())
         summary["decisions"] = dict(sorted(decisions.items(), key=lambda kv: -kv[1]))
         prompt = summary["tokens"]["prompt"]  # type: ignore[index]
+        predicted = sum(r.predicted_hit_tokens for r in self.routers)
         summary["prefix_cache"]["predicted_hit_rate"] = (  # type: ignore[index]
-            self.router.predicted_hit_tokens / prompt if prompt else 0.0
+            predicted / prompt if prompt else 0.0
         )
         return SimResult(self.records, workers, summary)
 
@@ -195,10 +264,12 @@ class SimCluster:
     def _outage(self, start: float, end: float, worker: int) -> simpy.events.ProcessGenerator:
         yield self.env.timeout(start)
         self._sync(self.env.now)
-        for req in self.router.worker_down(worker, self.env.now):
-            self.dispatch(req)  # as the proxy does: a queued request goes to another worker
+        for router in self.routers:  # each replica's health checks see it fail
+            for req in router.worker_down(worker, self.env.now):
+                self.dispatch(req)  # as the proxy does: a queued request goes elsewhere
         yield self.env.timeout(end - start)
-        self.router.worker_up(worker)
+        for router in self.routers:
+            router.worker_up(worker)
 
     def _sync(self, now: float) -> None:
         """Apply the engine steps that have ended by `now`: only engines with one due, found in
@@ -212,9 +283,9 @@ class SimCluster:
     def on_engine_changed(self, engine: Engine) -> None:
         """An engine's state moved: tell the router what the server would report, and note
         when its next step ends."""
-        self.router.report(
-            engine.id, waiting=len(engine.waiting), kv_used_blocks=engine.blocks.num_used
-        )
+        waiting, used = len(engine.waiting), engine.blocks.num_used
+        for router in self.routers:
+            router.report(engine.id, waiting=waiting, kv_used_blocks=used)
         end = engine.next_step_end
         if end is not None:
             heapq.heappush(self._due, (end, engine.id))
@@ -222,7 +293,11 @@ class SimCluster:
     def dispatch(self, req: Request) -> None:
         now = self.env.now
         self._sync(now)
-        routed = self.router.route(req, now)
+        router = self.routers[self._next_router]
+        self._next_router = (self._next_router + 1) % len(self.routers)
+        routed = router.route(req, now)
+        if len(self.routers) > 1:
+            self._owner[req.id] = router
         self.bound.observe(req)
         self._submit_all(routed.decision.worker, routed.released)
 
@@ -243,10 +318,13 @@ class SimCluster:
     # ------------------------------------------------------- engine listener
 
     def on_first_token(self, seq: Seq, now: float) -> None:
-        self.router.first_token(seq.req, now)
+        self._router_of(seq.req).first_token(seq.req, now)
 
     def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
-        self.router.tokens(seq.req, num_tokens, now)
+        self._router_of(seq.req).tokens(seq.req, num_tokens, now)
+
+    def _router_of(self, req: Request) -> Router:
+        return self._owner.get(req.id, self.router) if self._owner else self.router
 
     def on_finish(self, seq: Seq, now: float) -> None:
         req = seq.req
@@ -268,7 +346,8 @@ class SimCluster:
                 weight=req.weight,
             )
         )
-        self._submit_all(seq.worker, self.router.finish(req, now))
+        router = self._owner.pop(req.id, self.router) if self._owner else self.router
+        self._submit_all(seq.worker, router.finish(req, now))
         if self._progress is not None:
             self._progress.update()
         if self.config.closed_loop and req.session is not None:
@@ -282,7 +361,7 @@ class SimCluster:
     def _worker_record(self, e: Engine) -> WorkerRecord:
         return WorkerRecord(
             id=e.id,
-            requests=self.router.routed[e.id],
+            requests=sum(r.routed[e.id] for r in self.routers),
             tokens_processed=e.tokens_processed,
             kv_blocks=e.blocks.num_blocks,
             peak_kv_blocks=e.peak_used_blocks,
@@ -324,15 +403,17 @@ class DelayedKVEvents:
     """An engine's KV events reaching the router's index `kv_event_delay` seconds after the
     step that caused them, as vLLM's events reach a live router over ZMQ."""
 
-    def __init__(self, cluster: SimCluster, worker: int, indexer: KVEventIndexer) -> None:
-        self.cluster, self.worker, self.indexer = cluster, worker, indexer
+    def __init__(self, cluster: SimCluster, worker: int, indexers: list[KVEventIndexer]) -> None:
+        self.cluster, self.worker, self.indexers = cluster, worker, indexers
 
     def stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
         hashes = list(hashes)  # the engine keeps appending to its list
-        self._at_delay(lambda now: self.indexer.stored(hashes, parent, hashes, now))
+        for indexer in self.indexers:
+            self._at_delay(lambda now, i=indexer: i.stored(hashes, parent, hashes, now))
 
     def removed(self, hashes: list[BlockHash]) -> None:
-        self._at_delay(lambda now: self.indexer.removed(hashes))
+        for indexer in self.indexers:
+            self._at_delay(lambda now, i=indexer: i.removed(hashes))
 
     def _at_delay(self, apply: Callable[[float], None]) -> None:
         env = self.cluster.env

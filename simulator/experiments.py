@@ -114,6 +114,11 @@ WORKLOADS: dict[str, Callable[[int], Trace]] = {
     "agents": _agents,
 }
 
+_REPLICA_WORKLOADS: list[tuple[str, str, str, int, dict[str, object]]] = [
+    ("mooncake lpm", "mooncake", "lpm", 8, {}),
+    ("flood vtc", "flood_4", "vtc", 4, {"placement": "router", "window": 32}),
+]
+
 EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
     "vtc": (
         "VTC's headline comparison on one overloaded worker: a steady client from the start and "
@@ -229,6 +234,29 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                 _run(f"vtc at the router, N={n}", "flood_1", "vtc", 1, placement="router", window=n)
                 for n in (1, 4, 16, 64, 256)
             ),
+        ],
+    ),
+    "replicas": (
+        "Router replicas that share counters and routing decisions every S seconds: the "
+        "Mooncake trace with LPM on 8 workers (hit rate), and the flood with VTC at the router "
+        "on 4 workers (window 32 per replica; service gap)",
+        [
+            _run(f"{kind} 1 router", workload, policy, workers, **extra)
+            for kind, workload, policy, workers, extra in _REPLICA_WORKLOADS
+        ]
+        + [
+            _run(
+                f"{kind} {n} routers sync {sync:g} s",
+                workload,
+                policy,
+                workers,
+                routers=n,
+                router_sync=sync,
+                **extra,
+            )  # fmt: skip
+            for kind, workload, policy, workers, extra in _REPLICA_WORKLOADS
+            for n in (2, 4, 8)
+            for sync in (0.0, 0.1, 1.0, 10.0)
         ],
     ),
     "cache-pressure": (

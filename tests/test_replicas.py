@@ -1,0 +1,79 @@
+"""Router replicas in the simulator, and the ledgers they share counters through."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.ledger import Ledger
+from simulator.cluster import SimCluster, SimConfig
+from simulator.cost_model import roofline
+from traces.generators import flood
+
+COST = roofline("llama-3-8b", "a100-80g")
+
+
+def test_ledger_records_changes_and_converges_in_any_order() -> None:
+    a, b = Ledger(), Ledger()
+    a["x"] = 5.0
+    a["x"] -= 2.0
+    a.setdefault("y", 0.0)
+    b["x"] = max(b.get("x", 0.0), 7.0)  # a lift is a change too
+    sent_a, sent_b = a.take(), b.take()
+    assert sent_a == {"x": 3.0} and sent_b == {"x": 7.0}
+    a.apply(sent_b)
+    b.apply(sent_a)
+    assert a["x"] == b["x"] == 10.0
+    assert a.take() == {} and b.take() == {}, "applied changes are not re-sent"
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[int, float], tuple[SimCluster, dict]]:
+    out = {}
+    for n, sync in ((1, 0.0), (3, 0.0), (3, 0.5), (3, 10.0)):
+        trace = flood(duration=30.0, flood_rate=60.0, calm_rate=3.0, seed=0)
+        config = SimConfig(
+            num_workers=3, policy="vtc", placement="router", window=16, routers=n, router_sync=sync
+        )
+        cluster = SimCluster(trace, COST, config)
+        out[(n, sync)] = (cluster, cluster.run().summary)
+    return out
+
+
+def test_every_request_completes_whatever_the_replicas(runs) -> None:
+    for cluster, summary in runs.values():
+        assert summary["completed"] == summary["total"] == len(cluster.trace)
+        for router in cluster.routers:
+            assert all(s.tokens_in_flight == 0 for s in router.view.workers.values())
+
+
+def test_sync_zero_shares_one_store(runs) -> None:
+    cluster, _ = runs[(3, 0.0)]
+    first = cluster.routers[0].ledgers()
+    for router in cluster.routers[1:]:
+        for key, ledger in router.ledgers().items():
+            assert ledger is first[key]
+
+
+def test_replicas_agree_after_a_sync(runs) -> None:
+    cluster, _ = runs[(3, 10.0)]
+    sent = [{k: v.take() for k, v in r.ledgers().items()} for r in cluster.routers]
+    for i, router in enumerate(cluster.routers):
+        for j, changes in enumerate(sent):
+            if i != j:
+                for key, delta in changes.items():
+                    router.ledgers()[key].apply(delta)
+    totals = [{k: dict(v) for k, v in r.ledgers().items()} for r in cluster.routers]
+    for other in totals[1:]:
+        for key, values in totals[0].items():
+            assert other[key] == pytest.approx(values)
+
+
+def test_fairness_degrades_as_the_sync_slows(runs) -> None:
+    gaps = {k: s["fairness"]["max_service_gap"] for k, (_, s) in runs.items()}
+    calm = {
+        k: sum(c["ttft"]["mean"] for n, c in s["per_client"].items() if n != "flood")
+        for k, (_, s) in runs.items()
+    }
+    assert gaps[(3, 10.0)] > 2 * gaps[(3, 0.0)]
+    assert calm[(3, 10.0)] > calm[(3, 0.5)] > 0
+    assert calm[(3, 10.0)] > 2 * calm[(1, 0.0)]
