@@ -134,6 +134,35 @@ def decision_times(repeats: int = 2000) -> list[dict[str, object]]:
     return rows
 
 
+def fleet_scaling(
+    path: Path, sizes: tuple[int, ...] = (8, 64, 512), limit: int | None = None
+) -> list[dict[str, object]]:
+    """Simulated requests per wall second as the fleet grows, the request rate scaled with it
+    so each worker's load stays the same (the Mooncake conversation trace)."""
+    from traces.transform import scale_rate
+
+    def trace_for(workers: int):  # scaling rewrites timestamps in place: a fresh load each
+        trace = load_trace(path)
+        if limit:
+            trace.requests = trace.requests[:limit]
+        return scale_rate(trace, workers / sizes[0])
+
+    cost = roofline("llama-3-8b", "a100-80g")
+    rows = []
+    for policy in ("least_load", "lpm", "d2lpm", "preble"):
+        row: dict[str, object] = {"policy": policy}
+        rates = {}
+        for workers in sizes:
+            trace = trace_for(workers)
+            started = time.perf_counter()
+            simulate(trace, cost, SimConfig(num_workers=workers, policy=policy))
+            rates[workers] = len(trace) / (time.perf_counter() - started)
+            row[f"{workers} workers req/s"] = rates[workers]
+        row[f"{sizes[-1]} / {sizes[0]}"] = rates[sizes[-1]] / rates[sizes[0]]
+        rows.append(row)
+    return rows
+
+
 def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
     """Router.route end to end (policy, index insert and eviction, hooks) against a 1M-block
     index on 16 workers, each request finished right after: the tail with the collector as it
@@ -249,6 +278,9 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
 
     print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
     print(format_table(_profile_areas(path)))
+
+    print("\nFleet size (Mooncake conversation, rate scaled with the workers; one run each):")
+    print(format_table(fleet_scaling(path, limit=3000 if quick else None)))
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
     print(format_table(decision_times(500 if quick else 2000)))
