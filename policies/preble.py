@@ -1,87 +1,171 @@
 """Preble's E2 scheduler (Srivatsa et al., "Preble: Efficient Distributed Prompt Scheduling for
-LLM Serving", ICLR'25): exploit cached prefixes, explore by a prompt-aware load cost.
+LLM Serving", ICLR'25), as its reference implementation runs it (WukLab/preble,
+`preble/global_scheduler_with_time.py`, GlobalSchedulerWithTime): exploit cached prefixes,
+explore by a prompt-aware load cost, rebalance prefix groups, replicate an overloaded one.
 
 For each request, find the longest prefix any worker holds.
-- Exploit, when that cached part is longer than the missed part: send to the holders of that
-  prefix, the least loaded of them (L below).
+- Exploit, when that cached part is longer than the missed part: send to the workers its prefix
+  group is allocated to (the holders, until rebalancing says otherwise), the one with least L + M.
 - Explore, otherwise: send to the worker with the least L + M + P, where
-    L  the worker's load over a recent window: for each request sent there, the prefill time of
-       its missed tokens (cache hits cost nothing) plus its decode time;
+    L  the worker's load: the work each prefix group brought over a recent window (prefill of
+       what was new to the cluster, plus output tokens x the measured time per output token),
+       split evenly over the workers the group is allocated to;
     M  the eviction cost of placing this request there: the prefill time of each prefix it would
-       evict (the worker's least recently used, to make room for the missed blocks) times that
-       prefix's hits within the window;
+       evict (the worker's least recently used) times that prefix's hits within the window;
     P  this request's own missed prefill time there.
-Post-assignment rebalancing: when the heaviest worker's L exceeds `rebalance_ratio` x the
-lightest's, the heaviest worker's prefix group whose load best fits half the gap is moved: its
-later requests go to the lightest worker. Hot-prefix replication: when requests queue at the
-chosen holder (`hot_queue` waiting) and the prefix alone brings it at least an average worker's
-windowed load, the request is explored among the workers without the prefix, which places a
-second copy where it is cheapest. The local discipline (`preble`) serves priority groups by
-cache-hit ratio in proportion to their priority, so low-hit requests are never starved.
+Post-assignment rebalancing, after a warm-up: while the heaviest worker's L is at least
+`rebalance_ratio` x the lightest's, its cheapest groups move to the lightest worker, their
+windowed load with them, as long as that does not overshoot. A group whose TTFT there doubled
+between the two halves of the window is overloaded: if moves could not even the pair, it is
+replicated on the lightest worker. The local discipline (`preble`) serves priority groups by
+cache-hit ratio in proportion to their priority, so low-hit requests never starve.
 
-Choices made where the paper leaves them: the window is 180 s of the caller's clock; decode time
-is output tokens x one decode step at the prompt's context (a conservative per-request figure);
-a prefix group is named by the deepest block it shares with anything already routed.
+What the paper leaves open, what the reference does, and what this module does:
+
+| question          | reference (WukLab/preble)              | here                             |
+|-------------------|----------------------------------------|----------------------------------|
+| window            | 3 minutes (SlidingWindowHistogram)     | `window` = 180 s, caller's clock |
+| prefix group      | the deepest radix node longer than the | exploit: the group of the        |
+|                   | context before it ("important node");  | request that brought the deepest |
+|                   | a split hands a leaf's entry to a new  | cached block into the cluster;   |
+|                   | parent (handle_split_node_histogram)   | explore: a group of its own      |
+| L: prefill        | group miss rate (tokens new to the     | each request's prefill of the    |
+|                   | tree) x count x prefill / len(alloc)   | tokens new to the cluster, per   |
+|                   | (get_node_cost)                        | group, / len(allocation)         |
+| L: decode         | requests in flight x output length x   | output tokens x that median, set |
+|                   | median TPOT of the worker's last 200   | at dispatch, summed over the     |
+|                   | finished requests (0.15 s until then)  | window like prefill (the paper's |
+|                   |                                        | L); the cost model's decode step |
+|                   |                                        | until the worker has a sample    |
+| M                 | memory assumed always full: evict the  | once the worker's holdings reach |
+|                   | new leaf's size in LRU order; victims  | `full_fraction` of its KV, evict |
+|                   | x miss rate x count x prefill          | the request's missed blocks      |
+|                   | (virtual_evict_for_routing)            | (below: only the shortfall);     |
+|                   |                                        | victims x window hits x prefill  |
+| P                 | not in calculate_min_load_cost         | kept, as in the paper            |
+| rebalancing start | 50 x workers requests routed           | `warmup` x workers               |
+| imbalance         | heavier >= 1.5 x lighter; pairs the    | `rebalance_ratio` = 1.5; pairs   |
+|                   | heaviest with the lightest, then the   | re-sorted after each pair        |
+|                   | next heaviest (recursively)            |                                  |
+| what moves        | groups with > 1 request, cheapest      | the same; all its windowed work  |
+|                   | first, while it does not overshoot;    | moves to the new worker          |
+|                   | migrate_node_cost moves its cost       |                                  |
+| replication       | TTFTWindowedOverloadedDetector: later  | same detector (`ttft_factor`);   |
+|                   | half-window mean TTFT >= 2 x earlier;  | the heavy worker's costliest     |
+|                   | only when the heavy GPU holds a single | overloaded group, whenever moves |
+|                   | group                                  | left the pair imbalanced         |
+| long chains       | no rebalancing 3+ nodes below the      | not modelled                     |
+|                   | group (left to Infercept)              |                                  |
+
+In-flight decode (the reference's L) follows every completion, and the balance test then
+fires on that noise: on the shared-prefix experiment it moved thousands of groups, each move
+recomputing an 8k-token document. Work set at dispatch and kept for the window moves with its
+group exactly and does not change when requests finish.
+
+The policy reads no clock: dispatch-to-first-token and first-to-last-token times are in the
+caller's clock (`view.now` and the hooks' `now`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from statistics import median
 
-from router.cluster import ClusterView, CostEstimates
+from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import WorkerId
 from router.registry import global_policies, local_policies
 from router.request import BlockHash, Request
 
+Group = Hashable  # the block hash naming it, or ("request", id) for a prompt without a full block
 
-class WindowedLoad:
-    """Per-worker sums of (time, cost, group) entries over the last `window` seconds."""
+
+class GroupWindow:
+    """Per prefix group, the work (seconds of prefill and decode) its requests brought over the
+    last `window` seconds.
+
+    Entries are [time, group, work, request id], oldest first; a withdrawn request's entry is
+    emptied in place (group None) and expires with the rest.
+    """
 
     def __init__(self, window: float) -> None:
         self.window = window
-        self._entries: dict[WorkerId, deque[tuple[float, float, BlockHash | None]]] = {}
-        self.total: dict[WorkerId, float] = {}
-        self.by_group: dict[WorkerId, dict[BlockHash | None, float]] = {}
+        self.work: dict[Group, float] = {}
+        self.count: dict[Group, int] = {}
+        self._entries: deque[list] = deque()
+        self._by_request: dict[int, list] = {}
 
-    def add(self, worker: WorkerId, now: float, cost: float, group: BlockHash | None) -> None:
-        self._entries.setdefault(worker, deque()).append((now, cost, group))
-        self.total[worker] = self.total.get(worker, 0.0) + cost
-        groups = self.by_group.setdefault(worker, {})
-        groups[group] = groups.get(group, 0.0) + cost
+    def add(self, request_id: int, group: Group, now: float, work: float) -> None:
+        entry = [now, group, work, request_id]
+        self._entries.append(entry)
+        self._by_request[request_id] = entry
+        self.work[group] = self.work.get(group, 0.0) + work
+        self.count[group] = self.count.get(group, 0) + 1
 
-    def expire(self, now: float) -> None:
-        horizon = now - self.window
-        for worker, entries in self._entries.items():
-            groups = self.by_group[worker]
-            while entries and entries[0][0] < horizon:
-                _, cost, group = entries.popleft()
-                self.total[worker] -= cost
-                groups[group] -= cost
-                if groups[group] <= 1e-12:
-                    del groups[group]
-            if not entries:
-                self.total[worker] = 0.0  # drop accumulated rounding
+    def withdraw(self, request_id: int) -> Group | None:
+        """Take back a request's entry; its group, or None if it has none here."""
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return None
+        group, entry[1] = entry[1], None
+        self._take(group, entry[2])
+        return group
 
-    def move(self, group: BlockHash, src: WorkerId, dst: WorkerId) -> None:
-        """Charge `group`'s entries on `src` to `dst` instead: its load follows it."""
-        entries = self._entries.get(src, deque())
-        moving = [e for e in entries if e[2] == group]
-        if not moving:
-            return
-        self._entries[src] = deque(e for e in entries if e[2] != group)
-        cost = sum(e[1] for e in moving)
-        self.total[src] -= cost
-        del self.by_group[src][group]
-        merged = sorted([*self._entries.get(dst, ()), *moving], key=lambda e: e[0])
-        self._entries[dst] = deque(merged)
-        self.total[dst] = self.total.get(dst, 0.0) + cost
-        groups = self.by_group.setdefault(dst, {})
-        groups[group] = groups.get(group, 0.0) + cost
+    def expire(self, now: float) -> set[Group]:
+        """Drop the entries older than the window; the groups that changed."""
+        changed = set()
+        while self._entries and self._entries[0][0] < now - self.window:
+            _, group, work, request_id = self._entries.popleft()
+            if group is not None:  # else withdrawn: taken already
+                del self._by_request[request_id]
+                self._take(group, work)
+                changed.add(group)
+        return changed
 
-    def of(self, worker: WorkerId) -> float:
-        return self.total.get(worker, 0.0)
+    def _take(self, group: Group, work: float) -> None:
+        self.count[group] -= 1
+        self.work[group] -= work
+        if not self.count[group]:
+            del self.count[group], self.work[group]
+
+
+class TTFTOverloadDetector:
+    """Per (group, worker), the TTFTs seen over the last `window` seconds. Overloaded when the
+    later half-window's mean is at least `factor` x the earlier half's (both non-empty)."""
+
+    def __init__(self, window: float, factor: float) -> None:
+        self.window = window
+        self.factor = factor
+        self._samples: dict[tuple[Group, WorkerId], deque[tuple[float, float]]] = {}
+
+    def add(self, group: Group, worker: WorkerId, now: float, ttft: float) -> None:
+        samples = self._samples.setdefault((group, worker), deque())
+        samples.append((now, ttft))
+        while samples[0][0] < now - self.window:
+            samples.popleft()
+
+    def is_overloaded(self, group: Group, worker: WorkerId, now: float) -> bool:
+        samples = self._samples.get((group, worker), ())
+        mid = now - self.window / 2
+        early = [t for at, t in samples if now - self.window <= at < mid]
+        late = [t for at, t in samples if at >= mid]
+        if not early or not late:
+            return False
+        return sum(late) / len(late) >= self.factor * sum(early) / len(early)
+
+    def forget(self, group: Group, worker: WorkerId) -> None:
+        self._samples.pop((group, worker), None)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    group: Group
+    dispatched_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_decoded: int = 0  # output tokens after the first
 
 
 @global_policies.register("preble")
@@ -91,112 +175,239 @@ class PrebleE2(GlobalPolicy):
     default_local = "preble"
 
     def __init__(
-        self, window: float = 180.0, rebalance_ratio: float = 2.0, hot_queue: int = 8
+        self,
+        window: float = 180.0,
+        rebalance_ratio: float = 1.5,
+        warmup: int = 50,
+        ttft_factor: float = 2.0,
+        tpot_samples: int = 200,
+        full_fraction: float = 0.95,
     ) -> None:
-        self.load = WindowedLoad(window)
+        self.window = GroupWindow(window)
+        self.overload = TTFTOverloadDetector(window, ttft_factor)
         self.rebalance_ratio = rebalance_ratio
-        self.hot_queue = hot_queue
-        self.moved: dict[BlockHash, WorkerId] = {}  # prefix group -> worker it was moved to
-        self._routed: dict[int, tuple[dict[WorkerId, int], BlockHash | None]] = {}
+        self.warmup = warmup  # requests routed per worker before rebalancing starts
+        self.tpot_samples = tpot_samples
+        self.full_fraction = full_fraction
+        self.alloc: dict[Group, set[WorkerId]] = {}  # the workers a group's requests go to
+        # Per worker, the measured time per output token of its last finished requests.
+        self.tpot: dict[WorkerId, deque[float]] = {}
+        self.num_routed = 0
+        # L, kept incrementally: each group's windowed work split evenly over its allocation.
+        self._split: dict[Group, tuple[frozenset[WorkerId], float]] = {}  # alloc, each's share
+        self._share: dict[WorkerId, float] = {}
+        self._groups_on: dict[WorkerId, set[Group]] = {}
+        # Each block the cluster learnt from a request in the window -> that request's group.
+        self._origin: dict[BlockHash, Group] = {}
+        self._introduced: dict[Group, list[BlockHash]] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._routed: dict[int, tuple[dict[WorkerId, int], Group]] = {}
 
     # ------------------------------------------------------------------ route
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         _require_cost(view)
-        workers = {w.id: w for w in view.routable_workers()}
-        self.load.expire(view.now)
+        workers = sorted(w.id for w in view.routable_workers())
+        self._expire(view.now)
         hashes = request.block_hashes
         matched = {w: m for w, m in view.index.match(hashes).items() if w in workers}
         best = max(matched.values(), default=0)
-        group = hashes[max(best, 1) - 1] if hashes else None
-        self._routed[request.id] = (matched, group)
-
         cached = best * view.block_size
         if best and cached > request.prompt_len - cached:
+            group = self._group_of(hashes[best - 1])
+            self._routed[request.id] = (matched, group)
             holders = [w for w, m in matched.items() if m == best]
-            target = self.moved.get(group) if group is not None else None
-            if target not in workers:
-                target = min(holders, key=lambda w: (self.load.of(w), w))
-            others = [w for w in workers if w not in holders]
-            if not self._is_hot(group, target, others, view):
-                return Decision(target, "exploit")
-            return Decision(self._explore(request, view, matched, others), "hot prefix: replicate")
-        return Decision(self._explore(request, view, matched, list(workers)), "explore")
+            allocated = sorted(w for w in self.alloc.get(group, ()) if w in workers)
+            terms = self.explore_costs(request, view, matched, allocated or holders)
+            target = min(terms, key=lambda w: (terms[w][0] + terms[w][1], w))
+            return Decision(target, "exploit" if target in holders else "exploit: rebalanced")
+        self._routed[request.id] = (matched, _own_group(request))
+        terms = self.explore_costs(request, view, matched, workers)
+        return Decision(min(terms, key=lambda w: (sum(terms[w]), w)), "explore")
 
-    def _is_hot(
-        self, group: BlockHash | None, holder: WorkerId, others: list[WorkerId], view: ClusterView
-    ) -> bool:
-        """Requests queue at the holder, and this prefix alone brings it at least an average
-        worker's load: more than one worker should serve it. A queue that is long everywhere,
-        or long for other reasons, is not cured by a replica."""
-        if not others or view.workers[holder].num_waiting < self.hot_queue:
-            return False
-        mean = sum(self.load.of(w) for w in view.workers) / len(view.workers)
-        return self.load.by_group.get(holder, {}).get(group, 0.0) >= mean
+    def load(self, worker: WorkerId) -> float:
+        """L: the worker's share of the windowed work of the groups allocated to it."""
+        return self._share.get(worker, 0.0)
 
     def explore_costs(
-        self, request: Request, view: ClusterView, matched: dict[WorkerId, int]
-    ) -> dict[WorkerId, tuple[float, float, float]]:
-        """(L, M, P) for every healthy worker: the terms E2's explore step adds up."""
-        cost = _require_cost(view)
-        bs, index, now = view.block_size, view.index, view.now
-        out = {}
-        for w in view.healthy_workers():
-            hit = matched.get(w.id, 0)
-            prefill = cost.prefill_time(request.prompt_len - hit * bs, hit * bs)
-            room = w.kv_capacity_blocks - index.num_blocks(w.id)
-            shortfall = (request.num_blocks - hit) - room
-            evict = 0.0
-            if shortfall > 0:
-                for node in index.eviction_victims(w.id, shortfall):
-                    length = len(node.key) * bs
-                    evict += cost.prefill_time(length, node.depth * bs - length) * (
-                        index.hit_count(node, now)
-                    )
-            out[w.id] = (self.load.of(w.id), evict, prefill)
-        return out
-
-    def _explore(
         self,
         request: Request,
         view: ClusterView,
         matched: dict[WorkerId, int],
-        candidates: list[WorkerId],
-    ) -> WorkerId:
-        terms = self.explore_costs(request, view, matched)
-        return min(candidates, key=lambda w: (sum(terms[w]), w))
+        candidates: list[WorkerId] | None = None,
+    ) -> dict[WorkerId, tuple[float, float, float]]:
+        """(L, M, P) for each candidate (by default every healthy worker)."""
+        cost = _require_cost(view)
+        if candidates is None:
+            candidates = [w.id for w in view.healthy_workers()]
+        bs, out = view.block_size, {}
+        for w in candidates:
+            hit = matched.get(w, 0)
+            prefill = cost.prefill_time(request.prompt_len - hit * bs, hit * bs)
+            evict = self._eviction_cost(view, view.workers[w], request.num_blocks - hit, cost)
+            out[w] = (self.load(w), evict, prefill)
+        return out
+
+    def _eviction_cost(
+        self, view: ClusterView, worker: WorkerState, missed: int, cost: CostEstimates
+    ) -> float:
+        """M: what placing `missed` new blocks on `worker` pushes out, weighed by reuse. A full
+        cache (an LRU cache's steady state) gives up as many blocks as it takes in."""
+        capacity = worker.kv_capacity_blocks
+        if missed <= 0 or capacity <= 0:
+            return 0.0
+        held = max(view.index.num_blocks(worker.id), worker.kv_used_blocks)
+        is_full = held >= self.full_fraction * capacity
+        to_evict = missed if is_full else missed - (capacity - held)
+        if to_evict <= 0:
+            return 0.0
+        total, bs = 0.0, view.block_size
+        for node in view.index.eviction_victims(worker.id, to_evict):
+            length = len(node.key) * bs
+            hits = view.index.hit_count(node, view.now)
+            total += cost.prefill_time(length, node.depth * bs - length) * hits
+        return total
 
     # ------------------------------------------------------------------ hooks
 
     def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         cost = _require_cost(view)
-        matched, group = self._routed.pop(request.id, ({}, None))
-        hit = matched.get(worker, 0) * view.block_size
-        work = cost.prefill_time(request.prompt_len - hit, hit)
-        work += request.output_len * cost.decode_time(1, request.prompt_len)
-        self.load.add(worker, view.now, work, group)
+        matched, group = self._routed.pop(request.id, ({}, _own_group(request)))
+        # A group's load counts what is new to the cluster, wherever it runs (the reference's
+        # miss rate is the tree's): a group that moved does not look heavier for having moved.
+        best = max(matched.values(), default=0)
+        hit = best * view.block_size
+        measured = self.tpot.get(worker)
+        # Not measured yet: the cost model's decode step.
+        tpot = median(measured) if measured else cost.decode_time(1, request.prompt_len)
+        work = cost.prefill_time(request.prompt_len - hit, hit) + request.output_len * tpot
+        self._expire(view.now)
+        self.window.add(request.id, group, view.now, work)
+        self._reshare(group, self.alloc.get(group, set()) | {worker})
+        introduced = self._introduced.setdefault(group, [])
+        for h in request.block_hashes[best:]:  # the blocks new to the cluster join the group
+            if self._group_of(h) == h:
+                self._origin[h] = group
+                introduced.append(h)
+        self._in_flight[request.id] = _InFlight(group, view.now)
+        self.num_routed += 1
         self._rebalance(view)
 
+    def on_first_token(self, request: Request, worker: WorkerId, now: float) -> None:
+        flight = self._in_flight.get(request.id)
+        if flight is not None and flight.first_token_at is None:
+            self.overload.add(flight.group, worker, now, now - flight.dispatched_at)
+            flight.first_token_at = flight.last_token_at = now
+
+    def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
+        flight = self._in_flight.get(request.id)
+        if flight is not None and flight.last_token_at is not None and now > flight.last_token_at:
+            flight.last_token_at = now
+            flight.num_decoded += num_tokens
+
+    def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        """A finished request's time per output token (first to last token) joins its
+        worker's samples."""
+        self._routed.pop(request.id, None)
+        flight = self._in_flight.pop(request.id, None)
+        if flight is not None and flight.num_decoded > 0:
+            samples = self.tpot.setdefault(worker, deque(maxlen=self.tpot_samples))
+            samples.append((flight.last_token_at - flight.first_token_at) / flight.num_decoded)
+
+    def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        """It never ran: its windowed work is taken back, as if it had never been sent."""
+        self.on_finish(request, worker, view)
+        group = self.window.withdraw(request.id)
+        if group is not None:
+            self.num_routed -= 1
+            self._reshare(group, self.alloc.get(group, set()))
+
+    # ------------------------------------------------------------------ rebalancing
+
     def _rebalance(self, view: ClusterView) -> None:
+        """Pair the heaviest worker with the lightest and move the heaviest's cheapest groups
+        while that does not overshoot, or replicate an overloaded one if moves were not
+        enough; then the next heaviest, until a pair is within `rebalance_ratio`."""
         workers = [w.id for w in view.healthy_workers()]
-        if len(workers) < 2:
+        if len(workers) < 2 or self.num_routed < self.warmup * len(view.workers):
             return
-        heavy = max(workers, key=lambda w: (self.load.of(w), -w))
-        light = min(workers, key=lambda w: (self.load.of(w), w))
-        high, low = self.load.of(heavy), self.load.of(light)
-        if high <= self.rebalance_ratio * low:
+        loads = {w: self.load(w) for w in workers}
+        order = sorted(workers, key=lambda w: (-loads[w], w))
+        while len(order) >= 2:
+            heavy, light = order[0], order[-1]
+            if loads[heavy] < self.rebalance_ratio * loads[light]:
+                return
+            movable = [
+                (self._group_cost(g, heavy), g)
+                for g in self._groups_on.get(heavy, ())
+                if self.window.count[g] > 1
+            ]
+            movable.sort(key=lambda cg: cg[0])
+            for group_cost, group in movable:
+                if loads[heavy] - group_cost < loads[light] + group_cost:
+                    break
+                self._reshare(group, {light})
+                loads[heavy], loads[light] = self.load(heavy), self.load(light)
+                if loads[heavy] < self.rebalance_ratio * loads[light]:
+                    break
+            if movable and loads[heavy] >= self.rebalance_ratio * loads[light]:
+                self._replicate(movable[-1][1], heavy, light, view.now)
+                loads[heavy], loads[light] = self.load(heavy), self.load(light)
+            order = sorted(order[1:], key=lambda w: (-loads[w], w))
+
+    def _replicate(self, group: Group, heavy: WorkerId, light: WorkerId, now: float) -> None:
+        alloc = self.alloc.get(group, set())
+        if heavy in alloc and light not in alloc and self.overload.is_overloaded(group, heavy, now):
+            self._reshare(group, alloc | {light})
+            self.overload.forget(group, heavy)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _group_cost(self, group: Group, worker: WorkerId) -> float:
+        """What `group` adds to `worker`'s L."""
+        alloc, share = self._split.get(group, (frozenset(), 0.0))
+        return share if worker in alloc else 0.0
+
+    def _reshare(self, group: Group, alloc: set[WorkerId]) -> None:
+        """Allocate `group` to `alloc` and split its windowed work evenly over it. A group with
+        nothing left in the window loses its allocation (the reference resets it too)."""
+        old_alloc, old_share = self._split.pop(group, (frozenset(), 0.0))
+        for w in old_alloc:
+            on = self._groups_on[w]
+            on.discard(group)
+            # nothing left here: drop the rounding the adds and subtractions left
+            self._share[w] = self._share[w] - old_share if on else 0.0
+        work = self.window.work.get(group)
+        if work is None:
+            self.alloc.pop(group, None)
+            for h in self._introduced.pop(group, ()):
+                if self._origin.get(h) == group:
+                    del self._origin[h]
             return
-        half_gap = (high - low) / 2
-        groups = self.load.by_group.get(heavy, {})
-        movable = [
-            (g, load)
-            for g, load in groups.items()
-            if g is not None and load <= half_gap and self.moved.get(g) != light
-        ]
-        if movable:
-            group, _ = max(movable, key=lambda gl: gl[1])
-            self.moved[group] = light
-            self.load.move(group, heavy, light)
+        if not alloc:
+            self.alloc.pop(group, None)
+            return
+        self.alloc[group] = alloc
+        share = work / len(alloc)
+        self._split[group] = (frozenset(alloc), share)
+        for w in alloc:
+            self._share[w] = self._share.get(w, 0.0) + share
+            self._groups_on.setdefault(w, set()).add(group)
+
+    def _group_of(self, block: BlockHash) -> Group:
+        """The group of the request that brought `block` into the cluster, while that group
+        is in the window; else a group named by the block itself."""
+        origin = self._origin.get(block)
+        return origin if origin is not None and origin in self.window.count else block
+
+    def _expire(self, now: float) -> None:
+        for group in self.window.expire(now):
+            self._reshare(group, self.alloc.get(group, set()))
+
+
+def _own_group(request: Request) -> Group:
+    """An explored request heads a group of its own: its whole prompt."""
+    return request.block_hashes[-1] if request.block_hashes else ("request", request.id)
 
 
 def _require_cost(view: ClusterView) -> CostEstimates:
