@@ -30,18 +30,24 @@ from traces.schema import (
     finish,
     json_lines,
     load_native,
+    read_native,
     renumber,
 )
 
 MOONCAKE_BLOCK_SIZE = 512
-FORMATS = ("auto", "native", "mooncake", "azure", "servegen")
+FORMATS = ("auto", "native", "recording", "mooncake", "azure", "servegen")
 
 
 def detect_format(path: Path) -> str:
     if path.is_dir():
+        if (path / "trace.jsonl").exists():
+            return "recording"
         if any(path.rglob("chunk-*-trace.csv")):
             return "servegen"
-        raise TraceError(path, None, "a folder, but no ServeGen chunk-N-trace.csv files in it")
+        raise TraceError(
+            path, None, "a folder, but neither a proxy recording (trace.jsonl) nor ServeGen "
+            "chunk-N-trace.csv files in it"
+        )  # fmt: skip
     if not path.exists():
         raise TraceError(path, None, "no such file")
     with open(path, encoding="utf-8") as f:
@@ -63,6 +69,8 @@ def load_trace(path: str | Path, fmt: str = "auto", seed: int = 0, **options: ob
         fmt = detect_format(path)
     if fmt == "native":
         return load_native(path)
+    if fmt == "recording":
+        return load_recording(path)
     if fmt == "mooncake":
         return load_mooncake(path)
     if fmt == "azure":
@@ -70,6 +78,26 @@ def load_trace(path: str | Path, fmt: str = "auto", seed: int = 0, **options: ob
     if fmt == "servegen":
         return load_servegen(path, seed=seed, **options)  # type: ignore[arg-type]
     raise ValueError(f"unknown trace format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+
+
+def load_recording(folder: Path) -> Trace:
+    """A proxy's record folder: its rotated trace parts and the current one, as one trace."""
+    from router.capture import TRACE_FILE, recorded_parts
+
+    parts = []
+    for part in [*recorded_parts(folder), folder / TRACE_FILE]:
+        try:
+            parts.append(read_native(part))
+        except TraceError as e:
+            if "no requests" not in str(e):  # a part just rotated in holds only its header
+                raise
+    if not parts:
+        raise TraceError(folder, None, "no requests recorded yet")
+    trace = Trace([r for t in parts for r in t.requests], parts[-1].block_size, source=str(folder))
+    served = {k: v for t in parts for k, v in t.meta.get("served_by", {}).items()}  # type: ignore[union-attr]
+    if served:
+        trace.meta = {"served_by": served, "policy": parts[-1].meta.get("policy")}
+    return finish(trace)
 
 
 # ------------------------------------------------------------------ Mooncake

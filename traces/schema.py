@@ -69,6 +69,10 @@ class TraceLine(BaseModel):
     priority: int = 0
     weight: float = Field(1.0, gt=0)
     think_time: float | None = Field(None, ge=0)
+    # A proxy's recording (router/capture.py) also says who served each request; a replay
+    # ignores it, a comparison of routing decisions reads it from Trace.meta["served_by"].
+    worker: int | None = None
+    policy: str | None = None
 
 
 def first_error(err: ValidationError) -> str:
@@ -93,8 +97,15 @@ def json_lines(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def load_native(path: Path) -> Trace:
+    return finish(read_native(path))
+
+
+def read_native(path: Path) -> Trace:
+    """A native trace as written: not yet sorted, rebased or checked (see `finish`)."""
     block_size = DEFAULT_BLOCK_SIZE
     requests: list[Request] = []
+    served_by: dict[int, int] = {}
+    policies: set[str] = set()
     for lineno, obj in json_lines(path):
         try:
             if "fairway_trace" in obj:
@@ -106,11 +117,20 @@ def load_native(path: Path) -> Trace:
         except ValidationError as e:
             raise TraceError(path, lineno, first_error(e)) from None
         fields = line.model_dump()
+        worker, policy = fields.pop("worker"), fields.pop("policy")
         fields["id"] = len(requests) if line.id is None else line.id
         requests.append(Request(**fields))
+        if worker is not None:
+            served_by[fields["id"]] = worker
+        if policy is not None:
+            policies.add(policy)
     if not requests:
         raise TraceError(path, None, "no requests in trace")
-    return finish(Trace(requests, block_size, source=str(path)))
+    meta: dict[str, object] = {}
+    if served_by:
+        meta["served_by"] = served_by
+        meta["policy"] = ",".join(sorted(policies))
+    return Trace(requests, block_size, source=str(path), meta=meta)
 
 
 def write_native(trace: Trace, path: Path) -> None:

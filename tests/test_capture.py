@@ -1,0 +1,60 @@
+"""The proxy's recording as a replayable trace: format, rotation, replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from router.capture import TRACE_FILE, TraceCapture, recorded_parts
+from router.request import Request, hash_token_blocks
+from simulator.cluster import SimConfig, simulate
+from simulator.cost_model import roofline
+from traces.loaders import load_trace
+
+
+def request(i: int, tokens: list[int], client: str = "a") -> Request:
+    return Request(i, 0.0, len(tokens), 8, hash_token_blocks(tokens, 16), client=client)
+
+
+def test_recording_round_trips_and_holds_no_prompt_text(tmp_path: Path) -> None:
+    capture = TraceCapture(tmp_path, block_size=16, policy="lpm")
+    secret = list(range(7000, 7064))  # the prompt's token ids
+    capture.write(request(3, secret, "tenant-a"), arrival=1.5, output_tokens=5, worker=1)
+    capture.write(request(4, secret + [1] * 16), arrival=2.0, output_tokens=9, worker=0,
+                  session="s1")  # fmt: skip
+    capture.close()
+    text = (tmp_path / TRACE_FILE).read_text()
+    assert "7000" not in text and "7063" not in text
+    trace = load_trace(tmp_path)  # the folder: every part kept
+    assert [r.id for r in trace.requests] == [3, 4]
+    assert trace.requests[0].arrival == 0.0 and trace.requests[1].arrival == 0.5
+    assert trace.requests[1].session == "s1" and trace.requests[0].client == "tenant-a"
+    assert trace.requests[1].output_len == 9 and trace.requests[1].num_blocks == 5
+    assert trace.meta["served_by"] == {3: 1, 4: 0} and trace.meta["policy"] == "lpm"
+    assert load_trace(tmp_path / TRACE_FILE).meta["served_by"] == {3: 1, 4: 0}
+
+
+def test_rotation_bounds_the_recording(tmp_path: Path) -> None:
+    capture = TraceCapture(tmp_path, block_size=16, policy="vtc", max_file_bytes=8192, keep=2)
+    tokens = list(range(512))
+    for i in range(200):
+        capture.write(request(i, tokens), arrival=float(i), output_tokens=4, worker=i % 2)
+    capture.close()
+    parts = recorded_parts(tmp_path)
+    assert len(parts) == 2, "only the newest `keep` rotated parts stay"
+    sizes = [p.stat().st_size for p in [*parts, tmp_path / TRACE_FILE]]
+    assert all(size <= 8192 for size in sizes)
+    trace = load_trace(tmp_path)
+    ids = [r.id for r in trace.requests]
+    assert ids == sorted(ids) and ids[-1] == 199 and len(ids) < 200
+
+
+def test_a_recording_replays_in_the_simulator(tmp_path: Path) -> None:
+    capture = TraceCapture(tmp_path, block_size=16, policy="least_load")
+    doc = list(range(1000, 1000 + 16 * 40))
+    for i in range(30):
+        capture.write(request(i, doc + [i] * 16, f"c{i % 3}"), 0.2 * i, 16, worker=i % 2)
+    capture.close()
+    result = simulate(load_trace(tmp_path), roofline("llama-3-8b", "a100-80g"),
+                      SimConfig(num_workers=2, policy="least_load"))  # fmt: skip
+    assert result.summary["completed"] == 30
+    assert result.summary["prefix_cache"]["hit_rate"] > 0.5  # the shared document
