@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 TINY_MODEL := build/tiny-model/model.safetensors
-# Debian packages the tests drive for real: Prometheus (dashboards) and Chromium (reports).
+# Debian packages the tests drive for real: Prometheus (dashboards), Chromium (reports) and
+# redis-server (the store router replicas share counters through).
 SYSTEM_STAMP := build/.system-deps-stamp
 # `make bench`'s soak: fairway serve under mixed load this long (RSS, loop lag, lost: 0).
 SOAK_SECONDS ?= 600
@@ -40,10 +41,11 @@ $(VLLM_STAMP):
 $(TINY_MODEL): $(VLLM_STAMP) workers/tiny_model.py
 	$(VLLM_VENV)/bin/python -m workers.tiny_model build/tiny-model
 
-$(SYSTEM_STAMP):
-	command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
+$(SYSTEM_STAMP): Makefile
+	command -v prometheus >/dev/null && command -v chromium >/dev/null && \
+	  command -v redis-server >/dev/null || { \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium; }
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium redis-server; }
 	mkdir -p build && touch $(SYSTEM_STAMP)
 
 test: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP) lint

@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -160,6 +161,31 @@ class ClusterConfig(Strict):
     trust_client_headers: bool = Field(
         False, description="honour X-Client-Id / X-Client-Weight (a trusted gateway sets them)"
     )
+    routers: int = Field(1, ge=1, le=64, description="proxy processes sharing `port`")
+    router_sync: float = Field(
+        0.1, gt=0, le=60, description="seconds between the replicas' syncs through Redis"
+    )
+    redis_url: str | None = Field(None, description="the replicas' store; none: start one")
+    replica_ports: list[int] = Field(
+        default_factory=list, description="each replica's own port; none: port+1 .. port+N"
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("expected a redis://, rediss:// or unix:// URL")
+        return v
+
+    @field_validator("replica_ports")
+    @classmethod
+    def _replica_ports(cls, v: list[int], info: ValidationInfo) -> list[int]:
+        routers, port = info.data.get("routers", 1), info.data.get("port")
+        if v and len(v) != routers:
+            raise ValueError(f"one port per router: {routers} routers, {len(v)} ports")
+        if len(set(v)) != len(v) or port in v or not all(1 <= p <= 65535 for p in v):
+            raise ValueError("ports must be distinct, valid, and not `port`")
+        return v
 
     @field_validator("tenants")
     @classmethod
@@ -360,11 +386,15 @@ def serve(config: ClusterConfig) -> int:
         for spec in specs:
             cluster.add_worker(spec.url, spec.kv_events)
         pool.watch(_shut_down)
-    app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings_of(config))
-    log.info(
-        "Fairway proxy on http://%s:%d (policy %s)", config.host, config.port, config.policy.name
-    )
     try:
+        if config.routers > 1:  # N proxy processes on one port (router/replicas.py)
+            from router.replicas import run_replicas
+
+            urls = [(w.url, w.kv_events) for w in cluster.workers.values()]
+            return run_replicas(config, model_dir, urls, scratch)
+        app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings_of(config))
+        log.info("Fairway proxy on http://%s:%d (policy %s)",
+                 config.host, config.port, config.policy.name)  # fmt: skip
         web.run_app(
             app,
             host=config.host,

@@ -1,0 +1,258 @@
+"""`fairway serve --routers N`: N proxy processes on one port, kept by the parent that started them.
+
+    fairway serve (parent) ─ workers, once (Ray) ─ redis-server (unless redis_url)
+      ├─ replica 0 ─ LiveCluster (the whole policy) ─ proxy on :port (SO_REUSEPORT) + own port
+      ├─ replica 1 ─ ...                                the kernel spreads new connections
+      └─ ...          each syncs its Ledgers and routing decisions through Redis (shared_state)
+
+Each replica is a whole router: its own index, counters, load accounting and dispatch queues,
+as the simulator's replicas (`simulate --routers N --router-sync S`). It adds the parent's
+worker URLs in the parent's order, so worker ids (and so ledger keys) agree across replicas.
+Besides the shared port each replica listens on one of its own (`replica_ports`): its
+/metrics, /health and admin API, which through the shared port would reach any one of them.
+
+The parent restarts a replica that dies (its connections are lost with it; the others' are
+not), and on SIGTERM or SIGINT stops them all (SIGTERM, the proxy's grace, then SIGKILL).
+Replicas and Redis die with the parent (PR_SET_PDEATHSIG through workers.pool's guard).
+
+Across machines the same split would run each replica as a Ray actor behind a load balancer,
+with the store reachable by all; not built: one host's SO_REUSEPORT needs no balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from router.serve import ClusterConfig
+
+log = logging.getLogger("fairway.replicas")
+REPLICA_HEADER = "X-Fairway-Replica"  # <index>-<pid> of the replica that answered
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What one replica process is told (as JSON on its stdin: the config may hold keys)."""
+
+    index: int
+    config: dict
+    model_dir: str
+    workers: list[tuple[str, str | None]]  # (url, KV-event endpoint), in the parent's order
+    redis_url: str
+    prefix: str  # this run's Redis keys
+    own_port: int
+
+
+def replica_ports(config: ClusterConfig) -> list[int]:
+    return list(config.replica_ports) or [config.port + 1 + i for i in range(config.routers)]
+
+
+def run_replicas(
+    config: ClusterConfig, model_dir: Path, workers: list[tuple[str, str | None]], scratch: Path
+) -> int:
+    """Start Redis (unless configured), then keep `config.routers` replicas until stopped."""
+    from router.shared_state import forget, redis_server
+
+    with contextlib.ExitStack() as stack:
+        url = config.redis_url or stack.enter_context(redis_server(scratch / "redis"))
+        prefix = f"fairway:{uuid.uuid4().hex[:12]}"
+        if config.redis_url:  # a store that outlives us: leave it as we found it
+            stack.callback(_forget_quietly, forget, url, prefix)
+        specs = [
+            ReplicaSpec(i, _config_of(config, i), str(model_dir), workers, url, prefix, port)
+            for i, port in enumerate(replica_ports(config))
+        ]
+        return Supervisor(specs).run()
+
+
+def _config_of(config: ClusterConfig, index: int) -> dict:
+    """Replica `index`'s config: the same, but requests.csv in a folder of its own."""
+    raw = config.model_dump(mode="json")
+    if config.record_dir:
+        raw["record_dir"] = str(Path(config.record_dir) / f"replica-{index}")
+    return raw
+
+
+def _forget_quietly(forget, url: str, prefix: str) -> None:
+    try:
+        forget(url, prefix)
+    except Exception as e:  # the store may be gone already; nothing of ours is left to keep
+        log.warning("could not delete %s:* from %s: %r", prefix, url, e)
+
+
+class Supervisor:
+    """Start the replicas, restart one that dies (backing off if it keeps dying), stop all on
+    SIGTERM / SIGINT. Synchronous: it only waits and signals."""
+
+    def __init__(self, specs: list[ReplicaSpec], poll: float = 0.2) -> None:
+        self.specs, self.poll = specs, poll
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.started: dict[int, float] = {}
+        self.failures: dict[int, int] = {}  # deaths in a row, each within 10 s of its start
+        self.due: dict[int, float] = {}  # replica -> when to start it again
+        self.restarts = 0
+        self._stopping = False
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for spec in self.specs:
+                self._start(spec)
+            while not self._stopping:
+                time.sleep(self.poll)
+                for spec in self.specs:
+                    self._check(spec)
+        finally:
+            self._stop_all()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 0
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self._stopping = True
+
+    def _start(self, spec: ReplicaSpec) -> None:
+        from workers.pool import guarded
+
+        argv = guarded([sys.executable, "-m", "router.replicas"])
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(asdict(spec)).encode())
+        proc.stdin.close()
+        self.procs[spec.index] = proc
+        self.started[spec.index] = time.monotonic()
+        log.info("replica %d: pid %d, own port %d", spec.index, proc.pid, spec.own_port)
+
+    def _check(self, spec: ReplicaSpec) -> None:
+        i = spec.index
+        if i in self.due:
+            if time.monotonic() >= self.due[i]:
+                del self.due[i]
+                self.restarts += 1
+                self._start(spec)
+            return
+        proc = self.procs[i]
+        code = proc.poll()
+        if code is None:
+            return
+        lived = time.monotonic() - self.started[i]
+        self.failures[i] = self.failures.get(i, 0) + 1 if lived < 10 else 1
+        delay = min(30.0, 0.5 * 2 ** (self.failures[i] - 1))
+        self.due[i] = time.monotonic() + delay
+        log.error("replica %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",
+                  i, proc.pid, code, lived, delay)  # fmt: skip
+
+    def _stop_all(self) -> None:
+        from router.serve import SHUTDOWN_GRACE
+
+        for proc in self.procs.values():
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + SHUTDOWN_GRACE + 5
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(proc, signal.SIGKILL)
+                proc.wait()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+
+# ----------------------------------------------------------------------------- a replica
+
+
+def build_replica_app(spec: ReplicaSpec) -> web.Application:
+    """The proxy of one replica: the whole policy, the parent's workers in its order, and the
+    task that shares counters and routing decisions through Redis."""
+    from router.errors import APIError
+    from router.prompts import PromptEncoder
+    from router.proxy import CLUSTER, create_app
+    from router.serve import build_cluster, settings_of, validate_config
+    from router.shared_state import SHARED, shared_state_ctx
+
+    config = validate_config(spec.config, source=f"replica {spec.index}")
+    cluster = build_cluster(config)
+    for url, kv_events in spec.workers:
+        cluster.add_worker(url, kv_events)
+    encoder = PromptEncoder(Path(spec.model_dir), config.block_size)
+    app = create_app(cluster, encoder, settings_of(config))
+    token = f"{spec.index}-{os.getpid()}"  # a restarted replica reads its predecessor's log
+
+    async def tag(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[REPLICA_HEADER] = token
+
+    async def describe(request: web.Request) -> web.Response:
+        token_required = config.admin_token
+        if not token_required:
+            return APIError(403, "admin API disabled: no admin token configured",
+                            "permission_error").response()  # fmt: skip
+        if request.headers.get("Authorization") != f"Bearer {token_required}":
+            return APIError(401, "admin token required", "authentication_error").response()
+        return web.json_response({"index": spec.index, **app[SHARED].describe()})
+
+    app.on_response_prepare.append(tag)
+    app.router.add_get("/admin/replica", describe)
+    app.cleanup_ctx.append(
+        shared_state_ctx(
+            app[CLUSTER].router, spec.redis_url, spec.prefix, token, config.router_sync
+        )  # fmt: skip
+    )
+    return app
+
+
+async def serve_replica(spec: ReplicaSpec) -> None:
+    """Serve the replica on the shared port (SO_REUSEPORT) and on its own port until SIGTERM /
+    SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
+    from router.serve import SHUTDOWN_GRACE
+
+    app = build_replica_app(spec)
+    host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, host, port, reuse_port=True).start()
+        await web.TCPSite(runner, "127.0.0.1", own_port).start()
+        log.info("replica %d on http://%s:%d (own port %d)", spec.index, host, port, own_port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> None:
+    raw = json.loads(sys.stdin.read())
+    spec = ReplicaSpec(**{**raw, "workers": [tuple(w) for w in raw["workers"]]})
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s replica {spec.index} %(name)s %(message)s"
+    )
+    asyncio.run(serve_replica(spec))
+
+
+if __name__ == "__main__":
+    main()
