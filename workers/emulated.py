@@ -157,7 +157,7 @@ VOCAB = web.AppKey("vocab", list)
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     try:  # the proxy's own validation: one definition of a well-formed request
-        body = await parse_body(request)
+        body = await parse_body(request, max_bytes=64 * 1024 * 1024)  # vLLM sets no limit
         req = build_request(request, body, app[ENCODER], app[LIMITS], chat)
     except APIError as e:
         return e.response()
