@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.dispatch import DispatchQueue
+from router.drift import DriftGuard
 from router.ledger import Ledger, ledgers_of
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
@@ -47,6 +48,7 @@ class Flight:
     worker: WorkerId
     queue: DispatchQueue  # kept even if the worker is removed: its slot is freed on finish
     remaining: int  # tokens of work not yet done: the prompt until its first token, then output
+    predicted: dict[str, int]  # hit tokens each index expected, for the drift guard
     released: bool = False
 
 
@@ -92,6 +94,15 @@ class Router:
             PrefixIndex() if precise and keep_approximate else None if precise else self.view.index
         )
         self.held = self.view.index if precise else PrefixIndex()
+        # What each fallback level routes by (router.drift): KV events, what was routed, nothing.
+        self._level_index = {"load": PrefixIndex()}
+        if precise:
+            self._level_index["precise"] = self.view.index
+        if self.approx_index is not None:
+            self._level_index["approximate"] = self.approx_index
+        self.index_level = "precise" if precise else "approximate"
+        self.drift: DriftGuard | None = None  # set by a driver that hears actual hits
+        self.level_changes: list[tuple[float, str, str]] = []  # (time, from, to)
         # Engine placement never asks the router's queues what is cached.
         self._tracks_held = window is not None and not precise
         self.queues: dict[WorkerId, DispatchQueue] = {}
@@ -189,13 +200,18 @@ class Router:
         if self.routing_log is not None and self.approx_index is not None:
             self.routing_log.append((hashes, wid, now))
         # Precise: what it holds comes from KV events, and the reuse counts as a hit.
-        hit = view.index.touch(hashes, wid, now) if self.precise else approximate
+        precise = self._level_index["precise"].touch(hashes, wid, now) if self.precise else 0
         # Capped as an engine caps a hit: the last prompt token is always computed.
-        self.predicted_hit_tokens += min(hit, (request.prompt_len - 1) // bs) * bs
+        cap = (request.prompt_len - 1) // bs
+        predicted = {"approximate": min(approximate, cap) * bs}
+        if self.precise:
+            predicted["precise"] = min(precise, cap) * bs
+        hit = {"precise": precise, "approximate": approximate}.get(self.index_level, 0)
+        self.predicted_hit_tokens += min(hit, cap) * bs
 
         queue = self.queues[wid]
         work = request.prompt_len + request.output_len
-        self._flights[request.id] = Flight(request, wid, queue, work)
+        self._flights[request.id] = Flight(request, wid, queue, work, predicted)
         state.tokens_in_flight += work
         self._hook(self.policy.on_dispatch, request, wid, view)
         queue.push(request)
@@ -232,11 +248,18 @@ class Router:
         if flight.released:
             self._hook(flight.queue.on_token, request, num_tokens)
 
-    def finish(self, request: Request, now: float) -> list[Request]:
-        """`request` is done (answered or failed). Returns what its worker releases next."""
+    def finish(
+        self, request: Request, now: float, cached_tokens: int | None = None
+    ) -> list[Request]:
+        """`request` is done (answered or failed). Returns what its worker releases next.
+        `cached_tokens`, what the worker says it reused, scores the indexes' predictions."""
         flight = self._flights.get(request.id)
         if flight is None:
             return []
+        if cached_tokens is not None and self.drift is not None:
+            level = self.drift.observe(flight.predicted, cached_tokens)
+            if level is not None:
+                self.set_index_level(level, now)
         if not flight.released:
             self.withdraw(request, now)
             return []
@@ -263,6 +286,11 @@ class Router:
 
     # ------------------------------------------------------------- replicas
 
+    def share_indexes(self, other: Router) -> None:
+        """Route by `other`'s approximate and held indexes (replicas sharing one store)."""
+        self.view.index = self.approx_index = self._level_index["approximate"] = other.view.index
+        self.held = other.held
+
     def ledgers(self) -> dict[tuple[object, ...], Ledger]:
         """The shareable counters of this router's policies: the global policy's, and each
         worker's queue discipline's (keyed so that replicas' keys for the same thing match)."""
@@ -281,6 +309,19 @@ class Router:
         for hashes, wid, at in routed:
             if wid in self.view.workers:
                 self._insert_routed(self.approx_index, hashes, wid, at)
+
+    def set_index_level(self, level: str, now: float) -> None:
+        """Route by the precise index, the approximate one, or none (load only)."""
+        if level not in self._level_index:
+            raise ValueError(f"index level {level!r}: this router has {sorted(self._level_index)}")
+        if level != self.index_level:
+            self.level_changes.append((now, self.index_level, level))
+            self.index_level = level
+            self.view.index = self._level_index[level]
+
+    def index_levels(self) -> tuple[str, ...]:
+        """The fallback levels this router has, best first."""
+        return tuple(lvl for lvl in ("precise", "approximate", "load") if lvl in self._level_index)
 
     def is_released(self, request: Request) -> bool:
         flight = self._flights.get(request.id)
@@ -305,7 +346,7 @@ class Router:
 
     def _indexes(self) -> list[PrefixIndex]:
         out: list[PrefixIndex] = []
-        for index in (self.view.index, self.held, self.approx_index):
+        for index in (*self._level_index.values(), self.held, self.approx_index):
             if index is not None and all(index is not o for o in out):
                 out.append(index)
         return out

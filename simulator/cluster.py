@@ -171,8 +171,7 @@ class SimCluster:
                 owner = router.policy if key[0] == "global" else router.queues[key[1]].discipline
                 setattr(owner, key[-1], shared[key])  # type: ignore[index]
             if not self.precise:
-                router.view.index = router.approx_index = first.view.index
-                router.held = first.held
+                router.share_indexes(first)
 
     def _sync_routers(self) -> simpy.events.ProcessGenerator:
         """Every `router_sync` seconds each replica sends what it charged and routed since the
