@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,10 +23,14 @@ from router.cluster import CostEstimates
 from router.collector import CollectorPacing
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
+from router.drift import DriftGuard
 from router.metrics import RouterMetrics
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
+
+log = logging.getLogger(__name__)
+LEVEL_CODES = {"precise": 2, "approximate": 1, "load": 0}
 
 
 class WorkerDown(Exception):
@@ -67,6 +72,7 @@ class LiveCluster:
         precise: bool = False,
         fall: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        drift: DriftGuard | None = None,
     ) -> None:
         self.fall = fall
         self.clock = clock
@@ -85,6 +91,10 @@ class LiveCluster:
         )
         self.view = self.router.view
         self.policy = policy
+        # Predicted against actual hits; `drift=None` builds the default guard over this
+        # router's levels (pass a guard with other settings, or use set_index_level by hand).
+        self.router.drift = drift or DriftGuard(self.router.index_levels())
+        self.metrics.index_level.set(LEVEL_CODES[self.router.index_level])
         self.workers: dict[WorkerId, LiveWorker] = {}
         self._ids = itertools.count()
         self._collector = CollectorPacing()  # a full GC pass over the index is a 10+ ms stall
@@ -175,9 +185,27 @@ class LiveCluster:
         self._send(worker, routed.released)
         return worker, routed.decision.reason, fut
 
-    def release(self, worker: LiveWorker, request: Request, output_tokens: int) -> None:
-        """`request` is done at `worker` (answered or failed); start the next one there."""
-        self._send(worker, self.router.finish(request, self.clock()))
+    def release(
+        self,
+        worker: LiveWorker,
+        request: Request,
+        output_tokens: int,
+        cached_tokens: int | None = None,
+    ) -> None:
+        """`request` is done at `worker` (answered or failed); start the next one there.
+        `cached_tokens` is what the worker reported it reused, when it did."""
+        if cached_tokens is not None:
+            predicted = self.router.prediction(request)
+            if predicted is not None:
+                self.metrics.hit_tokens_predicted.labels(worker.label).inc(predicted)
+                self.metrics.hit_tokens_actual.labels(worker.label).inc(cached_tokens)
+        level = self.router.index_level
+        self._send(worker, self.router.finish(request, self.clock(), cached_tokens))
+        if self.router.index_level != level:
+            new = self.router.index_level
+            log.warning("prefix-cache predictions drifted: routing by %s (was %s)", new, level)
+            self.metrics.index_level.set(LEVEL_CODES[new])
+            self.metrics.index_level_changes.labels(new).inc()
 
     def abandon(self, worker: LiveWorker, request: Request) -> None:
         """`request` was routed to `worker` and its caller gives up before it ran (timed out,

@@ -136,6 +136,32 @@ class RouterMetrics:
             ["worker", "mode"],
             registry=r,
         )
+        # Predicted against actual, per answered request that reported its cached tokens: the
+        # drift guard's inputs (router/drift.py), and a dashboard panel and alert over them.
+        self.hit_tokens_predicted = Counter(
+            "fairway_prefix_hit_tokens_predicted",
+            "Prompt tokens the index in use expected the chosen worker to reuse, over answered "
+            "requests whose worker reported its cached tokens",
+            ["worker"],
+            registry=r,
+        )
+        self.hit_tokens_actual = Counter(
+            "fairway_prefix_hit_tokens_actual",
+            "Prompt tokens the worker reported it reused (usage.prompt_tokens_details)",
+            ["worker"],
+            registry=r,
+        )
+        self.index_level = Gauge(
+            "fairway_index_level",
+            "What routing uses: 2 precise index, 1 approximate index, 0 load only",
+            registry=r,
+        )
+        self.index_level_changes = Counter(
+            "fairway_index_level_changes",
+            "Fallbacks and recoveries of the index routing uses, by the level taken",
+            ["level"],
+            registry=r,
+        )
         self.reported_hit_rate = Gauge(
             "fairway_worker_prefix_hit_rate_reported",
             "Prefix-cache hit rate the worker reports (vllm:prefix_cache_hits / queries)",

@@ -117,7 +117,7 @@ class Forward:
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.metrics = self.cluster.metrics
         self.output_tokens = 0
-        self.cached_tokens = 0
+        self.cached_tokens: int | None = None  # what the worker reported it reused, if it did
         self.first_byte_at: float | None = None
         self.admitted_at: float | None = None
         self.response: web.StreamResponse | None = None  # a stream the client is reading
@@ -177,7 +177,9 @@ class Forward:
                 return self._answer(upstream, head, worker, reason)
             finally:
                 upstream.release()
-                self._book(self.cluster.release, worker, self.req, self.output_tokens)
+                self._book(
+                    self.cluster.release, worker, self.req, self.output_tokens, self.cached_tokens
+                )
         self.metrics.requests.labels(
             self.settings.policy_name, "exhausted", "none", f"http_{last_error.status}"
         ).inc()
@@ -390,7 +392,7 @@ class Forward:
                 id=req.id, client=req.client, session=None, worker=worker.id,
                 arrival=req.arrival - t0, admitted=(self.admitted_at or req.arrival) - t0,
                 first_token=self.first_byte_at - t0, finish=now - t0,
-                prompt_tokens=req.prompt_len, cached_tokens=self.cached_tokens,
+                prompt_tokens=req.prompt_len, cached_tokens=self.cached_tokens or 0,
                 output_tokens=self.output_tokens, preemptions=0, weight=req.weight,
             ), flush=True)  # fmt: skip
         service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
@@ -416,13 +418,14 @@ def _arm_read_timeout(upstream: aiohttp.ClientResponse, seconds: float) -> bool:
     return True
 
 
-def _usage(data: bytes) -> tuple[int, int]:
-    """(completion tokens, cached prompt tokens) from a non-streamed answer's usage."""
+def _usage(data: bytes) -> tuple[int, int | None]:
+    """(completion tokens, cached prompt tokens) from a non-streamed answer's usage; cached is
+    None when the worker does not report it (vLLM without --enable-prompt-tokens-details)."""
     with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
         usage = json.loads(data)["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return int(usage["completion_tokens"]), int(details.get("cached_tokens") or 0)
-    return 0, 0
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return int(usage["completion_tokens"]), None if cached is None else int(cached)
+    return 0, None
 
 
 # ------------------------------------------------------------------------- handlers

@@ -23,7 +23,7 @@ _USAGE = re.compile(rb'"usage":\s*\{')
 @dataclass(frozen=True, slots=True)
 class Usage:
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None: the worker does not report it
 
 
 def with_usage_requested(body: dict) -> dict:
@@ -91,7 +91,7 @@ def _parse_usage(event: bytes) -> Usage | None:
         if answer.get("choices"):
             return None  # continuous usage stats on a token event: still a token
         usage = answer["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return Usage(int(usage["completion_tokens"]), int(details.get("cached_tokens") or 0))
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return Usage(int(usage["completion_tokens"]), None if cached is None else int(cached))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None

@@ -210,8 +210,8 @@ class Recorder:
         def rec(name, fn, answer=None):
             def call(*args, **kw):
                 out = fn(*args, **kw)
-                if name == "route" and len(args) == 3 and not args[2]:
-                    args = args[:2]  # no exclusions, however the driver says it
+                if name in ("route", "finish") and len(args) == 3 and not args[2]:
+                    args = args[:2]  # no exclusions, no reported hit: however it is said
                 self.calls.append(
                     (name, args, tuple(sorted(kw.items())), answer(out) if answer else None)
                 )
