@@ -49,7 +49,7 @@ class Flight:
     queue: DispatchQueue  # kept even if the worker is removed: its slot is freed on finish
     remaining: int  # tokens of work not yet done: the prompt until its first token, then output
     predicted: dict[str, int]  # hit tokens each index expected, for the drift guard
-    used: int  # hit tokens the index in use expected
+    best: int  # hit tokens the best index kept expected (scored even while not routed by)
     released: bool = False
 
 
@@ -212,7 +212,8 @@ class Router:
 
         queue = self.queues[wid]
         work = request.prompt_len + request.output_len
-        self._flights[request.id] = Flight(request, wid, queue, work, predicted, min(hit, cap) * bs)
+        best = predicted.get("precise", predicted["approximate"])
+        self._flights[request.id] = Flight(request, wid, queue, work, predicted, best)
         state.tokens_in_flight += work
         self._hook(self.policy.on_dispatch, request, wid, view)
         queue.push(request)
@@ -325,9 +326,10 @@ class Router:
         return tuple(lvl for lvl in ("precise", "approximate", "load") if lvl in self._level_index)
 
     def prediction(self, request: Request) -> int | None:
-        """The hit tokens routing expected for `request` (None once it is gone)."""
+        """The hit tokens the best index this router keeps expected for `request`, whether or
+        not routing uses it now (None once the request is gone)."""
         flight = self._flights.get(request.id)
-        return None if flight is None else flight.used
+        return None if flight is None else flight.best
 
     def is_released(self, request: Request) -> bool:
         flight = self._flights.get(request.id)

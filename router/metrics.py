@@ -140,8 +140,8 @@ class RouterMetrics:
         # drift guard's inputs (router/drift.py), and a dashboard panel and alert over them.
         self.hit_tokens_predicted = Counter(
             "fairway_prefix_hit_tokens_predicted",
-            "Prompt tokens the index in use expected the chosen worker to reuse, over answered "
-            "requests whose worker reported its cached tokens",
+            "Prompt tokens the best index kept (precise, else approximate) expected the chosen "
+            "worker to reuse, over answered requests whose worker reported its cached tokens",
             ["worker"],
             registry=r,
         )

@@ -137,6 +137,18 @@ class BlockManager:
         if self.events is not None and len(hashed) > start:
             self.events.stored(hashed[start - 1] if start else None, hashed[start:])
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody is using (vLLM's /reset_prefix_cache; also what a
+        restarted server starts with). Returns how many were dropped."""
+        dropped = list(self._free_cached)
+        for h in dropped:
+            del self._ref[h]
+        self._free_cached.clear()
+        self._num_empty += len(dropped)
+        if self.events is not None and dropped:
+            self.events.removed(dropped)
+        return len(dropped)
+
     def free(self, table: BlockTable) -> None:
         """Release every block of `table`, tail first."""
         self._num_empty += table.num_anonymous

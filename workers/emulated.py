@@ -323,7 +323,15 @@ def create_app(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """As vLLM's endpoint of that name: drop every cached block no request is using."""
+    engine = request.app[ENGINE]
+    engine._catch_up()
+    return web.json_response({"dropped_blocks": engine.engine.blocks.reset_prefix_cache()})
 
 
 def command(
