@@ -95,16 +95,22 @@ def _forget_quietly(forget, url: str, prefix: str) -> None:
 
 
 class Supervisor:
-    """Start the replicas, restart one that dies (backing off if it keeps dying), stop all on
+    """Start the replicas, restart one that dies (backing off; giving up, and stopping all, if
+    it dies soon after starting more than `max_quick_deaths` times in a row), stop all on
     SIGTERM / SIGINT. Synchronous: it only waits and signals."""
 
-    def __init__(self, specs: list[ReplicaSpec], poll: float = 0.2) -> None:
+    def __init__(
+        self, specs: list[ReplicaSpec], poll: float = 0.2, argv: list[str] | None = None
+    ) -> None:
         self.specs, self.poll = specs, poll
+        self.argv = argv or [sys.executable, "-m", "router.replicas"]
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
         self.failures: dict[int, int] = {}  # deaths in a row, each within 10 s of its start
         self.due: dict[int, float] = {}  # replica -> when to start it again
         self.restarts = 0
+        self.max_quick_deaths = 5
+        self.exit_code = 0
         self._stopping = False
 
     def run(self) -> int:
@@ -120,7 +126,7 @@ class Supervisor:
             self._stop_all()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        return 0
+        return self.exit_code
 
     def _stop(self, signum: int, frame: object) -> None:
         self._stopping = True
@@ -128,7 +134,7 @@ class Supervisor:
     def _start(self, spec: ReplicaSpec) -> None:
         from workers.pool import guarded
 
-        argv = guarded([sys.executable, "-m", "router.replicas"])
+        argv = guarded(self.argv)
         root = str(Path(__file__).resolve().parent.parent)
         env = {
             **os.environ,
@@ -136,8 +142,9 @@ class Supervisor:
         }
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, start_new_session=True)
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps(asdict(spec)).encode())
-        proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # it died at once: _check sees to it
+            proc.stdin.write(json.dumps(asdict(spec)).encode())
+            proc.stdin.close()
         self.procs[spec.index] = proc
         self.started[spec.index] = time.monotonic()
         log.info("replica %d: pid %d, own port %d", spec.index, proc.pid, spec.own_port)
@@ -156,6 +163,11 @@ class Supervisor:
             return
         lived = time.monotonic() - self.started[i]
         self.failures[i] = self.failures.get(i, 0) + 1 if lived < 10 else 1
+        if self.failures[i] > self.max_quick_deaths:  # it cannot start (a port taken, a bug)
+            log.error("replica %d died %d times within 10 s of starting; stopping",
+                      i, self.failures[i])  # fmt: skip
+            self._stopping, self.exit_code = True, 1
+            return
         delay = min(30.0, 0.5 * 2 ** (self.failures[i] - 1))
         self.due[i] = time.monotonic() + delay
         log.error("replica %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",

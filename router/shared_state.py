@@ -1,15 +1,15 @@
 """Router replicas share fairness counters and routing decisions through Redis.
 
-Every `interval` seconds each replica runs one transaction:
+Every `interval` seconds each replica makes one round trip:
 
-    replica ─▶ HINCRBYFLOAT <prefix>:ledger:<key> <field> Δ   its Ledger.take(), per ledger
-            ◀─ HGETALL      <prefix>:ledger:<key>             the totals of every replica
+    replica ─▶ EVAL: per ledger, HINCRBYFLOAT <prefix>:ledger:<key> <field> Δ  its Ledger.take()
+            ◀─       then HGETALL of each (the totals of every replica), as one JSON reply
             ─▶ XADD  <prefix>:routed MAXLEN ~ n {r, b}         its routing log since the last sync
             ◀─ XREAD <prefix>:routed since its last id        the others' ─▶ Router.learn_routed
 
 Counters are sums of changes (router/ledger.py), so adding each replica's changes into one hash
 per ledger gives every replica the same totals whatever order the syncs come in. After the
-transaction a replica's value is the store's total plus what it charged during the round trip
+round trip a replica's value is the store's total plus what it charged during the round trip
 (taken again, and sent next time): its own charges show at once, the others' at most about two
 intervals late. That lag is the trade the simulator measures (`fairway experiment replicas`).
 
@@ -45,6 +45,23 @@ from router.ledger import Ledger
 log = logging.getLogger(__name__)
 
 Changes = dict[Hashable, float]
+
+# KEYS: one hash per ledger. ARGV: per key, a count n and then n (field, change) pairs. Adds
+# each change (HINCRBYFLOAT: exact, atomic, with the script), then returns every key's
+# HGETALL, as JSON. Changes travel as Python's repr of the float, totals as Redis formats them.
+ADD_AND_READ = """
+local out, a = {}, 1
+for i, key in ipairs(KEYS) do
+  local n = tonumber(ARGV[a])
+  a = a + 1
+  for _ = 1, n do
+    redis.call('HINCRBYFLOAT', key, ARGV[a], ARGV[a + 1])
+    a = a + 2
+  end
+  out[i] = redis.call('HGETALL', key)
+end
+return cjson.encode(out)
+"""
 
 
 def encode_key(key: object) -> str:
@@ -111,35 +128,32 @@ class SharedState:
         self._unsent.clear()  # a ledger that is gone (its worker removed) sends nothing more
         routed = self.router.routing_log or []
         self.router.routing_log = []
-        pipe = self.client.pipeline(transaction=True)
-        sizes = []
+        # One script adds every change and returns every total (one reply to parse, not one
+        # per field: parsing replies is most of a round's cost on the client), then the log.
+        names, argv = [], []
         for key, delta in changes.items():
-            name = self.ledger_name(key)
-            sent = 0
-            for field, d in delta.items():
-                if d and math.isfinite(d):
-                    pipe.hincrbyfloat(name, encode_key(field), d)
-                    sent += 1
-            pipe.hgetall(name)
-            sizes.append(sent)
+            sent = [(encode_key(f), repr(d)) for f, d in delta.items() if d and math.isfinite(d)]
+            names.append(self.ledger_name(key))
+            argv += [len(sent), *(x for pair in sent for x in pair)]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.eval(ADD_AND_READ, len(names), *names, *argv)
         if routed:
             batch = msgpack.packb([[h, w, t] for h, w, t in routed])
             pipe.xadd(self.stream, {"r": self.replica, "b": batch},
                       maxlen=self.stream_maxlen, approximate=True)  # fmt: skip
         pipe.xread({self.stream: self.last_id}, count=self.read_count)
         try:
-            results = await pipe.execute()
+            results = await pipe.execute(raise_on_error=True)
         except BaseException:
             # Not applied, or not known to be: sent again next round (a reply lost after the
             # store applied it would count those changes twice; that is the rarer error).
             self._unsent = changes
             self.router.routing_log = routed + (self.router.routing_log or [])
             raise
-        pos = 0
-        for (key, _), sent in zip(changes.items(), sizes, strict=True):
-            pos += sent
-            self._settle(ledgers[key], key, results[pos])
-            pos += 1
+        totals = json.loads(results[0])
+        for key, flat in zip(changes, totals if isinstance(totals, list) else [], strict=True):
+            pairs = flat if isinstance(flat, list) else []  # cjson writes an empty table as {}
+            self._settle(ledgers[key], key, dict(zip(pairs[::2], pairs[1::2], strict=True)))
         self._learn(results[-1])
         self.num_syncs += 1
 

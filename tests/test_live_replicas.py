@@ -95,6 +95,19 @@ class TestConfig:
         assert replica_ports(config) == [9001, 9002, 9003]
 
 
+class TestSupervisor:
+    def test_restarts_a_replica_that_dies_and_gives_up_on_one_that_cannot_start(self) -> None:
+        from router.replicas import ReplicaSpec, Supervisor
+
+        spec = ReplicaSpec(0, {}, "", [], "redis://127.0.0.1:9/0", "p", 9)
+        dying = Supervisor([spec], poll=0.05, argv=[sys.executable, "-c", "raise SystemExit(3)"])
+        dying.max_quick_deaths = 2
+        started = time.monotonic()
+        assert dying.run() == 1, "gave up and said so"
+        assert dying.restarts == 2 and time.monotonic() - started < 10
+        assert all(p.returncode is not None for p in dying.procs.values())
+
+
 class TestKeys:
     @pytest.mark.parametrize(
         "key", ["tenant-1", ("tenant-1", 0), ("queue", 3, "counters"), 7, ("é", (1, "x"))]
