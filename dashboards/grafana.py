@@ -53,6 +53,12 @@ PANELS: tuple[Panel, ...] = (
            ("sum by (instance) (rate(vllm:prefix_cache_hits_total[1m])) / "
             "sum by (instance) (rate(vllm:prefix_cache_queries_total[1m]))",
             "vLLM {{instance}}")), "percentunit"),
+    Panel("Prefix hit tokens: predicted by the index vs reused by the worker",
+          (("sum by (worker) (rate(fairway_prefix_hit_tokens_predicted_total[1m]))",
+            "predicted, worker {{worker}}"),
+           ("sum by (worker) (rate(fairway_prefix_hit_tokens_actual_total[1m]))",
+            "actual, worker {{worker}}"),
+           ("fairway_index_level", "routing by (2 precise, 1 approximate, 0 load)")), "short"),
     Panel("Service share per client (input + 2 x output tokens)",
           (("sum by (client) (rate(fairway_client_service_tokens_total[1m])) / ignoring(client) "
             "group_left sum(rate(fairway_client_service_tokens_total[1m]))", "{{client}}"),),
@@ -108,10 +114,57 @@ def prometheus_config(proxy: str = "127.0.0.1:8000", workers: tuple[str, ...] = 
         "127.0.0.1:8100", "127.0.0.1:8101"), interval: str = "5s") -> dict:  # fmt: skip
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": ["fairway-alerts.yml"],
         "scrape_configs": [
             {"job_name": "fairway", "static_configs": [{"targets": [proxy]}]},
             {"job_name": "vllm", "static_configs": [{"targets": list(workers)}]},
         ],
+    }
+
+
+# Drift as the router's guard measures it (router/drift.py), over Prometheus's window.
+DRIFT = (
+    "sum by (worker) (abs(rate(fairway_prefix_hit_tokens_predicted_total[10m]) - "
+    "rate(fairway_prefix_hit_tokens_actual_total[10m]))) / sum by (worker) (clamp_min("
+    "rate(fairway_prefix_hit_tokens_predicted_total[10m]), 1))"
+)
+
+
+def alert_rules(threshold: float = 0.5, hold: str = "10m") -> dict:
+    """Prometheus alerting rules: the index's predictions and the workers' reuse drift apart
+    (a tokenizer or chat-template mismatch, lost KV events, a worker restarted with an empty
+    cache), and routing fell back from the index it was configured with."""
+    return {
+        "groups": [
+            {
+                "name": "fairway",
+                "rules": [
+                    {
+                        "alert": "FairwayPrefixPredictionDrift",
+                        "expr": f"{DRIFT} > {threshold}",
+                        "for": hold,
+                        "labels": {"severity": "warning"},
+                        "annotations": {
+                            "summary": "Prefix-cache predictions drift from the worker's reuse",
+                            "description": "Worker {{ $labels.worker }}: the router's index "
+                            "predicts hits the worker does not report (or the reverse) for "
+                            f"{hold}. Check tokenizer and chat template, KV events, restarts.",
+                        },
+                    },
+                    {
+                        "alert": "FairwayRoutingFellBack",
+                        "expr": "fairway_index_level < 2 and "
+                        "changes(fairway_index_level_changes_total[1h]) > 0",
+                        "for": "1m",
+                        "labels": {"severity": "info"},
+                        "annotations": {
+                            "summary": "Routing no longer uses the index it was configured "
+                            "with (fairway_index_level: 2 precise, 1 approximate, 0 load)"
+                        },
+                    },
+                ],
+            }
+        ]
     }
 
 
@@ -121,4 +174,6 @@ def write(out: Path) -> list[Path]:
     board.write_text(json.dumps(dashboard(), indent=2) + "\n")
     prom = out / "prometheus.yml"
     prom.write_text(yaml.safe_dump(prometheus_config(), sort_keys=False))
-    return [board, prom]
+    rules = out / "fairway-alerts.yml"
+    rules.write_text(yaml.safe_dump(alert_rules(), sort_keys=False))
+    return [board, prom, rules]

@@ -24,6 +24,8 @@ def test_committed_files_match_the_generator() -> None:
     assert json.loads((DASHBOARDS / "fairway-dashboard.json").read_text()) == grafana.dashboard()
     committed = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
     assert committed == grafana.prometheus_config()
+    rules = yaml.safe_load((DASHBOARDS / "fairway-alerts.yml").read_text())
+    assert rules == grafana.alert_rules()
 
 
 @pytest.mark.slow
@@ -41,6 +43,7 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                 interval="1s",
             )
             (scratch / "prometheus.yml").write_text(yaml.safe_dump(config))
+            (scratch / "fairway-alerts.yml").write_text(yaml.safe_dump(grafana.alert_rules()))
             port = free_port()
             prom = subprocess.Popen(
                 [binary, f"--config.file={scratch / 'prometheus.yml'}",
@@ -76,6 +79,9 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                     "panels without data:\n" + "\n".join(empty) + "\ntargets:\n"
                     + "\n".join(await target_states(prom_url))
                 )  # fmt: skip
+                assert await alert_rules_healthy(prom_url) == {
+                    "FairwayPrefixPredictionDrift", "FairwayRoutingFellBack"
+                }  # fmt: skip
             finally:
                 prom.terminate()
                 prom.wait(10)
@@ -106,6 +112,20 @@ async def wait_until_scraping(prom_url: str, jobs: set[str], patience: float = 6
             return
         await asyncio.sleep(0.5)
     raise AssertionError(f"Prometheus never scraped every job {sorted(jobs)}: {states}")
+
+
+async def alert_rules_healthy(prom_url: str, patience: float = 30) -> set[str]:
+    """The alerting rules Prometheus loaded and evaluated without error."""
+    deadline = asyncio.get_running_loop().time() + patience
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(f"{prom_url}/api/v1/rules") as r:
+                groups = (await r.json())["data"]["groups"]
+            rules = [rule for g in groups for rule in g["rules"]]
+            healthy = {r["name"] for r in rules if r.get("health") == "ok"}
+            if len(healthy) == len(rules) > 0 or asyncio.get_running_loop().time() > deadline:
+                return healthy
+            await asyncio.sleep(1)
 
 
 async def panels_without_data(prom_url: str, patience: float) -> list[str]:
