@@ -267,6 +267,13 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def session_of(http: web.Request) -> str | None:
+    """A caller-named conversation (X-Session-Id), kept in the recorded trace: a replay can
+    send its turns one after another (closed loop). At most 128 characters."""
+    session = http.headers.get("X-Session-Id")
+    return session[:128] if session else None
+
+
 def build_request(
     http: web.Request,
     body: dict,
@@ -324,5 +331,6 @@ def build_request(
         output_len=max_tokens * n * len(prompts),
         block_hashes=encoder.block_hashes(ids),
         client=client,
+        session=session_of(http),
         weight=weight,
     )

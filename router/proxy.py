@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from router.capture import TraceCapture
 from router.errors import APIError, bad_request, openai_errors, unavailable
 from router.live import LiveCluster, LiveWorker, WorkerDown
 from router.monitor import Monitor
@@ -58,6 +59,7 @@ CLUSTER = web.AppKey("cluster", LiveCluster)
 SETTINGS = web.AppKey("settings", object)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RECORDER = web.AppKey("recorder", object)
+CAPTURE = web.AppKey("capture", TraceCapture)
 STARTED = web.AppKey("started", float)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
@@ -77,7 +79,7 @@ class ProxySettings:
     admin_token: str | None = None
     policy_name: str = "?"
     health_interval: float = 1.0
-    record_dir: str | None = None  # write requests.csv there, for `fairway report`
+    record_dir: str | None = None  # requests.csv (fairway report) and trace.jsonl (replay)
     max_body_bytes: int = MAX_BODY_BYTES  # larger bodies are refused (413) unread
     body_timeout: float = BODY_TIMEOUT  # for the whole body to arrive (else 408)
     client_labels: int = 20  # clients besides the tenants with metric labels of their own
@@ -122,6 +124,7 @@ class Forward:
         self.admitted_at: float | None = None
         self.response: web.StreamResponse | None = None  # a stream the client is reading
         self.recorder: RecordWriter | None = app.get(RECORDER)  # type: ignore[assignment]
+        self.capture: TraceCapture | None = app.get(CAPTURE)
         self.t0 = app[STARTED]
         self._book_failed = False
 
@@ -395,6 +398,10 @@ class Forward:
                 prompt_tokens=req.prompt_len, cached_tokens=self.cached_tokens or 0,
                 output_tokens=self.output_tokens, preemptions=0, weight=req.weight,
             ), flush=True)  # fmt: skip
+        if self.capture is not None and status == "ok":
+            self.capture.write(
+                req, req.arrival - self.t0, self.output_tokens, worker.id, req.session
+            )
         service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)
 
@@ -548,6 +555,9 @@ def create_app(
     app[STARTED] = time.monotonic()
     if settings.record_dir:
         app[RECORDER] = RecordWriter(Path(settings.record_dir) / "requests.csv")
+        app[CAPTURE] = TraceCapture(
+            settings.record_dir, cluster.view.block_size, settings.policy_name
+        )
 
     async def session_ctx(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
@@ -562,6 +572,7 @@ def create_app(
             app[POOL].shutdown(wait=False, cancel_futures=True)
             if settings.record_dir:
                 app[RECORDER].close()  # type: ignore[attr-defined]
+                app[CAPTURE].close()
 
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)
