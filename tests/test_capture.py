@@ -100,3 +100,14 @@ def test_live_traffic_replays_to_the_same_decisions_and_hit_rate(tmp_path: Path)
     assert simulated == served, "the simulator routed the recording as the proxy did"
     assert abs(result.summary["prefix_cache"]["hit_rate"] - live_hit) <= 0.02
     assert live_hit > 0.5
+
+    # What would other policies have done with this traffic? The report shows the live run too.
+    from router.cli import main
+
+    out = tmp_path / "compare"
+    argv = ["compare", "--trace", str(tmp_path), "--time-scale", "20", "--workers", "2",
+            "--placement", "router", "--policies", "lpm,round_robin",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = (out / "report.md").read_text()
+    assert f"{tmp_path.name} (live)" in report and "round_robin" in report
