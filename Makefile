@@ -54,10 +54,11 @@ test: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP) lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-bench: $(STAMP) $(TINY_MODEL)
+bench: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check sglang-router==0.3.2
 	$(VENV)/bin/fairway bench
 	$(VENV)/bin/fairway bench-proxy
+	$(VENV)/bin/fairway bench-replicas
 	$(VENV)/bin/fairway bench-sim2real
 	$(VENV)/bin/fairway bench-soak --duration $(SOAK_SECONDS)
 
