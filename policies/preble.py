@@ -4,21 +4,21 @@ LLM Serving", ICLR'25), as its reference implementation runs it (WukLab/preble,
 explore by a prompt-aware load cost, rebalance prefix groups, replicate an overloaded one.
 
 For each request, find the longest prefix any worker holds.
-- Exploit, when that cached part is longer than the missed part: send to the workers its prefix
-  group is allocated to (the holders, until rebalancing says otherwise), the one with least L + M.
+- Exploit, when that cached part is longer than the missed part: send to the holders of that
+  prefix (or where rebalancing moved or replicated its group), the one with least L + M.
 - Explore, otherwise: send to the worker with the least L + M + P, where
-    L  the worker's load: the work each prefix group brought over a recent window (prefill of
-       what was new to the cluster, plus output tokens x the measured time per output token),
-       split evenly over the workers the group is allocated to;
+    L  the worker's load over a recent window: each prefix group's prefill of what was new to
+       the cluster, split evenly over the workers the group is allocated to, plus the decode of
+       the requests sent there (output tokens x the worker's measured time per output token);
     M  the eviction cost of placing this request there: the prefill time of each prefix it would
        evict (the worker's least recently used) times that prefix's hits within the window;
     P  this request's own missed prefill time there.
 Post-assignment rebalancing, after a warm-up: while the heaviest worker's L is at least
-`rebalance_ratio` x the lightest's, its cheapest groups move to the lightest worker, their
-windowed load with them, as long as that does not overshoot. A group whose TTFT there doubled
-between the two halves of the window is overloaded: if moves could not even the pair, it is
-replicated on the lightest worker. The local discipline (`preble`) serves priority groups by
-cache-hit ratio in proportion to their priority, so low-hit requests never starve.
+`rebalance_ratio` x the lightest's, its cheapest groups move to the lightest worker, their load
+with them, as long as that does not overshoot. A group whose TTFT there doubled between the two
+halves of the window is overloaded: if moves could not even the pair, the lightest worker
+becomes a replica for it. The local discipline (`preble`) serves priority groups by cache-hit
+ratio in proportion to their priority, so low-hit requests never starve.
 
 What the paper leaves open, what the reference does, and what this module does:
 
@@ -29,14 +29,16 @@ What the paper leaves open, what the reference does, and what this module does:
 |                   | context before it ("important node");  | request that brought the deepest |
 |                   | a split hands a leaf's entry to a new  | cached block into the cluster;   |
 |                   | parent (handle_split_node_histogram)   | explore: a group of its own      |
+| exploit target    | the allocation of the deepest node     | the holders of the match (the    |
+|                   | matched (get_parent_gpu_allocation),   | index learns routed prompts), or |
+|                   | least load cost                        | the group's moved-to workers     |
 | L: prefill        | group miss rate (tokens new to the     | each request's prefill of the    |
 |                   | tree) x count x prefill / len(alloc)   | tokens new to the cluster, per   |
 |                   | (get_node_cost)                        | group, / len(allocation)         |
-| L: decode         | requests in flight x output length x   | output tokens x that median, set |
-|                   | median TPOT of the worker's last 200   | at dispatch, summed over the     |
-|                   | finished requests (0.15 s until then)  | window like prefill (the paper's |
-|                   |                                        | L); the cost model's decode step |
-|                   |                                        | until the worker has a sample    |
+| L: decode         | requests in flight there x output      | output tokens x that median at   |
+|                   | length x median TPOT of the worker's   | dispatch, summed over the window |
+|                   | last 200 finished requests (0.15 s     | where it runs (the paper's L);   |
+|                   | until measured)                        | cost model's step until measured |
 | M                 | memory assumed always full: evict the  | once the worker's holdings reach |
 |                   | new leaf's size in LRU order; victims  | `full_fraction` of its KV, evict |
 |                   | x miss rate x count x prefill          | the request's missed blocks      |
@@ -47,19 +49,21 @@ What the paper leaves open, what the reference does, and what this module does:
 | imbalance         | heavier >= 1.5 x lighter; pairs the    | `rebalance_ratio` = 1.5; pairs   |
 |                   | heaviest with the lightest, then the   | re-sorted after each pair        |
 |                   | next heaviest (recursively)            |                                  |
-| what moves        | groups with > 1 request, cheapest      | the same; all its windowed work  |
-|                   | first, while it does not overshoot;    | moves to the new worker          |
-|                   | migrate_node_cost moves its cost       |                                  |
-| replication       | TTFTWindowedOverloadedDetector: later  | same detector (`ttft_factor`);   |
-|                   | half-window mean TTFT >= 2 x earlier;  | the heavy worker's costliest     |
-|                   | only when the heavy GPU holds a single | overloaded group, whenever moves |
-|                   | group                                  | left the pair imbalanced         |
+| what moves        | groups with > 1 request, cheapest      | the same; the light worker takes |
+|                   | first, while it does not overshoot;    | the heavy one's place in the     |
+|                   | allocation := {light} for the node and | group's allocation, its decode   |
+|                   | its subtree (update_children)          | too, all its requests follow     |
+| replication       | TTFTWindowedOverloadedDetector: later  | same detector (`ttft_factor`,    |
+|                   | half-window mean TTFT >= 2 x earlier;  | `ttft_window`); the heavy one's  |
+|                   | only when the heavy GPU has a single   | costliest group if moves left    |
+|                   | group; adds light to the node only     | the pair uneven; the replica     |
+|                   |                                        | serves the shared prefix only    |
 | long chains       | no rebalancing 3+ nodes below the      | not modelled                     |
 |                   | group (left to Infercept)              |                                  |
 
-In-flight decode (the reference's L) follows every completion, and the balance test then
+Decode in flight (the reference's L) changes with every completion, and the balance test then
 fires on that noise: on the shared-prefix experiment it moved thousands of groups, each move
-recomputing an 8k-token document. Work set at dispatch and kept for the window moves with its
+recomputing an 8k-token document. Decode set at dispatch and kept for the window moves with its
 group exactly and does not change when requests finish.
 
 The policy reads no clock: dispatch-to-first-token and first-to-last-token times are in the
@@ -82,53 +86,85 @@ from router.request import BlockHash, Request
 Group = Hashable  # the block hash naming it, or ("request", id) for a prompt without a full block
 
 
-class GroupWindow:
-    """Per prefix group, the work (seconds of prefill and decode) its requests brought over the
-    last `window` seconds.
+@dataclass(slots=True)
+class _Entry:
+    """One dispatched request's work, kept for the window: the prefill of what was new to the
+    cluster (charged to its group) and its decode (charged to the worker it runs on)."""
 
-    Entries are [time, group, work, request id], oldest first; a withdrawn request's entry is
-    emptied in place (group None) and expires with the rest.
-    """
+    request_id: int
+    time: float
+    group: Group
+    worker: WorkerId
+    prefill: float
+    decode: float
+    is_live: bool = True  # False once withdrawn: already taken back
+
+
+class GroupWindow:
+    """The work requests brought over the last `window` seconds: prefill per prefix group,
+    decode per worker and per (worker, group)."""
 
     def __init__(self, window: float) -> None:
         self.window = window
-        self.work: dict[Group, float] = {}
-        self.count: dict[Group, int] = {}
-        self._entries: deque[list] = deque()
-        self._by_request: dict[int, list] = {}
+        self.prefill: dict[Group, float] = {}
+        self.count: dict[Group, int] = {}  # requests of the group in the window
+        self.decode: dict[WorkerId, float] = {}
+        self.decode_of: dict[tuple[WorkerId, Group], float] = {}
+        self._entries: deque[_Entry] = deque()
+        self._by_request: dict[int, _Entry] = {}
 
-    def add(self, request_id: int, group: Group, now: float, work: float) -> None:
-        entry = [now, group, work, request_id]
+    def add(self, entry: _Entry) -> None:
         self._entries.append(entry)
-        self._by_request[request_id] = entry
-        self.work[group] = self.work.get(group, 0.0) + work
-        self.count[group] = self.count.get(group, 0) + 1
+        self._by_request[entry.request_id] = entry
+        self.prefill[entry.group] = self.prefill.get(entry.group, 0.0) + entry.prefill
+        self.count[entry.group] = self.count.get(entry.group, 0) + 1
+        self._charge_decode(entry, +1.0)
 
     def withdraw(self, request_id: int) -> Group | None:
         """Take back a request's entry; its group, or None if it has none here."""
         entry = self._by_request.pop(request_id, None)
-        if entry is None:
+        if entry is None or not entry.is_live:
             return None
-        group, entry[1] = entry[1], None
-        self._take(group, entry[2])
-        return group
+        self._take(entry)
+        return entry.group
 
     def expire(self, now: float) -> set[Group]:
         """Drop the entries older than the window; the groups that changed."""
         changed = set()
-        while self._entries and self._entries[0][0] < now - self.window:
-            _, group, work, request_id = self._entries.popleft()
-            if group is not None:  # else withdrawn: taken already
-                del self._by_request[request_id]
-                self._take(group, work)
-                changed.add(group)
+        while self._entries and self._entries[0].time < now - self.window:
+            entry = self._entries.popleft()
+            if entry.is_live:
+                del self._by_request[entry.request_id]
+                self._take(entry)
+                changed.add(entry.group)
         return changed
 
-    def _take(self, group: Group, work: float) -> None:
+    def move_decode(self, group: Group, src: WorkerId, dst: WorkerId) -> None:
+        """Charge `group`'s decode on `src` to `dst` instead."""
+        for entry in self._entries:
+            if entry.is_live and entry.group == group and entry.worker == src:
+                self._charge_decode(entry, -1.0)
+                entry.worker = dst
+                self._charge_decode(entry, +1.0)
+
+    def _take(self, entry: _Entry) -> None:
+        entry.is_live = False
+        group = entry.group
         self.count[group] -= 1
-        self.work[group] -= work
+        self.prefill[group] -= entry.prefill
         if not self.count[group]:
-            del self.count[group], self.work[group]
+            del self.count[group], self.prefill[group]
+        self._charge_decode(entry, -1.0)
+
+    def _charge_decode(self, entry: _Entry, sign: float) -> None:
+        w, key = entry.worker, (entry.worker, entry.group)
+        self.decode_of[key] = self.decode_of.get(key, 0.0) + sign * entry.decode
+        self.decode[w] = self.decode.get(w, 0.0) + sign * entry.decode
+        if sign < 0:  # drop the rounding subtractions leave
+            if self.decode_of[key] < 1e-9:
+                del self.decode_of[key]
+            if self.decode[w] < 1e-9:
+                self.decode[w] = 0.0
 
 
 class TTFTOverloadDetector:
@@ -180,26 +216,33 @@ class PrebleE2(GlobalPolicy):
         rebalance_ratio: float = 1.5,
         warmup: int = 50,
         ttft_factor: float = 2.0,
+        ttft_window: float = 180.0,
         tpot_samples: int = 200,
         full_fraction: float = 0.95,
     ) -> None:
         self.window = GroupWindow(window)
-        self.overload = TTFTOverloadDetector(window, ttft_factor)
+        self.overload = TTFTOverloadDetector(ttft_window, ttft_factor)
         self.rebalance_ratio = rebalance_ratio
         self.warmup = warmup  # requests routed per worker before rebalancing starts
         self.tpot_samples = tpot_samples
         self.full_fraction = full_fraction
-        self.alloc: dict[Group, set[WorkerId]] = {}  # the workers a group's requests go to
+        # Per group: the workers its prefill is split over (where its requests went, as
+        # rebalancing changed it); where rebalancing moved it, for all its requests; where it
+        # was replicated, for requests that match no deeper than its shared prefix.
+        self.alloc: dict[Group, set[WorkerId]] = {}
+        self.moved: dict[Group, set[WorkerId]] = {}
+        self.replicas: dict[Group, set[WorkerId]] = {}
         # Per worker, the measured time per output token of its last finished requests.
         self.tpot: dict[WorkerId, deque[float]] = {}
         self.num_routed = 0
-        # L, kept incrementally: each group's windowed work split evenly over its allocation.
-        self._split: dict[Group, tuple[frozenset[WorkerId], float]] = {}  # alloc, each's share
-        self._share: dict[WorkerId, float] = {}
+        self._prefill_share: dict[WorkerId, float] = {}  # sum of prefill / len(alloc)
+        self._share_of: dict[Group, float] = {}  # the group's prefill / len(alloc)
         self._groups_on: dict[WorkerId, set[Group]] = {}
-        # Each block the cluster learnt from a request in the window -> that request's group.
+        # Each block the cluster learnt from a request in the window -> that request's group,
+        # and each group's shared prefix: the shortest match that sent a request to it.
         self._origin: dict[BlockHash, Group] = {}
         self._introduced: dict[Group, list[BlockHash]] = {}
+        self._shared: dict[Group, int] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._routed: dict[int, tuple[dict[WorkerId, int], Group]] = {}
 
@@ -217,17 +260,27 @@ class PrebleE2(GlobalPolicy):
             group = self._group_of(hashes[best - 1])
             self._routed[request.id] = (matched, group)
             holders = [w for w, m in matched.items() if m == best]
-            allocated = sorted(w for w in self.alloc.get(group, ()) if w in workers)
-            terms = self.explore_costs(request, view, matched, allocated or holders)
+            candidates = [w for w in self._placement(group, best, holders) if w in workers]
+            terms = self.explore_costs(request, view, matched, candidates or holders)
             target = min(terms, key=lambda w: (terms[w][0] + terms[w][1], w))
             return Decision(target, "exploit" if target in holders else "exploit: rebalanced")
         self._routed[request.id] = (matched, _own_group(request))
         terms = self.explore_costs(request, view, matched, workers)
         return Decision(min(terms, key=lambda w: (sum(terms[w]), w)), "explore")
 
+    def _placement(self, group: Group, best: int, holders: list[WorkerId]) -> set[WorkerId]:
+        """Where an exploited request goes (the reference: the allocation of the deepest node
+        it matches): the holders of its match, unless rebalancing moved its group; a replica
+        joins them for requests that match only the group's shared prefix."""
+        if group in self.moved:
+            return self.moved[group]
+        if best <= self._shared.get(group, 0):
+            return set(holders) | self.replicas.get(group, set())
+        return set(holders)
+
     def load(self, worker: WorkerId) -> float:
-        """L: the worker's share of the windowed work of the groups allocated to it."""
-        return self._share.get(worker, 0.0)
+        """L: the worker's share of its groups' windowed prefill, plus its windowed decode."""
+        return self._prefill_share.get(worker, 0.0) + self.window.decode.get(worker, 0.0)
 
     def explore_costs(
         self,
@@ -241,7 +294,7 @@ class PrebleE2(GlobalPolicy):
         if candidates is None:
             candidates = [w.id for w in view.healthy_workers()]
         bs, out = view.block_size, {}
-        for w in candidates:
+        for w in sorted(candidates):
             hit = matched.get(w, 0)
             prefill = cost.prefill_time(request.prompt_len - hit * bs, hit * bs)
             evict = self._eviction_cost(view, view.workers[w], request.num_blocks - hit, cost)
@@ -273,17 +326,21 @@ class PrebleE2(GlobalPolicy):
     def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         cost = _require_cost(view)
         matched, group = self._routed.pop(request.id, ({}, _own_group(request)))
-        # A group's load counts what is new to the cluster, wherever it runs (the reference's
+        # A group's prefill is what is new to the cluster, wherever it runs (the reference's
         # miss rate is the tree's): a group that moved does not look heavier for having moved.
         best = max(matched.values(), default=0)
-        hit = best * view.block_size
+        prefill = cost.prefill_time(
+            request.prompt_len - best * view.block_size, best * view.block_size
+        )
         measured = self.tpot.get(worker)
         # Not measured yet: the cost model's decode step.
         tpot = median(measured) if measured else cost.decode_time(1, request.prompt_len)
-        work = cost.prefill_time(request.prompt_len - hit, hit) + request.output_len * tpot
         self._expire(view.now)
-        self.window.add(request.id, group, view.now, work)
+        entry = _Entry(request.id, view.now, group, worker, prefill, request.output_len * tpot)
+        self.window.add(entry)
         self._reshare(group, self.alloc.get(group, set()) | {worker})
+        if best:
+            self._shared[group] = min(self._shared.get(group, best), best)
         introduced = self._introduced.setdefault(group, [])
         for h in request.block_hashes[best:]:  # the blocks new to the cluster join the group
             if self._group_of(h) == h:
@@ -340,13 +397,13 @@ class PrebleE2(GlobalPolicy):
             movable = [
                 (self._group_cost(g, heavy), g)
                 for g in self._groups_on.get(heavy, ())
-                if self.window.count[g] > 1
+                if self.window.count[g] > 1 and light not in self.alloc[g]
             ]
             movable.sort(key=lambda cg: cg[0])
             for group_cost, group in movable:
                 if loads[heavy] - group_cost < loads[light] + group_cost:
                     break
-                self._reshare(group, {light})
+                self._move(group, heavy, light)
                 loads[heavy], loads[light] = self.load(heavy), self.load(light)
                 if loads[heavy] < self.rebalance_ratio * loads[light]:
                     break
@@ -355,9 +412,21 @@ class PrebleE2(GlobalPolicy):
                 loads[heavy], loads[light] = self.load(heavy), self.load(light)
             order = sorted(order[1:], key=lambda w: (-loads[w], w))
 
+    def _move(self, group: Group, heavy: WorkerId, light: WorkerId) -> None:
+        """All the group's requests go to `light` in place of `heavy` from now on, and its
+        load there goes too: its share of the prefill, and the decode it brought."""
+        alloc = self.alloc[group] - {heavy} | {light}
+        self.moved[group] = alloc
+        self._reshare(group, alloc)
+        self.window.move_decode(group, heavy, light)
+
     def _replicate(self, group: Group, heavy: WorkerId, light: WorkerId, now: float) -> None:
         alloc = self.alloc.get(group, set())
         if heavy in alloc and light not in alloc and self.overload.is_overloaded(group, heavy, now):
+            if group in self.moved:
+                self.moved[group].add(light)
+            else:
+                self.replicas.setdefault(group, set()).add(light)
             self._reshare(group, alloc | {light})
             self.overload.forget(group, heavy)
 
@@ -365,33 +434,32 @@ class PrebleE2(GlobalPolicy):
 
     def _group_cost(self, group: Group, worker: WorkerId) -> float:
         """What `group` adds to `worker`'s L."""
-        alloc, share = self._split.get(group, (frozenset(), 0.0))
-        return share if worker in alloc else 0.0
+        share = self._share_of.get(group, 0.0) if worker in self.alloc.get(group, ()) else 0.0
+        return share + self.window.decode_of.get((worker, group), 0.0)
 
     def _reshare(self, group: Group, alloc: set[WorkerId]) -> None:
-        """Allocate `group` to `alloc` and split its windowed work evenly over it. A group with
-        nothing left in the window loses its allocation (the reference resets it too)."""
-        old_alloc, old_share = self._split.pop(group, (frozenset(), 0.0))
-        for w in old_alloc:
+        """Allocate `group` to `alloc` and split its windowed prefill evenly over it. A group
+        with nothing left in the window is forgotten (the reference resets its allocation)."""
+        old_share = self._share_of.pop(group, 0.0)
+        for w in self.alloc.pop(group, ()):
             on = self._groups_on[w]
             on.discard(group)
             # nothing left here: drop the rounding the adds and subtractions left
-            self._share[w] = self._share[w] - old_share if on else 0.0
-        work = self.window.work.get(group)
-        if work is None:
-            self.alloc.pop(group, None)
+            self._prefill_share[w] = self._prefill_share[w] - old_share if on else 0.0
+        prefill = self.window.prefill.get(group)
+        if prefill is None:
+            for placement in (self.moved, self.replicas, self._shared):
+                placement.pop(group, None)
             for h in self._introduced.pop(group, ()):
                 if self._origin.get(h) == group:
                     del self._origin[h]
             return
         if not alloc:
-            self.alloc.pop(group, None)
             return
         self.alloc[group] = alloc
-        share = work / len(alloc)
-        self._split[group] = (frozenset(alloc), share)
+        share = self._share_of[group] = prefill / len(alloc)
         for w in alloc:
-            self._share[w] = self._share.get(w, 0.0) + share
+            self._prefill_share[w] = self._prefill_share.get(w, 0.0) + share
             self._groups_on.setdefault(w, set()).add(group)
 
     def _group_of(self, block: BlockHash) -> Group:

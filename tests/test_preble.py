@@ -224,18 +224,22 @@ class TestLoad:
         policy.on_dispatch(r, 0, view)
         assert policy.load(0) - before == pytest.approx(COST.prefill_time(r.prompt_len, 0) + 2.0)
 
-    def test_a_groups_work_is_split_over_the_workers_it_is_allocated_to(self) -> None:
+    def test_a_groups_prefill_is_split_over_its_workers_and_decode_stays_put(self) -> None:
+        """As the reference's get_node_cost: the group's prefill divided by the number of
+        workers it is allocated to; each request's decode where it runs."""
         policy = policies.global_policies.create("preble")
         view = make_view(0, 0, 0)
         view.index.insert(prefix(1), 0, now=0.0)
         view.index.insert(prefix(1), 1, now=0.0)
-        reqs = [make_req(i, [*prefix(1), 100 + i]) for i in range(2)]
-        for r, w in zip(reqs, (0, 1), strict=True):
+        short, long = make_req(1, [*prefix(1), 101], out=10), make_req(2, [*prefix(1), 102], out=90)
+        for r, w in ((short, 0), (long, 1)):
             policy.route(r, view)
             policy.on_dispatch(r, w, view)
         assert policy.alloc == {prefix(1)[-1]: {0, 1}}
-        total = policy.window.work[prefix(1)[-1]]
-        assert policy.load(0) == policy.load(1) == pytest.approx(total / 2)
+        cached = 8 * BS
+        half = COST.prefill_time(short.prompt_len - cached, cached)  # both alike: 2 halves
+        assert policy.load(0) == pytest.approx(half + decode_estimate(short))
+        assert policy.load(1) == pytest.approx(half + decode_estimate(long))
         assert policy.load(2) == 0.0
 
     def test_work_leaves_with_the_window_and_so_does_the_allocation(self) -> None:
@@ -310,10 +314,36 @@ class TestRebalancing:
         assert policy.alloc == {small: {0}, big: {0}}, "no rebalancing during the warm-up"
         dispatch(policy, view, make_req(4, [*prefix(2), -4], out=200))
         assert policy.alloc == {small: {1}, big: {0}}, "the cheaper group moved"
-        assert policy.load(1) == pytest.approx(policy.window.work[small])
-        assert policy.load(0) == pytest.approx(policy.window.work[big])
+        work = {
+            g: policy.window.prefill[g] + decode
+            for (_, g), decode in policy.window.decode_of.items()
+        }
+        assert policy.load(1) == pytest.approx(work[small])
+        assert policy.load(0) == pytest.approx(work[big])
+        assert set(policy.window.decode_of) == {(1, small), (0, big)}, "decode moved along"
         decision = policy.route(make_req(5, [*prefix(1), -5]), view)
         assert (decision.worker, decision.reason) == (1, "exploit: rebalanced")
+
+    def test_a_move_replaces_the_heavy_worker_in_a_shared_allocation(self) -> None:
+        """A group on workers 0 and 2 moves off 0: to 1 and 2, not to 1 alone (which would
+        pile the whole group on the light worker); every request of the group follows."""
+        policy = policies.global_policies.create("preble", warmup=100)
+        view = make_view(0, 0, 0)
+        for w in (0, 2):
+            view.index.insert(prefix(1), w, now=0.0)
+        group = prefix(1)[-1]
+        for i, w in enumerate((0, 2, 0, 0)):
+            r = make_req(i, [*prefix(1), -i - 1], out=200)
+            policy.route(r, view)
+            policy.on_dispatch(r, w, view)
+        build_groups(policy, view, {2: 2000})  # a heavier group, only on worker 0
+        loads = [policy.load(w) for w in range(3)]
+        policy.warmup = 0
+        policy.on_dispatch(make_req(9, [9], out=1), 2, view)  # any dispatch rebalances
+        assert policy.moved[group] == policy.alloc[group] == {1, 2}
+        assert policy.load(0) < loads[0] and policy.load(1) > 0
+        deeper = make_req(10, [*prefix(1), -1, 10])  # continues what only worker 0 holds
+        assert policy.route(deeper, view).worker in {1, 2}
 
     def test_a_moved_group_does_not_relocate_the_hotspot(self) -> None:
         """Twelve prefix groups all start on worker 0. Rebalancing must split them between the
@@ -339,7 +369,7 @@ class TestRebalancing:
         view = make_view(0, 0)
         build_groups(policy, view, {1: 10, 2: 10, 3: 10})
         assert sum(a == {1} for a in policy.alloc.values()) == 1
-        total = sum(policy.window.work.values())
+        total = sum(policy.window.prefill.values()) + sum(policy.window.decode.values())
         assert policy.load(0) + policy.load(1) == pytest.approx(total)
 
     def test_stops_once_the_pair_is_within_the_ratio(self) -> None:
@@ -386,7 +416,7 @@ class TestTTFTOverloadDetector:
 class TestReplication:
     def drive(self, ttfts: list[float]) -> tuple[object, ClusterView]:
         """One group on worker 0, its requests 3 s apart with these TTFTs; worker 1 idle."""
-        policy = policies.global_policies.create("preble", window=10.0, warmup=1)
+        policy = policies.global_policies.create("preble", ttft_window=10.0, warmup=1)
         view = make_view(0, 0)
         view.index.insert(prefix(1), 0, now=0.0)
         for i, ttft in enumerate(ttfts):
@@ -402,8 +432,12 @@ class TestReplication:
         group = prefix(1)[-1]
         assert policy.alloc[group] == {0}
         dispatch(policy, view, make_req(9, [*prefix(1), -9]), now=9.0)
-        assert policy.alloc[group] == {0, 1}
-        assert policy.load(0) == pytest.approx(policy.load(1))
+        assert policy.alloc[group] == {0, 1} and policy.replicas[group] == {1}
+        assert policy.load(1) == pytest.approx(policy.window.prefill[group] / 2)
+        fresh = policy.route(make_req(20, [*prefix(1), 20]), view)
+        assert (fresh.worker, fresh.reason) == (1, "exploit: rebalanced")
+        deeper = make_req(21, [*prefix(1), -9, 21])  # continues a prompt only worker 0 holds
+        assert policy.route(deeper, view).worker == 0
 
     def test_a_steady_ttft_is_not_replicated(self) -> None:
         policy, view = self.drive([0.1, 0.1, 0.12])
