@@ -134,7 +134,8 @@ class GroupWindow:
         while self._entries and self._entries[0].time < now - self.window:
             entry = self._entries.popleft()
             if entry.is_live:
-                del self._by_request[entry.request_id]
+                if self._by_request.get(entry.request_id) is entry:  # ids may be reused
+                    del self._by_request[entry.request_id]
                 self._take(entry)
                 changed.add(entry.group)
         return changed
@@ -174,16 +175,16 @@ class TTFTOverloadDetector:
     def __init__(self, window: float, factor: float) -> None:
         self.window = window
         self.factor = factor
-        self._samples: dict[tuple[Group, WorkerId], deque[tuple[float, float]]] = {}
+        self._samples: dict[Group, dict[WorkerId, deque[tuple[float, float]]]] = {}
 
     def add(self, group: Group, worker: WorkerId, now: float, ttft: float) -> None:
-        samples = self._samples.setdefault((group, worker), deque())
+        samples = self._samples.setdefault(group, {}).setdefault(worker, deque())
         samples.append((now, ttft))
         while samples[0][0] < now - self.window:
             samples.popleft()
 
     def is_overloaded(self, group: Group, worker: WorkerId, now: float) -> bool:
-        samples = self._samples.get((group, worker), ())
+        samples = self._samples.get(group, {}).get(worker, ())
         mid = now - self.window / 2
         early = [t for at, t in samples if now - self.window <= at < mid]
         late = [t for at, t in samples if at >= mid]
@@ -191,8 +192,12 @@ class TTFTOverloadDetector:
             return False
         return sum(late) / len(late) >= self.factor * sum(early) / len(early)
 
-    def forget(self, group: Group, worker: WorkerId) -> None:
-        self._samples.pop((group, worker), None)
+    def forget(self, group: Group, worker: WorkerId | None = None) -> None:
+        """Drop the samples of `group` on `worker`, or on every worker."""
+        if worker is None:
+            self._samples.pop(group, None)
+        else:
+            self._samples.get(group, {}).pop(worker, None)
 
 
 @dataclass(slots=True)
@@ -353,7 +358,8 @@ class PrebleE2(GlobalPolicy):
     def on_first_token(self, request: Request, worker: WorkerId, now: float) -> None:
         flight = self._in_flight.get(request.id)
         if flight is not None and flight.first_token_at is None:
-            self.overload.add(flight.group, worker, now, now - flight.dispatched_at)
+            if flight.group in self.window.count:  # else its group is forgotten already
+                self.overload.add(flight.group, worker, now, now - flight.dispatched_at)
             flight.first_token_at = flight.last_token_at = now
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
@@ -450,6 +456,7 @@ class PrebleE2(GlobalPolicy):
         if prefill is None:
             for placement in (self.moved, self.replicas, self._shared):
                 placement.pop(group, None)
+            self.overload.forget(group)
             for h in self._introduced.pop(group, ()):
                 if self._origin.get(h) == group:
                     del self._origin[h]

@@ -477,3 +477,23 @@ class TestWithdrawAndStrangers:
         policy.on_finish(r, 0, view)
         policy.on_finish(r, 0, view)  # twice
         assert policy.num_routed == 1 and not policy.tpot, "no tokens: no time per token"
+
+    def test_a_reused_request_id_expires_cleanly(self) -> None:
+        policy = policies.global_policies.create("preble", window=10.0)
+        view = make_view(0, 0)
+        for t in (0.0, 1.0):  # the same id dispatched twice (a retry that was not withdrawn)
+            dispatch(policy, view, make_req(1, [1, 2]), now=t)
+        view.now = 20.0
+        policy.route(make_req(2, [9]), view)
+        assert policy.load(0) == policy.load(1) == 0.0 and not policy.window.count
+
+    def test_forgotten_groups_leave_no_ttft_samples(self) -> None:
+        policy = policies.global_policies.create("preble", window=10.0)
+        view = make_view(0)
+        r = make_req(1, [1, 2])
+        dispatch(policy, view, r, now=0.0)
+        policy.on_first_token(r, 0, 0.5)
+        view.now = 20.0
+        policy.route(make_req(2, [9]), view)  # the group leaves the window
+        policy.on_first_token(make_req(3, [3]), 0, 21.0)
+        assert not policy.overload._samples
