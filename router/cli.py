@@ -484,6 +484,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         urls=tuple(u.strip() for u in args.urls.split(",")) if args.urls else (),
         window=args.window,
         num_requests=args.requests,
+        prefix_tokens=args.prefix_tokens,
+        output_tokens=args.output_tokens,
         rate=args.rate,
         utilization=args.utilization,
         quick_profile=args.quick_profile,
@@ -612,6 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="round_robin,least_load,lpm")
     p.add_argument("--repeats", type=int, default=3, help="profile + replays, this many times")
     p.add_argument("--requests", type=int, default=120, help="requests in the trace")
+    p.add_argument("--prefix-tokens", type=int, default=640, help="mean document length")
+    p.add_argument("--output-tokens", type=int, default=32, help="mean answer length")
     p.add_argument("--rate", type=float, help="requests/s (default: from --utilization)")
     p.add_argument(
         "--utilization", type=float, default=0.6, help="load as a share of the profiled capacity"

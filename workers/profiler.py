@@ -1,25 +1,34 @@
 """`fairway profile`: time a running OpenAI-compatible server (vLLM, or the emulated one) and fit
 the simulator's step-cost model to it (`simulator.cost_model.FittedCost`).
 
-Prompts are random token ids, so nothing hits the prefix cache, and `ignore_eos` makes every
-answer as long as asked. Two kinds of measurement:
+Prompts are random token ids, so nothing hits the prefix cache unless a measurement asks for it,
+and `ignore_eos` makes every answer as long as asked. Three kinds of measurement:
 - prefill: one request at a time, a prompt of L tokens answered with one token. Its wall time
   is one prefill step plus what the request costs around it (HTTP, tokenizing, scheduling).
-- decode: B streams started together, each a prompt of P tokens and N answer tokens. Once every
-  prefill is done, the gap between a stream's consecutive events is one decode step of B
-  sequences; a stream's mean gap over its middle half is taken (robust to events read
-  together), the median over the streams. Short and long P tell
-  the cost of reading the KV cache apart from the per-step cost (prefills alone cannot: their
-  tokens and KV reads grow together).
+  vLLM also times the step itself (its prefill-time histogram, read before and after): both
+  are kept, so the fit tells the request's overhead from the step's own fixed cost (from wall
+  times alone the two are nearly collinear, and the overhead came out anywhere in 15-160 ms).
+- prefill after a cached prefix: the same prompt again with T new tokens after it, so the
+  step reads L cached tokens while it computes T (what a prefix hit costs).
+- decode: B streams started together, each a prompt of P tokens and N answer tokens. While
+  every stream decodes (after the last first token, before the first stream ends), each token
+  is one decode step of B sequences; a stream's time per token over that span is taken, the
+  median over the streams. A span, not single gaps: a client or API server held off the CPU
+  reads or sends events in bursts (vLLM then merges tokens into one event), which bends gaps,
+  not the span of many.
+  Short and long P tell the cost of reading the KV cache apart from the per-step cost
+  (prefills alone cannot: their tokens and KV reads grow together).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +40,34 @@ PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_PROMPTS = (32, 1024)
 DECODE_TOKENS = 48
+CACHED_TAIL = 128  # new tokens after a cached prefix
+PREFILL_METRIC = "vllm:request_prefill_time_seconds"  # first step to first token, engine-side
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure. The default covers the whole model length; `for_prompts` focuses on
+    the prompt lengths a workload has (a linear fit is best where it was measured)."""
+
+    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+    cached_prefill: bool = True  # after each prefill, its prompt again with CACHED_TAIL more
+    decode_batches: tuple[int, ...] = DECODE_BATCHES
+    decode_prompts: tuple[int, ...] = DECODE_PROMPTS
+    decode_tokens: int = DECODE_TOKENS
+
+    @classmethod
+    def for_prompts(cls, longest: int, quick: bool = False) -> Plan:
+        """Prefills up to `longest` tokens (and `longest` itself, up to whole blocks of 128),
+        decodes at short and long context; `quick` halves the points (for tests)."""
+        lengths = [n for n in PREFILL_LENGTHS if n < longest] + [-(-longest // 128) * 128]
+        if quick:
+            lengths = lengths[::-2][::-1]  # every other, keeping the longest
+        return cls(
+            prefill_lengths=tuple(lengths),
+            decode_batches=(1, 4, 16) if quick else DECODE_BATCHES,
+            decode_prompts=(32, max(32, min(longest, 1024))),
+            decode_tokens=32 if quick else DECODE_TOKENS,
+        )
 
 
 class Profiler:
@@ -61,66 +98,153 @@ class Profiler:
                     return blocks[0] * blocks[1]
         raise ValueError(f"{self.url}/metrics has no vllm:cache_config_info with the KV size")
 
-    def _body(self, prompt_len: int, max_tokens: int, stream: bool) -> dict:
-        prompt = [self.rng.randrange(10, 1000) for _ in range(prompt_len)]
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 1000) for _ in range(n)]
+
+    def _body(self, prompt: int | list[int], max_tokens: int, stream: bool) -> dict:
+        if isinstance(prompt, int):
+            prompt = self._tokens(prompt)
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "ignore_eos": True, "stream": stream, "temperature": 0}  # fmt: skip
 
-    async def prefill(self, prompt_len: int) -> Measurement:
+    async def prefill_seconds(self) -> tuple[float, float] | None:
+        """vLLM's own prefill timing so far (sum of seconds, count of requests), from its
+        engine timestamps; None when the server does not export it."""
+        async with self.session.get(f"{self.url}/metrics") as r:
+            r.raise_for_status()
+            text = await r.text()
+        total = count = None
+        for family in text_string_to_metric_families(text):
+            if family.name == PREFILL_METRIC:
+                for sample in family.samples:
+                    if sample.name.endswith("_sum"):
+                        total = (total or 0.0) + sample.value
+                    elif sample.name.endswith("_count"):
+                        count = (count or 0.0) + sample.value
+        return None if total is None or count is None else (total, count)
+
+    async def _timed(self, prompt: list[int]) -> tuple[float, float | None, int]:
+        """Seconds for `prompt` answered with one token, the server's own prefill seconds
+        (None if it does not say), and the tokens it found cached."""
+        before = await self.prefill_seconds()
         started = time.perf_counter()
         async with self.session.post(
-            f"{self.url}/v1/completions", json=self._body(prompt_len, 1, stream=False)
+            f"{self.url}/v1/completions", json=self._body(prompt, 1, stream=False)
         ) as r:
             r.raise_for_status()
-            await r.read()
-        return Measurement(StepShape.prefill(prompt_len, 0), time.perf_counter() - started, True)
+            usage = (await r.json()).get("usage") or {}
+        seconds = time.perf_counter() - started
+        after = await self.prefill_seconds() if before is not None else None
+        step = None
+        if before is not None and after is not None and after[1] - before[1] == 1:
+            step = after[0] - before[0]  # this request's alone: they go one at a time
+        details = usage.get("prompt_tokens_details") or {}
+        return seconds, step, int(details.get("cached_tokens") or 0)
 
-    async def _stream_stamps(self, body: dict) -> list[float]:
-        stamps = []
+    async def prefill(self, prompt_len: int, cached_tail: int = 0) -> list[Measurement]:
+        """A cold prefill of `prompt_len` tokens; with `cached_tail`, then the same prompt
+        with that many tokens more, its prefix cached by the first (the cached length is what
+        the server reports, whole blocks). Each is measured whole (its step and the request's
+        overhead) and, when the server times its own prefills (vLLM), as the step alone:
+        the pair tells the overhead apart from the step's fixed cost."""
+        prompt = self._tokens(prompt_len)
+        shapes = [(prompt, StepShape.prefill(prompt_len, 0))]
+        if cached_tail and prompt_len + cached_tail + 1 < self.max_model_len:
+            shapes.append((prompt + self._tokens(cached_tail), None))
+        out = []
+        for tokens, shape in shapes:
+            seconds, step, cached = await self._timed(tokens)
+            shape = shape or StepShape.prefill(len(tokens) - cached, cached)
+            out.append(Measurement(shape, seconds, True))
+            if step is not None:
+                out.append(Measurement(shape, step, False))
+        return out
+
+    async def _stream_stamps(self, body: dict) -> list[tuple[float, int]]:
+        """(arrival time, tokens so far) of each event of a stream. A server falling behind
+        merges tokens into fewer events (vLLM does), so events are not tokens: the count is
+        the usage vLLM sends with each event (`continuous_usage_stats`), else one per event."""
+        body = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        stamps: list[tuple[float, int]] = []
         async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.content:
-                if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
-                    stamps.append(time.perf_counter())  # a token (not the usage event)
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices"):  # tokens (not the final usage event)
+                    usage = event.get("usage") or {}
+                    count = usage.get("completion_tokens") or (stamps[-1][1] + 1 if stamps else 1)
+                    stamps.append((time.perf_counter(), int(count)))
         return stamps
 
-    async def decode(self, batch: int, prompt_len: int) -> Measurement:
-        bodies = [self._body(prompt_len, DECODE_TOKENS, stream=True) for _ in range(batch)]
+    async def decode(self, batch: int, prompt_len: int, tokens: int = DECODE_TOKENS) -> Measurement:
+        bodies = [self._body(prompt_len, tokens, stream=True) for _ in range(batch)]
         streams = await asyncio.gather(*(self._stream_stamps(b) for b in bodies))
-        # Over the middle half of each stream (all B surely decoding), the mean step: events
-        # read together (a busy client) bend single gaps, not the span of many.
-        start, stop = DECODE_TOKENS // 4, 3 * DECODE_TOKENS // 4
-        if any(len(s) <= stop for s in streams):
-            lengths = sorted({len(s) for s in streams})
+        if any(not s or s[-1][1] < tokens for s in streams):
+            counts = sorted({s[-1][1] if s else 0 for s in streams})
             raise ValueError(
-                f"{self.url}: streams of {DECODE_TOKENS} tokens ended after {lengths} events; "
+                f"{self.url}: streams of {tokens} tokens ended after {counts}; "
                 f"the server must honour ignore_eos (vLLM does)"
             )
-        steps = [(s[stop] - s[start]) / (stop - start) for s in streams]
-        context = batch * (prompt_len + DECODE_TOKENS // 2)
+        steps = decode_steps(streams)
+        if not steps:  # no span had every stream decoding: each stream's second half
+            steps = [_step(s, s[len(s) // 2][0], s[-1][0]) or 0.0 for s in streams]
+        context = batch * (prompt_len + tokens // 2)
         return Measurement(StepShape(batch, context, context), statistics.median(steps), False)
 
 
-async def measure(url: str, repeats: int = 2) -> tuple[str, int, list[Measurement]]:
+def decode_steps(streams: list[list[tuple[float, int]]], min_steps: int = 4) -> list[float]:
+    """Each stream's seconds per token while all of them decode: from its first event after
+    the last stream's first token to its last event before the first stream's end.
+
+        stream 1  x . . . . . . . . . . x|          x first token, . decoded, | its end
+        stream 2      x . . . . . . . . . . . x|
+                      ^ all decoding    ^ first end: the span is in between
+    """
+    start, stop = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
+    steps = [_step(s, start, stop, min_steps) for s in streams]
+    return [x for x in steps if x is not None]
+
+
+def _step(
+    stamps: list[tuple[float, int]], start: float, stop: float, min_steps: int = 1
+) -> float | None:
+    times = [t for t, _ in stamps]
+    i, j = bisect.bisect_right(times, start), bisect.bisect_right(times, stop) - 1
+    if j <= i or stamps[j][1] - stamps[i][1] < min_steps:
+        return None
+    return (stamps[j][0] - stamps[i][0]) / (stamps[j][1] - stamps[i][1])
+
+
+async def measure(
+    url: str, repeats: int = 2, plan: Plan = Plan()
+) -> tuple[str, int, list[Measurement]]:
     """(model name, KV capacity in tokens, measurements) of the server at `url`."""
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # Idle connections closed before the server's keep-alive ends (uvicorn's: 5 s), or a
+    # request can go out on one the server is closing: "Server disconnected".
+    connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         p = Profiler(url, session)
         await p.describe()
         capacity = await p.kv_capacity_tokens()
         await p.prefill(16)  # warm-up, not kept
         measurements = []
+        tail = CACHED_TAIL if plan.cached_prefill else 0
         for _ in range(repeats):
-            for length in PREFILL_LENGTHS:
+            for length in plan.prefill_lengths:
                 if length + 1 < p.max_model_len:
-                    measurements.append(await p.prefill(length))
-            for prompt_len in DECODE_PROMPTS:
-                if prompt_len + DECODE_TOKENS < p.max_model_len:
-                    for batch in DECODE_BATCHES:
-                        measurements.append(await p.decode(batch, prompt_len))
+                    measurements += await p.prefill(length, tail)
+            for prompt_len in plan.decode_prompts:
+                if prompt_len + plan.decode_tokens < p.max_model_len:
+                    for batch in plan.decode_batches:
+                        measurements.append(await p.decode(batch, prompt_len, plan.decode_tokens))
         return p.model, capacity, measurements
 
 
-def profile(url: str, repeats: int = 2) -> tuple[FittedCost, list[Measurement]]:
-    model, capacity, measurements = asyncio.run(measure(url, repeats))
+def profile(
+    url: str, repeats: int = 2, plan: Plan = Plan()
+) -> tuple[FittedCost, list[Measurement]]:
+    model, capacity, measurements = asyncio.run(measure(url, repeats, plan))
     return FittedCost.fit(measurements, capacity, f"fitted:{model}@{url}"), measurements
