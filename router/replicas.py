@@ -13,7 +13,8 @@ Besides the shared port each replica listens on one of its own (`replica_ports`)
 
 The parent restarts a replica that dies (its connections are lost with it; the others' are
 not), and on SIGTERM or SIGINT stops them all (SIGTERM, the proxy's grace, then SIGKILL).
-Replicas and Redis die with the parent (PR_SET_PDEATHSIG through workers.pool's guard).
+Replicas and Redis die with the parent (PR_SET_PDEATHSIG: a replica asks for it itself,
+Redis through workers.pool's guard).
 
 Across machines the same split would run each replica as a Ray actor behind a load balancer,
 with the store reachable by all; not built: one host's SO_REUSEPORT needs no balancer.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -55,6 +57,7 @@ class ReplicaSpec:
     redis_url: str
     prefix: str  # this run's Redis keys
     own_port: int
+    supervisor: int = 0  # the parent's pid: a replica dies with it
 
 
 def replica_ports(config: ClusterConfig) -> list[int]:
@@ -73,7 +76,9 @@ def run_replicas(
         if config.redis_url:  # a store that outlives us: leave it as we found it
             stack.callback(_forget_quietly, forget, url, prefix)
         specs = [
-            ReplicaSpec(i, _config_of(config, i), str(model_dir), workers, url, prefix, port)
+            ReplicaSpec(
+                i, _config_of(config, i), str(model_dir), workers, url, prefix, port, os.getpid()
+            )
             for i, port in enumerate(replica_ports(config))
         ]
         return Supervisor(specs).run()
@@ -132,9 +137,7 @@ class Supervisor:
         self._stopping = True
 
     def _start(self, spec: ReplicaSpec) -> None:
-        from workers.pool import guarded
-
-        argv = guarded(self.argv)
+        argv = self.argv  # no guard process: a replica asks for its death signal itself
         root = str(Path(__file__).resolve().parent.parent)
         env = {
             **os.environ,
@@ -257,9 +260,18 @@ async def serve_replica(spec: ReplicaSpec) -> None:
         await runner.cleanup()
 
 
+def _die_with(parent: int) -> None:
+    """SIGTERM (a graceful stop) when the supervisor dies, and none of this if it is gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        sys.exit("fairway replica: the supervisor is gone")
+
+
 def main() -> None:
     raw = json.loads(sys.stdin.read())
     spec = ReplicaSpec(**{**raw, "workers": [tuple(w) for w in raw["workers"]]})
+    _die_with(spec.supervisor)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s replica {spec.index} %(name)s %(message)s"
     )

@@ -14,6 +14,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,7 +100,7 @@ class TestSupervisor:
     def test_restarts_a_replica_that_dies_and_gives_up_on_one_that_cannot_start(self) -> None:
         from router.replicas import ReplicaSpec, Supervisor
 
-        spec = ReplicaSpec(0, {}, "", [], "redis://127.0.0.1:9/0", "p", 9)
+        spec = ReplicaSpec(0, {}, "", [], "redis://127.0.0.1:9/0", "p", 9, os.getpid())
         dying = Supervisor([spec], poll=0.05, argv=[sys.executable, "-c", "raise SystemExit(3)"])
         dying.max_quick_deaths = 2
         started = time.monotonic()
@@ -391,6 +392,24 @@ class TestServeReplicas:
             assert not [p for p in pids if is_running(p)], "replicas and Redis stopped"
 
         run(go, timeout=180)
+
+    def test_replicas_and_redis_die_with_a_killed_parent(self, tmp_path) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=20) as urls,
+                fairway_serve(tmp_path, urls, 2) as (base, own, proc, log_path),
+            ):
+                pids = started_pids(log_path)
+                redis_port = int(re.search(r"redis://127.0.0.1:(\d+)", log_path.read_text())[1])
+                proc.kill()  # no chance to stop anything itself
+                deadline = time.monotonic() + 30
+                while [p for p in pids if is_running(p)] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert not [p for p in pids if is_running(p)], "replicas and Redis's guard"
+                with pytest.raises(OSError):
+                    socket.create_connection(("127.0.0.1", redis_port), 1).close()
+
+        run(go, timeout=120)
 
     def test_a_killed_replica_loses_no_request_of_the_others(self, tmp_path) -> None:
         """SIGKILL one of three replicas mid-load: every request the others took in ends
