@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from policies.lpm import is_imbalanced
 from policies.service_cost import VTC_PROFILE, make_meter
 from router.cluster import ClusterView, WorkerState
+from router.ledger import Ledger
 from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
-from router.ledger import Ledger
 from router.registry import global_policies
 from router.request import Request
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from policies.lpm import LongestPrefixMatch
 from policies.queues import ClientQueues
 from policies.service_cost import VTC_PROFILE, make_meter
-from router.policy import LocalPolicy
 from router.ledger import Ledger
+from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
 from router.request import Request
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from policies.baselines import LeastLoad
 from policies.queues import ClientQueues
 from policies.service_cost import VTC_PROFILE, make_meter
-from router.policy import LocalPolicy
 from router.ledger import Ledger
+from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
 from router.request import Request
 
