@@ -14,10 +14,10 @@ import pytest
 from router.bench_proxy import free_port, wait_healthy
 from router.cli import main
 from router.serve import VLLM_PYTHON
-from simulator.cost_model import FittedCost
+from simulator.cost_model import FittedCost, Measurement, StepShape
 from tests.live_helpers import tokenizer_dir
 from workers import emulated
-from workers.profiler import Plan, decode_steps
+from workers.profiler import Plan, decode_steps, fit
 from workers.validate import ValidateConfig, rate_for, run_validate, solo_work, started, workload
 from workers.validate_report import build, markdown, ranking
 
@@ -57,6 +57,27 @@ class TestDecodeSteps:
         second = [(t, n + 1) for n, t in enumerate(late)]
         steps = decode_steps([first, second])
         assert steps and all(s == pytest.approx(0.01) for s in steps)
+
+
+class TestFit:
+    def test_a_few_stalled_steps_do_not_bend_the_fit(self) -> None:
+        terms = {"overhead": 0.005, "per_token": 1e-3, "per_pair": 0.0, "per_kv_token": 2e-6,
+                 "request_overhead": 0.03}  # fmt: skip
+        truth = FittedCost(terms, 10_000, "truth")
+        shapes = [(StepShape.prefill(n, c), True) for n in (64, 256, 768) for c in (0, 512)]
+        shapes += [(StepShape(b, b * c, b * c), False) for b in (1, 4, 16) for c in (48, 800)]
+        measurements = [
+            Measurement(s, truth.step_time(s) + r * truth.request_overhead, r) for s, r in shapes
+        ]
+        measurements[6] = Measurement(measurements[6].shape, 0.3, False)  # stalled: 30x
+        measurements[9] = Measurement(measurements[9].shape, 0.0, False)  # read in a burst
+        cost = fit(measurements, 10_000, "fitted")
+        for s, _ in shapes:
+            assert cost.step_time(s) == pytest.approx(truth.step_time(s), rel=0.02), s
+        assert cost.request_overhead == pytest.approx(0.03, rel=0.02)
+        plain = FittedCost.fit(measurements, 10_000, "plain")
+        solo = StepShape(1, 48, 48)
+        assert abs(plain.step_time(solo) / truth.step_time(solo) - 1) > 0.5, "what it fixes"
 
 
 class TestPlan:

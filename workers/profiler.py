@@ -31,10 +31,11 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.monitor import kv_cache_blocks
-from simulator.cost_model import FittedCost, Measurement, StepShape
+from simulator.cost_model import FittedCost, Measurement, StepShape, _nonnegative_lstsq
 
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16)
@@ -188,8 +189,10 @@ class Profiler:
                 f"the server must honour ignore_eos (vLLM does)"
             )
         steps = decode_steps(streams)
-        if not steps:  # no span had every stream decoding: each stream's second half
-            steps = [_step(s, s[len(s) // 2][0], s[-1][0]) or 0.0 for s in streams]
+        if not steps:  # no span had every stream decoding: each stream from its first token
+            steps = [x for s in streams if (x := _step(s, s[0][0] - 1, s[-1][0])) is not None]
+        if not steps:
+            raise ValueError(f"{self.url}: no stream of {batch} had two events apart in time")
         context = batch * (prompt_len + tokens // 2)
         return Measurement(StepShape(batch, context, context), statistics.median(steps), False)
 
@@ -212,8 +215,8 @@ def _step(
 ) -> float | None:
     times = [t for t, _ in stamps]
     i, j = bisect.bisect_right(times, start), bisect.bisect_right(times, stop) - 1
-    if j <= i or stamps[j][1] - stamps[i][1] < min_steps:
-        return None
+    if j <= i or stamps[j][1] - stamps[i][1] < min_steps or stamps[j][0] <= stamps[i][0]:
+        return None  # too short, or all read in one burst
     return (stamps[j][0] - stamps[i][0]) / (stamps[j][1] - stamps[i][1])
 
 
@@ -247,4 +250,51 @@ def profile(
     url: str, repeats: int = 2, plan: Plan = Plan()
 ) -> tuple[FittedCost, list[Measurement]]:
     model, capacity, measurements = asyncio.run(measure(url, repeats, plan))
-    return FittedCost.fit(measurements, capacity, f"fitted:{model}@{url}"), measurements
+    return fit(measurements, capacity, f"fitted:{model}@{url}"), measurements
+
+
+def fit(
+    measurements: list[Measurement], capacity: int, name: str, trim: float = 0.25
+) -> FittedCost:
+    """The step-cost model, robust to a shared machine and fitted for relative error.
+
+    1. Plain least squares in seconds (`FittedCost.fit`), as a reference.
+    2. Drop what the reference predicts worst, beyond 3x the median relative error (at most
+       `trim` of the measurements): a step stalled behind another process, or a stream read
+       in one burst (a decode "step" of microseconds).
+    3. Refit the rest weighted by one over the reference's prediction, so a 1 s prefill and a
+       10 ms decode step count alike (in seconds the prefills decide every term: decode steps
+       came out 2-4x off here), and a measurement far below its prediction gets no say.
+    4. Steps 2-3 once more against the refit."""
+    measurements = [m for m in measurements if m.seconds > 0]
+    cost = FittedCost.fit(measurements, capacity, name)
+    for _ in range(2):
+        predicted = [max(_predicted(cost, m), 1e-6) for m in measurements]
+        errors = [abs(m.seconds / p - 1) for m, p in zip(measurements, predicted, strict=True)]
+        limit = 3 * statistics.median(errors)
+        worst = sorted(range(len(errors)), key=errors.__getitem__, reverse=True)
+        drop = {i for i in worst[: int(trim * len(errors))] if errors[i] > limit}
+        kept = [i for i in range(len(measurements)) if i not in drop]
+        if len(kept) < len(FittedCost.COEFFICIENTS):
+            break
+        cost = _weighted_fit([measurements[i] for i in kept], [predicted[i] for i in kept],
+                             capacity, name)  # fmt: skip
+    return cost
+
+
+def _predicted(cost: FittedCost, m: Measurement) -> float:
+    return cost.step_time(m.shape) + m.request * cost.request_overhead
+
+
+def _weighted_fit(
+    measurements: list[Measurement], scale: list[float], capacity: int, name: str
+) -> FittedCost:
+    """Non-negative least squares of each measurement's error over its `scale`."""
+    w = 1 / np.array(scale)
+    y = np.array([m.seconds for m in measurements]) * w
+    x = np.array(
+        [(1.0, m.shape.num_tokens, m.shape.attention_pairs, m.shape.kv_read_tokens,
+          float(m.request)) for m in measurements]
+    ) * w[:, None]  # fmt: skip
+    coef = _nonnegative_lstsq(x, y)
+    return FittedCost(dict(zip(FittedCost.COEFFICIENTS, coef, strict=True)), capacity, name)

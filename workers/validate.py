@@ -53,7 +53,7 @@ from traces.schema import Trace, write_native
 from traces.transform import InfiniteCache, scale_rate
 from workers import validate_report as report
 from workers.pool import guarded
-from workers.profiler import Plan, measure
+from workers.profiler import Plan, fit, measure
 
 ROOT = Path(__file__).resolve().parent.parent
 # vLLM's CPU defaults for its OpenAI server, passed explicitly so the simulated engines match.
@@ -267,9 +267,9 @@ async def profile_workers(
     found = await asyncio.gather(*(measure(url, 1, plan) for url in urls))
     measurements = [m for _, _, ms in found for m in ms]
     capacity = min(c for _, c, _ in found)
-    each = [FittedCost.fit(ms, c, f"fitted:{name}@{url}")
+    each = [fit(ms, c, f"fitted:{name}@{url}")
             for (name, c, ms), url in zip(found, urls, strict=True)]  # fmt: skip
-    return FittedCost.fit(measurements, capacity, f"fitted:{found[0][0]}"), measurements, each
+    return fit(measurements, capacity, f"fitted:{found[0][0]}"), measurements, each
 
 
 # vLLM's own per-request timings (engine timestamps), summed over workers: histograms' sums
@@ -407,6 +407,7 @@ def run_policy(
     r: int,
 ) -> dict:
     """One replay through the proxy under `policy`, and its simulation."""
+    load = os.getloadavg()[0]
     with proxy(config, policy, urls, model, out / "logs") as url:
         overhead = asyncio.run(proxy_overhead(url, urls[0]))
         before = asyncio.run(server_times(urls))
@@ -424,6 +425,7 @@ def run_policy(
     write_results(out / f"r{r}" / f"{policy}-sim", sim.summary, sim.records)
     return {"live": live, "sim": sim.summary, "proxy_overhead": overhead,
             "failures": result.failures, "server": server,
+            "load": [load, os.getloadavg()[0]],
             "phases": {"live": phases(result.records), "sim": phases(sim.records)}}  # fmt: skip
 
 

@@ -56,7 +56,7 @@ def build(config: dict, trace, repeats: Sequence, seconds: float) -> dict:
                 "repeat": rep.index, "policy": policy, "live": live, "sim": sim,
                 "error": {k: error(k, live[k], sim[k]) for k in live},
                 "proxy_overhead": run["proxy_overhead"], "failures": run["failures"],
-                "completed": run["live"]["completed"],
+                "completed": run["live"]["completed"], "load": run.get("load"),
             })  # fmt: skip
     per_policy = {}
     for policy in policies:
@@ -266,6 +266,13 @@ def markdown(result: dict) -> str:
             f"- repeat {p['repeat']}: {terms} ({p['measurements']} measurements); an average"
             f" request alone, uncached, by each worker's own fit: {each} s"
         )
+    loads = [x for r in result["runs"] for x in r.get("load") or ()]
+    if loads:
+        lines += ["", f"Load average (1 min) on this machine at each replay's start and end: "
+                  f"median {statistics.median(loads):.1f}, min {min(loads):.1f}, max "
+                  f"{max(loads):.1f} ({result['machine']['cores']} cores): other work on the"
+                  f" machine slows the servers unevenly, which a profile measured a minute"
+                  f" apart cannot know."]  # fmt: skip
     overheads = [1000 * r["proxy_overhead"] for r in result["runs"]]
     lines += ["", f"Proxy overhead per request (ms, through the proxy minus direct): median "
               f"{statistics.median(overheads):.1f}, min {min(overheads):.1f}, "
