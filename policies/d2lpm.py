@@ -109,8 +109,9 @@ class DistributedDLPM(GlobalPolicy):
         granted = 0.0
         if request.client not in clients:
             before = self.deficits.get(key, 0.0)
-            self.deficits[key] = self.deficit(request.client, worker)
-            granted = self.deficits[key] - before
+            granted = self.deficit(request.client, worker) - before
+            self.deficits.adjust(key, granted)  # local: see router.ledger
+        self.deficits.setdefault(key, 0.0)
         clients[request.client] = clients.get(request.client, 0) + 1
         extend = request.prompt_len - self._matched.pop(request.id, 0) * view.block_size
         self.deficits[key] -= self.meter.start(request, max(extend, 1))
@@ -134,7 +135,7 @@ class DistributedDLPM(GlobalPolicy):
         key = (request.client, worker)
         self.deficits[key] -= self.meter.refund(request)
         if request.client not in self.active.get(worker, ()):
-            self.deficits[key] -= sent.granted
+            self.deficits.adjust(key, -sent.granted)
 
     def _forget(self, request: Request, worker: WorkerId) -> _Sent | None:
         """Drop an outstanding request from its worker's active counts; None (and nothing
@@ -159,4 +160,4 @@ class DistributedDLPM(GlobalPolicy):
             return
         rounds = math.floor(-richest / self.quantum) + 1
         for c in clients:
-            self.deficits[(c, worker)] += rounds * self.quantum
+            self.deficits.adjust((c, worker), rounds * self.quantum)

@@ -106,11 +106,11 @@ class DeficitLongestPrefixMatch(LocalPolicy):
         richest = max(self.deficits[c] for c in self.waiting.queues)
         rounds = math.floor(-richest / self.quantum) + 1
         for client in self.waiting.queues:
-            self.deficits[client] += rounds * self.quantum
+            self.deficits.adjust(client, rounds * self.quantum)  # local: see router.ledger
 
     def _leave(self, client: str) -> None:
         """`client` has nothing waiting any more: it keeps its debt, not its unused credit."""
-        self.deficits[client] = min(self.deficits[client], 0.0)
+        self.deficits.adjust(client, min(-self.deficits[client], 0.0))
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -49,7 +49,7 @@ class VirtualTokenCounter(LocalPolicy):
         if not self.waiting.is_backlogged(client):
             backlogged = [self.counters[c] for c in self.waiting.queues]
             lift = min(backlogged) if backlogged else self._last_departed
-            self.counters[client] = max(self.counters.get(client, 0.0), lift)
+            self.counters.raise_to(client, lift)  # a local lift: replicas share charges only
         self.waiting.push(request)
 
     def push_front(self, request: Request) -> None:

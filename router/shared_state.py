@@ -158,13 +158,14 @@ class SharedState:
         self.num_syncs += 1
 
     def _settle(self, ledger: Ledger, key: tuple[object, ...], stored: Mapping) -> None:
-        """Local value := the store's total + what changed here since the take."""
+        """Local value := the store's total + what changed here since the take + this
+        replica's own adjustments (lifts, refills: router.ledger)."""
         totals = {decode_key(f): float(v) for f, v in stored.items()}
         since = ledger.take()
         if since:
             self._unsent[key] = since
         for field in set(totals) | set(ledger):
-            target = totals.get(field, 0.0) + since.get(field, 0.0)
+            target = totals.get(field, 0.0) + since.get(field, 0.0) + ledger.local.get(field, 0.0)
             current = ledger.get(field, 0.0)
             if target != current:
                 ledger.apply({field: target - current})

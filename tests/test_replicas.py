@@ -26,6 +26,23 @@ def test_ledger_records_changes_and_converges_in_any_order() -> None:
     assert a.take() == {} and b.take() == {}, "applied changes are not re-sent"
 
 
+def test_a_lift_made_at_two_replicas_counts_once() -> None:
+    """VTC lifts an arriving client to where the others stand. Two replicas lifting the same
+    client between two syncs must not add the lift up (a shared lift did: 0 -> 2,000)."""
+    a, b = Ledger(), Ledger()
+    for ledger in (a, b):
+        ledger["flood"] = 1000.0
+        ledger.take()
+    a.raise_to("calm", 1000.0)
+    b.raise_to("calm", 1000.0)
+    a["calm"] += 10.0  # then each charges the calm client's admitted request
+    b["calm"] += 10.0
+    sent_a, sent_b = a.take(), b.take()
+    a.apply(sent_b)
+    b.apply(sent_a)
+    assert a["calm"] == b["calm"] == 1020.0
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[tuple[int, float], tuple[SimCluster, dict]]:
     out = {}
@@ -62,18 +79,23 @@ def test_replicas_agree_after_a_sync(runs) -> None:
             if i != j:
                 for key, delta in changes.items():
                     router.ledgers()[key].apply(delta)
-    totals = [{k: dict(v) for k, v in r.ledgers().items()} for r in cluster.routers]
+    # The shared part agrees; each replica's own lifts and refills stay its own.
+    totals = [
+        {k: {f: x - v.local.get(f, 0.0) for f, x in v.items()} for k, v in r.ledgers().items()}
+        for r in cluster.routers
+    ]
     for other in totals[1:]:
         for key, values in totals[0].items():
             assert other[key] == pytest.approx(values)
 
 
-def test_fairness_degrades_as_the_sync_slows(runs) -> None:
-    gaps = {k: s["fairness"]["max_service_gap"] for k, (_, s) in runs.items()}
+def test_replicas_behind_a_round_robin_balancer_stay_about_as_fair_as_one_router(runs) -> None:
+    """Each replica sees the same mix of clients, so its own counters rank them as shared
+    ones would, whatever the sync. (With lifts shared as additions, a calm client lifted at
+    every replica was lifted once per replica: its TTFT was 20x one router's at a 10 s sync.)"""
     calm = {
         k: sum(c["ttft"]["mean"] for n, c in s["per_client"].items() if n != "flood")
         for k, (_, s) in runs.items()
     }
-    assert gaps[(3, 10.0)] > 2 * gaps[(3, 0.0)]
-    assert calm[(3, 10.0)] > calm[(3, 0.5)] > 0
-    assert calm[(3, 10.0)] > 2 * calm[(1, 0.0)]
+    for key in ((3, 0.0), (3, 0.5), (3, 10.0)):
+        assert calm[key] < 1.5 * calm[(1, 0.0)], (key, calm)
