@@ -60,6 +60,10 @@ SETTINGS = web.AppKey("settings", object)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RECORDER = web.AppKey("recorder", object)
 CAPTURE = web.AppKey("capture", TraceCapture)
+# How the proxy's server must run: a client that hangs up cancels its handler, which closes the
+# upstream request, and vLLM aborts a request whose connection closed (aiohttp's default since
+# 3.9 lets the handler run on, and the worker generate on, for nobody).
+RUNNER_OPTIONS: dict[str, object] = {"handler_cancellation": True}
 STARTED = web.AppKey("started", float)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
@@ -118,6 +122,7 @@ class Forward:
         self.upstream_body = with_usage_requested(body)
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.metrics = self.cluster.metrics
+        self.counted = False  # its outcome is in fairway_requests_total
         self.output_tokens = 0
         self.cached_tokens: int | None = None  # what the worker reported it reused, if it did
         self.first_byte_at: float | None = None
@@ -321,7 +326,11 @@ class Forward:
                 what = "stalled" if isinstance(e, TimeoutError) else type(e).__name__
                 return await self._broken(f"worker {worker.id} broke off the stream: {what}",
                                           reason, worker)  # fmt: skip
-        except asyncio.CancelledError:  # shutting down (or the client left): end it cleanly
+        except asyncio.CancelledError:  # shutting down, or the client left
+            if client_left(self.http):
+                upstream.close()  # and the worker aborts it
+                self._finish(reason, worker, "client_gone")
+                raise
             await self._end_stream(
                 APIError(
                     503, "the router stopped this stream", "service_unavailable", code="cancelled"
@@ -406,6 +415,7 @@ class Forward:
         self.metrics.service.labels(req.client).inc(service)
 
     def _count(self, reason: str, worker: LiveWorker, status: str) -> None:
+        self.counted = True
         self.metrics.requests.labels(self.settings.policy_name, reason, worker.label, status).inc()
 
 
@@ -449,10 +459,21 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         ).inc()
         return e.response()
     path = "/v1/chat/completions" if chat else "/v1/completions"
+    forward = Forward(app, request, body, req)
     try:
-        return await Forward(app, request, body, req).run(path)
+        return await forward.run(path)
     except APIError as e:  # no worker could answer; counted where it happened
         return e.response()
+    except asyncio.CancelledError:  # the client hung up (aiohttp cancels its handler), or shutdown
+        if not forward.counted:
+            status = "client_gone" if client_left(request) else "cancelled"
+            forward.metrics.requests.labels(settings.policy_name, "none", "none", status).inc()
+        raise
+
+
+def client_left(http: web.Request) -> bool:
+    transport = http.transport
+    return transport is None or transport.is_closing()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

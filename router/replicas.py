@@ -241,11 +241,12 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
 async def serve_replica(spec: ReplicaSpec) -> None:
     """Serve the replica on the shared port (SO_REUSEPORT) and on its own port until SIGTERM /
     SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
+    from router.proxy import RUNNER_OPTIONS
     from router.serve import SHUTDOWN_GRACE
 
     app = build_replica_app(spec)
     host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, **RUNNER_OPTIONS)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

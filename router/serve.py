@@ -42,7 +42,7 @@ from router.openai_request import (
     Tenant,
 )
 from router.prompts import PromptEncoder
-from router.proxy import ProxySettings, create_app
+from router.proxy import RUNNER_OPTIONS, ProxySettings, create_app
 from simulator.cost_model import GPUS, MODELS, FittedCost, roofline
 from workers import emulated
 from workers.pool import ServerSpec, WorkerPool
@@ -402,6 +402,7 @@ def serve(config: ClusterConfig) -> int:
             print=None,
             access_log=None,
             shutdown_timeout=SHUTDOWN_GRACE,
+            **RUNNER_OPTIONS,  # type: ignore[arg-type]
         )
     finally:
         if pool is not None:

@@ -22,7 +22,7 @@ from openai import AsyncOpenAI
 from router.live import LiveCluster
 from router.load import LoadResult
 from router.prompts import PromptEncoder
-from router.proxy import ProxySettings, create_app
+from router.proxy import RUNNER_OPTIONS, ProxySettings, create_app
 from router.serve import ClusterConfig, build_cluster, ensure_tiny_model
 from workers import emulated
 
@@ -37,7 +37,7 @@ def tokenizer_dir() -> Path:
 
 @contextlib.asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import json
 
@@ -410,3 +411,37 @@ class TestErrorsKeepWorkersPrivate:
             assert ":9" not in body["error"]["message"], body
 
         run(go, timeout=30)
+
+
+def test_a_client_hanging_up_aborts_its_non_streamed_request_at_the_worker() -> None:
+    """A non-streamed answer is sent whole at the end, so the client's departure shows only as
+    a closed connection: the proxy must pass it on, and the worker stop generating."""
+
+    async def running(session: aiohttp.ClientSession, worker: str) -> float:
+        async with session.get(f"{worker}/metrics") as r:
+            text = await r.text()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
+
+    async def go() -> None:
+        async with emulated_workers(1, speed=0.2) as urls, proxy(urls) as (base, cluster):
+            body = {"model": "tiny", "prompt": "hello " * 20, "max_tokens": 3000}
+            async with aiohttp.ClientSession() as session:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    async with session.post(
+                        f"{base}/v1/completions",
+                        json=body,
+                        timeout=aiohttp.ClientTimeout(total=1.0),
+                    ) as r:
+                        await r.read()  # fmt: skip
+                deadline = asyncio.get_running_loop().time() + 10
+                while await running(session, urls[0]) > 0:
+                    assert asyncio.get_running_loop().time() < deadline, "still generating"
+                    await asyncio.sleep(0.2)
+            worker = next(iter(cluster.workers.values()))
+            assert worker.dispatch.in_flight == 0, "the slot came back"
+
+    run(go)

@@ -182,9 +182,13 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
     if not body.get("stream"):
         n_out, text = 0, []
-        while (n := await queue.get()) is not None:
-            n_out += n
-            text.append(piece(n))
+        try:
+            while (n := await queue.get()) is not None:
+                n_out += n
+                text.append(piece(n))
+        except asyncio.CancelledError:  # the client hung up: vLLM cancels such a request too
+            engine.abort(req)
+            raise
         choice = (
             {
                 "index": 0,
@@ -242,6 +246,9 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         await response.write_eof()
     except ConnectionError:
         engine.abort(req)  # the client left, as vLLM aborts on disconnect
+    except asyncio.CancelledError:  # the same, seen by a server that cancels its handlers
+        engine.abort(req)
+        raise
     finally:
         engine.cached_tokens.pop(req.id, None)
     return response
@@ -371,7 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         args.speed,
         args.kv_blocks,
     )
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # A client that hangs up cancels its handler, as in vLLM (which aborts the request then).
+    web.run_app(
+        app, host=args.host, port=args.port, print=None, access_log=None,
+        handler_cancellation=True,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
