@@ -235,8 +235,10 @@ class Forward:
                     f"{worker.url}{path}", json=self.upstream_body, headers=headers, timeout=timeout
                 )
                 if resp.status >= 500:
+                    # The worker's own text stays in the log: it can name hosts, paths, a trace.
                     text = await resp.text(errors="replace")
-                    raise _bad_gateway(f"worker {worker.id} answered {resp.status}: {text[:200]}")
+                    log.warning("worker %s answered %s: %s", worker.id, resp.status, text[:500])
+                    raise _bad_gateway(f"worker {worker.id} answered {resp.status}")
                 if resp.status >= 400 or "text/event-stream" not in resp.content_type:
                     return resp, await resp.read(), False
                 head = await resp.content.readany()
