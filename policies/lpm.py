@@ -50,14 +50,14 @@ class LongestPrefixMatch(GlobalPolicy):
             target = min(workers, key=lambda w: (w.num_outstanding, w.id))
             return Decision(target.id, "imbalanced: shortest queue")
 
-        matched = view.index.match(request.block_hashes)
         healthy = {w.id: w for w in workers}
-        best = max(
-            (w for w in matched if w in healthy),
-            key=lambda w: (matched[w], -healthy[w].num_outstanding, -w),
-            default=None,
-        )
-        if best is not None and matched[best] > self.cache_threshold * request.num_blocks:
+        matched = {w: m for w, m in view.index.match(request.block_hashes).items() if w in healthy}
+        # The longest match first, then the shorter queue: found in two passes so that a prefix
+        # every worker holds (a shared system prompt) costs no per-worker key.
+        longest = max(matched.values(), default=0)
+        if longest and longest > self.cache_threshold * request.num_blocks:
+            holders = [w for w, m in matched.items() if m == longest]
+            best = min(holders, key=lambda w: (healthy[w].num_outstanding, w))
             return Decision(best, "longest prefix match")
         target = min(workers, key=lambda w: (view.index.num_blocks(w.id), w.num_outstanding, w.id))
         return Decision(target.id, "low match: smallest cache")
