@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -243,7 +242,6 @@ def test_validate_on_two_real_vllm_servers(tmp_path: Path) -> None:
     sides."""
     if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
         pytest.skip("no .venv-vllm or tiny model: run `make test`")
-    started_at = time.monotonic()
     out = tmp_path / "validate"
     argv = ["validate", "--out", str(out), "--repeats", "2", "--requests", "60",
             "--quick-profile"]  # fmt: skip
@@ -255,4 +253,3 @@ def test_validate_on_two_real_vllm_servers(tmp_path: Path) -> None:
         assert abs(figures["hit_rate"]["error"]["median"]) <= 5.0, policy
     assert result["rankings"]["hit_rate"]["live"][0] == "lpm"
     assert result["rankings"]["hit_rate"]["sim"][0] == "lpm"
-    assert time.monotonic() - started_at < 420, "bounded: the slow set must stay usable"
