@@ -224,7 +224,8 @@ def test_validate_against_emulated_workers(tmp_path: Path) -> None:
     assert json.loads((out / "validate.json").read_text())["trace"]["requests"] == 24
     assert (out / "validate.md").read_text().startswith("# fairway validate")
     assert {p.name for p in (out / "r1").iterdir()} == {
-        "round_robin-live", "round_robin-sim", "lpm-live", "lpm-sim"}  # fmt: skip
+        f"{policy}-{side}" for policy in config.policies for side in ("live", "sim", "proxy")
+    }
     assert all(r["completed"] == 24 and not r["failures"] for r in result["runs"])
     assert result["rankings"]["hit_rate"]["sim"][0] == "lpm"
     assert result["rankings"]["hit_rate"]["live"][0] == "lpm"

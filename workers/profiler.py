@@ -72,8 +72,14 @@ class Plan:
 
 
 class Profiler:
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+    """Times the server at `url`; its vLLM metrics (KV size, prefill timing) are read from
+    `metrics_url` (default: the same server; another when `url` is a proxy in front of it)."""
+
+    def __init__(
+        self, url: str, session: aiohttp.ClientSession, metrics_url: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
+        self.metrics_url = (metrics_url or url).rstrip("/")
         self.session = session
         # Seeded by the OS, not a fixed seed: a second profile of the same server must not find
         # the first one's prompts in its prefix cache.
@@ -89,7 +95,7 @@ class Profiler:
         self.max_model_len = int(card.get("max_model_len") or self.max_model_len)
 
     async def kv_capacity_tokens(self) -> int:
-        async with self.session.get(f"{self.url}/metrics") as r:
+        async with self.session.get(f"{self.metrics_url}/metrics") as r:
             r.raise_for_status()
             text = await r.text()
         for family in text_string_to_metric_families(text):
@@ -97,7 +103,9 @@ class Profiler:
                 blocks = kv_cache_blocks(family.samples)
                 if blocks is not None:
                     return blocks[0] * blocks[1]
-        raise ValueError(f"{self.url}/metrics has no vllm:cache_config_info with the KV size")
+        raise ValueError(
+            f"{self.metrics_url}/metrics has no vllm:cache_config_info with the KV size"
+        )
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(10, 1000) for _ in range(n)]
@@ -111,7 +119,7 @@ class Profiler:
     async def prefill_seconds(self) -> tuple[float, float] | None:
         """vLLM's own prefill timing so far (sum of seconds, count of requests), from its
         engine timestamps; None when the server does not export it."""
-        async with self.session.get(f"{self.url}/metrics") as r:
+        async with self.session.get(f"{self.metrics_url}/metrics") as r:
             r.raise_for_status()
             text = await r.text()
         total = count = None
@@ -221,15 +229,16 @@ def _step(
 
 
 async def measure(
-    url: str, repeats: int = 2, plan: Plan = Plan()
+    url: str, repeats: int = 2, plan: Plan = Plan(), metrics_url: str | None = None
 ) -> tuple[str, int, list[Measurement]]:
-    """(model name, KV capacity in tokens, measurements) of the server at `url`."""
+    """(model name, KV capacity in tokens, measurements) of the server at `url` (or of the
+    one server behind it, whose vLLM metrics are at `metrics_url`)."""
     timeout = aiohttp.ClientTimeout(total=600)
     # Idle connections closed before the server's keep-alive ends (uvicorn's: 5 s), or a
     # request can go out on one the server is closing: "Server disconnected".
     connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        p = Profiler(url, session)
+        p = Profiler(url, session, metrics_url)
         await p.describe()
         capacity = await p.kv_capacity_tokens()
         await p.prefill(16)  # warm-up, not kept

@@ -12,9 +12,10 @@ are its figures? A sim-to-real check anyone can run.
 Profiles and replays interleave, so a server whose speed drifts (a shared machine, thermal
 limits) shows up as spread rather than as bias, and each replay is simulated with the profile
 measured next to it. What the simulator is told besides the profile: the servers' scheduler
-limits (passed to vLLM explicitly, so both sides agree), the proxy's window, and the proxy's own
-per-request cost, measured before each replay as the time a tiny request takes through the
-proxy beyond the time it takes direct.
+limits (passed to vLLM explicitly, so both sides agree) and the proxy's window. Each worker is
+profiled through a `fairway serve` of its own, so the profile's request overhead includes the
+proxy's hop; before each replay a tiny request's time through the proxy beyond its time direct
+is measured too, for the report only.
 
 The servers are started as plain processes rather than through Ray: the same `vllm serve`
 command `fairway serve` runs, without Ray's own processes taking CPU from a small machine.
@@ -217,11 +218,19 @@ def vllm_servers(config: ValidateConfig, model: Path, logs: Path) -> Iterator[li
 
 @contextlib.contextmanager
 def proxy(
-    config: ValidateConfig, policy: str, urls: list[str], model: Path, logs: Path
+    config: ValidateConfig,
+    policy: str,
+    urls: list[str],
+    model: Path,
+    logs: Path,
+    record_dir: Path | None = None,
+    name: str | None = None,
 ) -> Iterator[str]:
-    """`fairway serve` in front of `urls` with `policy`, as a process of its own."""
+    """`fairway serve` in front of `urls` with `policy`, as a process of its own; with
+    `record_dir`, it records what it saw of each request there."""
     port = free_port()
-    path = logs / f"proxy-{policy}.yaml"
+    name = name or f"proxy-{policy}"
+    path = logs / f"{name}.yaml"
     path.write_text(
         yaml.safe_dump(
             {
@@ -232,11 +241,12 @@ def proxy(
                 "policy": {"name": policy},
                 "workers": {"urls": list(urls)},
                 "trust_client_headers": True,  # replay names each request's tenant
+                **({"record_dir": str(record_dir)} if record_dir else {}),
             }
         )
     )
     argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
-    with started(argv, logs / f"proxy-{policy}.log"):
+    with started(argv, logs / f"{name}.log"):
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout=60)
         yield url
@@ -258,13 +268,30 @@ async def proxy_overhead(proxy_url: str, worker_url: str, probes: int = 8) -> fl
     return max(0.0, statistics.median(times[proxy_url]) - statistics.median(times[worker_url]))
 
 
-async def profile_workers(
-    urls: list[str], plan: Plan
+def profile_workers(
+    config: ValidateConfig, urls: list[str], plan: Plan, model: Path, logs: Path, r: int
 ) -> tuple[FittedCost, list[Measurement], list[FittedCost]]:
-    """Every worker profiled at once (as they run under load: side by side), one fit over all
-    their measurements (the simulator prices every worker alike), and each worker's own fit
-    (how far apart they are is an error the one fit cannot remove)."""
-    found = await asyncio.gather(*(measure(url, 1, plan) for url in urls))
+    """Every worker profiled at once (as they run under load: side by side), each through a
+    `fairway serve` of its own, so the request overhead the profile finds is the one a
+    request meets through the proxy (its hop, and the proxy's health checks and /metrics
+    scrapes, which cost vLLM's API server CPU); vLLM's own timings are read from the worker.
+    One fit over all the measurements (the simulator prices every worker alike), and each
+    worker's own fit (how far apart they are is an error the one fit cannot remove)."""
+    wide = replace(config, window=4 * max(plan.decode_batches))  # the whole batch in flight
+    with contextlib.ExitStack() as stack:
+        fronts = [
+            stack.enter_context(
+                proxy(wide, "round_robin", [url], model, logs, name=f"profile-{r}-worker-{i}")
+            )
+            for i, url in enumerate(urls)
+        ]
+
+        async def all_at_once() -> list:
+            return await asyncio.gather(
+                *(measure(f, 1, plan, metrics_url=u) for f, u in zip(fronts, urls, strict=True))
+            )
+
+        found = asyncio.run(all_at_once())
     measurements = [m for _, _, ms in found for m in ms]
     capacity = min(c for _, c, _ in found)
     each = [fit(ms, c, f"fitted:{name}@{url}")
@@ -349,12 +376,6 @@ def simulated(trace: Trace, cost: FittedCost, config: ValidateConfig, policy: st
     return simulate(copy.deepcopy(trace), cost, sim)
 
 
-def with_overhead(cost: FittedCost, extra: float) -> FittedCost:
-    terms = dict(cost.coefficients)
-    terms["request_overhead"] += extra
-    return FittedCost(terms, cost.kv_capacity_tokens, cost.name)
-
-
 def run_validate(config: ValidateConfig, out: Path, log=print) -> dict:
     """Run the whole check; write `out/validate.json`, `out/validate.md`, each run's folder
     (`fairway report` reads them) and the profiles. Returns the report."""
@@ -375,7 +396,7 @@ def run_validate(config: ValidateConfig, out: Path, log=print) -> dict:
             max(r.prompt_len for r in workload(config).requests), config.quick_profile
         )
         for r in range(config.repeats):
-            cost, measurements, each = asyncio.run(profile_workers(urls, plan))
+            cost, measurements, each = profile_workers(config, urls, plan, model, logs, r)
             cost.save(out / f"profile-{r}.json", measurements)
             repeat = Repeat(r, cost, measurements, each)
             repeats.append(repeat)
@@ -408,7 +429,8 @@ def run_policy(
 ) -> dict:
     """One replay through the proxy under `policy`, and its simulation."""
     load = os.getloadavg()[0]
-    with proxy(config, policy, urls, model, out / "logs") as url:
+    seen = out / f"r{r}" / f"{policy}-proxy"  # the proxy's own records
+    with proxy(config, policy, urls, model, out / "logs", seen) as url:
         overhead = asyncio.run(proxy_overhead(url, urls[0]))
         before = asyncio.run(server_times(urls))
         begun = time.perf_counter()
@@ -421,19 +443,30 @@ def run_policy(
     write_results(
         out / f"r{r}" / f"{policy}-live", live, sorted(result.records, key=lambda x: x.id)
     )
-    sim = simulated(trace, with_overhead(cost, overhead), config, policy)
+    sim = simulated(trace, cost, config, policy)
     write_results(out / f"r{r}" / f"{policy}-sim", sim.summary, sim.records)
     return {"live": live, "sim": sim.summary, "proxy_overhead": overhead,
             "failures": result.failures, "server": server,
             "load": [load, os.getloadavg()[0]],
-            "phases": {"live": phases(result.records), "sim": phases(sim.records)}}  # fmt: skip
+            "phases": {"live": phases(result.records), "sim": phases(sim.records),
+                       "proxy": phases(proxy_records(seen))}}  # fmt: skip
+
+
+def proxy_records(folder: Path) -> list:
+    """The proxy's records of the replay (not of the overhead probes, 4-token prompts)."""
+    from dashboards.report import read_records
+
+    path = folder / "requests.csv"
+    return [r for r in read_records(path) if r.prompt_tokens > 8] if path.exists() else []
 
 
 def phases(records: list) -> dict[str, float]:
     """Mean seconds of a request before its first step, in prefill (first step to first token)
     and decode (first token to last), as the client sees it (live) or the simulator says. Live
     records know no admission: their prefill is vLLM's own figure, see the report."""
-    n = max(1, len(records))
+    n = len(records)
+    if not n:
+        return {"ttft": float("nan"), "to_admission": float("nan"), "decode": float("nan")}
     return {
         "ttft": sum(r.ttft for r in records) / n,
         "to_admission": sum(r.admitted - r.arrival for r in records) / n,

@@ -115,24 +115,33 @@ def build(config: dict, trace, repeats: Sequence, seconds: float) -> dict:
     }
 
 
-# Where a request's time goes, mean seconds, real | simulated:
-#   before   arrival at the proxy -> first step (proxy, HTTP, API server, queues)
-#   prefill  first step -> first token (vLLM's own timing | the engine's)
-#   decode   first token -> last, as the client sees it
-#   outside  client TTFT - vLLM's TTFT: the proxy, HTTP and SSE (real only)
-#   queue    waiting inside vLLM (real only)
-PHASES = ("before", "prefill", "decode", "outside", "queue", "sim_before", "sim_prefill",
-          "sim_decode")  # fmt: skip
+# Where a request's time goes before its first token, mean seconds (real), from what the
+# client, the proxy (its records) and vLLM (its histograms) each saw:
+#   client_proxy  client TTFT - proxy TTFT: HTTP between them, both event loops
+#   proxy_queue   the proxy's dispatch queue (the window)
+#   proxy_vllm    proxy TTFT - its queue - vLLM's TTFT: HTTP to vLLM, SSE back
+#   api           vLLM's TTFT - its queue - its prefill: the API server around the engine
+#   queue         waiting inside vLLM
+#   prefill       vLLM's first step to first token
+# and after it, decode (first token to last, as the client sees it). The simulator's side:
+# sim_before (arrival to the first step: its router queue, the request overhead, the
+# engine's queue), sim_prefill, sim_decode.
+PHASES = ("client_proxy", "proxy_queue", "proxy_vllm", "api", "queue", "prefill", "before",
+          "decode", "sim_before", "sim_prefill", "sim_decode")  # fmt: skip
 
 
 def phase_split(run: dict) -> dict[str, float]:
-    live, sim, server = run["phases"]["live"], run["phases"]["sim"], run.get("server")
     nan = float("nan")
-    prefill = server["prefill"] if server else nan
+    ph = run["phases"]
+    live, sim, seen = ph["live"], ph["sim"], ph.get("proxy") or {}
+    server = run.get("server") or {k: nan for k in ("queue", "prefill", "decode", "ttft")}
+    proxy_ttft, proxy_queue = seen.get("ttft", nan), seen.get("to_admission", nan)
     return {
-        "before": live["ttft"] - prefill, "prefill": prefill, "decode": live["decode"],
-        "outside": live["ttft"] - server["ttft"] if server else nan,
-        "queue": server["queue"] if server else nan,
+        "client_proxy": live["ttft"] - proxy_ttft, "proxy_queue": proxy_queue,
+        "proxy_vllm": proxy_ttft - proxy_queue - server["ttft"],
+        "api": server["ttft"] - server["queue"] - server["prefill"], "queue": server["queue"],
+        "prefill": server["prefill"], "before": live["ttft"] - server["prefill"],
+        "decode": live["decode"],
         "sim_before": sim["to_admission"], "sim_prefill": sim["ttft"] - sim["to_admission"],
         "sim_decode": sim["decode"],
     }  # fmt: skip
@@ -244,21 +253,29 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {reached} | {'yes' if ok else 'no'} |")
     lines += [
         "",
-        "Where the time goes (mean seconds, median over repeats): before the first step (proxy,"
-        " HTTP, queues), prefill (first step to first token; real: vLLM's own timing), decode"
-        " (first token to last); real only: outside vLLM (client TTFT - vLLM's TTFT) and"
-        " waiting inside vLLM.",
+        "Where the time goes (mean seconds, median over repeats). Before the first token,"
+        " real: client to proxy and back (client TTFT - the proxy's), the proxy's queue, proxy"
+        " to vLLM and back (the proxy's TTFT - its queue - vLLM's TTFT), vLLM's API server"
+        " around the engine (vLLM's TTFT - its queue - its prefill), vLLM's queue; their sum"
+        " (before) against the simulator's arrival-to-first-step; then prefill (vLLM's own"
+        " timing) and decode (first token to last) against the simulator's.",
         "",
-        "| policy | before real | sim | prefill real | sim | decode real | sim | outside vLLM |"
-        " vLLM queue |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| policy | client-proxy | proxy queue | proxy-vLLM | vLLM API | vLLM queue | before |"
+        " sim | prefill | sim | decode | sim |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for policy, by_key in result["policies"].items():
         ph = by_key["phases"]
-        cells = [ph[k] for k in ("before", "sim_before", "prefill", "sim_prefill", "decode",
-                                 "sim_decode", "outside", "queue")]  # fmt: skip
+        cells = [ph[k] for k in ("client_proxy", "proxy_queue", "proxy_vllm", "api", "queue",
+                                 "before", "sim_before", "prefill", "sim_prefill", "decode",
+                                 "sim_decode")]  # fmt: skip
         lines.append(f"| {policy} | " + " | ".join(f"{v:.3g}" for v in cells) + " |")
-    lines += ["", "Profiles (seconds; request_overhead excludes the proxy's, per run below):", ""]
+    lines += [
+        "",
+        "Profiles (seconds; each worker through a fairway serve of its own, so"
+        " request_overhead includes the proxy's hop):",
+        "",
+    ]
     for p in result["profiles"]:
         terms = ", ".join(f"{k} {v:.3g}" for k, v in p["coefficients"].items())
         each = ", ".join(f"{v:.3g}" for v in p["reference_request"])
@@ -274,7 +291,8 @@ def markdown(result: dict) -> str:
                   f" machine slows the servers unevenly, which a profile measured a minute"
                   f" apart cannot know."]  # fmt: skip
     overheads = [1000 * r["proxy_overhead"] for r in result["runs"]]
-    lines += ["", f"Proxy overhead per request (ms, through the proxy minus direct): median "
+    lines += ["", f"A tiny request through the proxy minus direct (ms; before each replay, for"
+              f" reference: the profile includes it): median "
               f"{statistics.median(overheads):.1f}, min {min(overheads):.1f}, "
               f"max {max(overheads):.1f}.", ""]  # fmt: skip
     return "\n".join(lines)
