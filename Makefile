@@ -60,6 +60,7 @@ bench: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP)
 	$(VENV)/bin/fairway bench-proxy
 	$(VENV)/bin/fairway bench-replicas
 	$(VENV)/bin/fairway bench-sim2real
+	$(VENV)/bin/fairway validate --out build/validate
 	$(VENV)/bin/fairway bench-soak --duration $(SOAK_SECONDS)
 
 lint: $(STAMP)
