@@ -5,21 +5,9 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.cluster import ClusterView, WorkerState
-from router.prefix_index import PrefixIndex
+from router.cluster import ClusterView
 from router.request import Request
-from simulator.cost_model import roofline
-
-BS = 16
-COST = roofline("llama-3-8b", "a100-80g")
-
-
-def make_view(*outstanding: int, capacity: int = 10_000, now: float = 0.0) -> ClusterView:
-    workers = {
-        i: WorkerState(i, num_waiting=n, tokens_in_flight=100 * n, kv_capacity_blocks=capacity)
-        for i, n in enumerate(outstanding)
-    }
-    return ClusterView(now, workers, PrefixIndex(), BS, COST)
+from tests.test_policies import BS, COST, make_view  # one view builder for policy tests
 
 
 def make_req(i: int, blocks: list[int], tail: int = 8, out: int = 10) -> Request:
