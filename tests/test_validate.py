@@ -176,6 +176,12 @@ class TestReport:
         assert r["live"] == ["a", "b", "c"] and r["sim"] == ["b", "a", "c"]
         assert not r["same_order"] and r["agrees_up_to_ties"]
         assert r["distinguishable_pairs"] == 2
+        hits = {
+            "a": {"hit_rate": {"live": 59.6, "sim": 59.9, "live_range": [59.6, 59.6]}},
+            "b": {"hit_rate": {"live": 60.0, "sim": 59.6, "live_range": [59.9, 60.4]}},
+        }
+        r = ranking(hits, [], "hit_rate", higher_better=True, margin=1.0)
+        assert r["distinguishable_pairs"] == 0 and r["agrees_up_to_ties"], "0.4 points: a tie"
         per_policy["c"] = fig(2.0, (1.9, 2.1), 1.1)
         r = ranking(per_policy, [], "e2e_mean", higher_better=False)
         assert not r["agrees_up_to_ties"] and r["disagreements"] == ["a vs c", "b vs c"]
