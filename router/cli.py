@@ -490,6 +490,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         utilization=args.utilization,
         quick_profile=args.quick_profile,
         seed=args.seed,
+        timeout=args.timeout,
     )
     result = run_validate(config, Path(args.out))
     print()
@@ -625,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=8, help="the proxy's requests per worker")
     p.add_argument("--quick-profile", action="store_true", help="half the profile's points")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_validate)
 
