@@ -1,1 +1,2 @@
-"""Fairway's core: requests, the prefix index, the cluster view, the policy contract."""
+"""Fairway's core: requests, the prefix index, the cluster view, the policy contract and the
+router (`core.Router`) that the simulator and the live proxy (`router.proxy`) both drive."""

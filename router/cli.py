@@ -229,7 +229,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
-    from router.replay import replay
+    from router.proxy.replay import replay
     from simulator.results import summarize, write_results
     from traces.transform import InfiniteCache
 
@@ -420,7 +420,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.serve import load_config, serve, validate_config
+    from router.proxy.serve import load_config, serve, validate_config
 
     overrides: dict[str, object] = {}
     if args.port is not None:
@@ -501,19 +501,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
-    from router.bench_proxy import run_proxy_bench
+    from router.proxy.bench_proxy import run_proxy_bench
 
     return run_proxy_bench(quick=args.quick)
 
 
 def cmd_bench_replicas(args: argparse.Namespace) -> int:
-    from router.bench_replicas import run_replicas_bench
+    from router.proxy.bench_replicas import run_replicas_bench
 
     return run_replicas_bench(quick=args.quick)
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from router.bench_soak import run_soak_bench
+    from router.proxy.bench_soak import run_soak_bench
 
     return run_soak_bench(
         args.duration, args.workers, args.concurrency, args.policy, args.sample, args.tenants

@@ -19,11 +19,11 @@ import aiohttp
 from aiohttp import web
 from openai import AsyncOpenAI
 
-from router.live import LiveCluster
-from router.load import LoadResult
-from router.prompts import PromptEncoder
-from router.proxy import RUNNER_OPTIONS, ProxySettings, create_app
-from router.serve import ClusterConfig, build_cluster, ensure_tiny_model
+from router.proxy.app import RUNNER_OPTIONS, ProxySettings, create_app
+from router.proxy.live import LiveCluster
+from router.proxy.load import LoadResult
+from router.proxy.prompts import PromptEncoder
+from router.proxy.serve import ClusterConfig, build_cluster, ensure_tiny_model
 from workers import emulated
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.capture import TRACE_FILE, TraceCapture, recorded_parts
+from router.proxy.capture import TRACE_FILE, TraceCapture, recorded_parts
 from router.request import Request, hash_token_blocks
 from simulator.cluster import SimConfig, simulate
 from simulator.cost_model import roofline

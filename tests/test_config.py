@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.serve import load_config, validate_config
+from router.proxy.serve import load_config, validate_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "workers" / "cluster.example.yaml"
 
@@ -45,7 +45,7 @@ def test_bad_yaml_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_a_profile_prices_the_live_policies(tmp_path: Path) -> None:
-    from router.serve import build_cluster
+    from router.proxy.serve import build_cluster
     from simulator.cost_model import FittedCost
 
     terms = dict.fromkeys(FittedCost.COEFFICIENTS, 0.001)

@@ -28,10 +28,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.bench_proxy import free_port, wait_healthy
-from router.metrics import ClientLabels, RouterMetrics
-from router.openai_request import Tenant
-from router.serve import settings_of, validate_config
+from router.proxy.bench_proxy import free_port, wait_healthy
+from router.proxy.metrics import ClientLabels, RouterMetrics
+from router.proxy.openai_request import Tenant
+from router.proxy.serve import settings_of, validate_config
 from tests.live_helpers import ROOT, tokenizer_dir
 from workers import emulated
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import policies
-from router.live import LiveCluster, WorkerDown
+from router.proxy.live import LiveCluster, WorkerDown
 from router.request import Request
 
 

@@ -28,9 +28,9 @@ import yaml
 
 from router.core import Router
 from router.ledger import Ledger
-from router.load import LoadSpec, Outcome, request_body, send
-from router.replicas import REPLICA_HEADER
-from router.shared_state import SharedState, decode_key, encode_key, redis_server
+from router.proxy.load import LoadSpec, Outcome, request_body, send
+from router.proxy.replicas import REPLICA_HEADER
+from router.proxy.shared_state import SharedState, decode_key, encode_key, redis_server
 from tests.live_helpers import (
     BLOCK,
     ROOT,
@@ -83,14 +83,14 @@ class TestConfig:
         ],
     )
     def test_errors_name_the_field(self, raw, field) -> None:
-        from router.serve import validate_config
+        from router.proxy.serve import validate_config
 
         with pytest.raises(ValueError, match=rf"{field}: "):
             validate_config(raw)
 
     def test_replica_ports_default_to_the_ports_after_port(self) -> None:
-        from router.replicas import replica_ports
-        from router.serve import validate_config
+        from router.proxy.replicas import replica_ports
+        from router.proxy.serve import validate_config
 
         config = validate_config({"routers": 3, "port": 9000, "router_sync": 0.5})
         assert replica_ports(config) == [9001, 9002, 9003]
@@ -98,7 +98,7 @@ class TestConfig:
 
 class TestSupervisor:
     def test_restarts_a_replica_that_dies_and_gives_up_on_one_that_cannot_start(self) -> None:
-        from router.replicas import ReplicaSpec, Supervisor
+        from router.proxy.replicas import ReplicaSpec, Supervisor
 
         spec = ReplicaSpec(0, {}, "", [], "redis://127.0.0.1:9/0", "p", 9, os.getpid())
         dying = Supervisor([spec], poll=0.05, argv=[sys.executable, "-c", "raise SystemExit(3)"])
@@ -228,7 +228,7 @@ class TestSharedCounters:
 
 
 def _router() -> Router:
-    from router.serve import ClusterConfig, build_cluster
+    from router.proxy.serve import ClusterConfig, build_cluster
 
     cluster = build_cluster(ClusterConfig(policy={"name": "vtc"}, block_size=BLOCK))
     cluster.add_worker("http://127.0.0.1:9")
@@ -450,7 +450,7 @@ class TestServeReplicas:
 
 
 async def load_with_a_kill(base: str, spec: LoadSpec, victim_pid: int) -> list[tuple[Outcome, str]]:
-    """Closed-loop load (router.load's requests and judge); SIGKILL `victim_pid` once a third
+    """Closed-loop load (router.proxy.load's requests and judge); SIGKILL `victim_pid` once a third
     of the requests have ended. Returns each outcome with the replica token that answered."""
     answered_by: dict[str, str] = {}
 

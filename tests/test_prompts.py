@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.prompts import PromptEncoder, PromptError
+from router.proxy.prompts import PromptEncoder, PromptError
 from tests.live_helpers import BLOCK, tokenizer_dir
 
 TEXTS = ["benchmark " * 100, "naïve café — 東京 🚀 tabs\tand\nnewlines", " leading space", "x"]

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.openai_request import Tenant
-from router.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
+from router.proxy.openai_request import Tenant
+from router.proxy.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
 
 

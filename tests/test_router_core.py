@@ -10,7 +10,7 @@ import pytest
 import policies
 from policies.fcfs import FCFS
 from router.core import Router
-from router.live import LiveCluster, WorkerDown
+from router.proxy.live import LiveCluster, WorkerDown
 from router.request import Request
 from simulator.cluster import SimCluster, SimConfig
 from simulator.cost_model import roofline

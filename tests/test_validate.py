@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from router.bench_proxy import free_port, wait_healthy
 from router.cli import main
-from router.serve import VLLM_PYTHON
+from router.proxy.bench_proxy import free_port, wait_healthy
+from router.proxy.serve import VLLM_PYTHON
 from simulator.cost_model import FittedCost, Measurement, StepShape
 from tests.live_helpers import tokenizer_dir
 from workers import emulated

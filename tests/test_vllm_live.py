@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from router.prompts import PromptEncoder
-from router.proxy import ProxySettings, create_app
-from router.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
+from router.proxy.app import ProxySettings, create_app
+from router.proxy.prompts import PromptEncoder
+from router.proxy.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
 from tests.live_helpers import client, run, serving
 from workers.pool import WorkerPool
 
@@ -127,7 +127,7 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     """What measures the simulator against vLLM uses vLLM's API as it is: token-id prompts,
     ignore_eos, usage with cached tokens, the model card's length, the KV size in /metrics."""
     from dashboards.report import load_run
-    from router.replay import replay
+    from router.proxy.replay import replay
     from simulator.cluster import SimConfig, simulate
     from simulator.cost_model import FittedCost
     from traces.generators import shared_prefix

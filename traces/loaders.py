@@ -82,7 +82,7 @@ def load_trace(path: str | Path, fmt: str = "auto", seed: int = 0, **options: ob
 
 def load_recording(folder: Path) -> Trace:
     """A proxy's record folder: its rotated trace parts and the current one, as one trace."""
-    from router.capture import TRACE_FILE, recorded_parts
+    from router.proxy.capture import TRACE_FILE, recorded_parts
 
     parts = []
     for part in [*recorded_parts(folder), folder / TRACE_FILE]:

@@ -69,7 +69,7 @@ class TraceLine(BaseModel):
     priority: int = 0
     weight: float = Field(1.0, gt=0)
     think_time: float | None = Field(None, ge=0)
-    # A proxy's recording (router/capture.py) also says who served each request; a replay
+    # A proxy's recording (router/proxy/capture.py) also says who served each request; a replay
     # ignores it, a comparison of routing decisions reads it from Trace.meta["served_by"].
     worker: int | None = None
     policy: str | None = None

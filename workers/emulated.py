@@ -28,10 +28,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from policies.fcfs import FCFS
-from router.errors import APIError
-from router.openai_request import build_request, parse_body
-from router.prompts import PromptEncoder
-from router.proxy import ProxySettings
+from router.proxy.app import ProxySettings
+from router.proxy.errors import APIError
+from router.proxy.openai_request import build_request, parse_body
+from router.proxy.prompts import PromptEncoder
 from router.request import Request
 from simulator.cost_model import roofline
 from simulator.engine import Engine, EngineConfig, Seq

@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.monitor import kv_cache_blocks
+from router.proxy.monitor import kv_cache_blocks
 from simulator.cost_model import FittedCost, Measurement, StepShape, _nonnegative_lstsq
 
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)

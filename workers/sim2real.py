@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 
 from dashboards.report import load_run
-from router.bench_proxy import process, wait_healthy
-from router.replay import replay
-from router.serve import ClusterConfig, ensure_tiny_model, server_specs
+from router.proxy.bench_proxy import process, wait_healthy
+from router.proxy.replay import replay
+from router.proxy.serve import ClusterConfig, ensure_tiny_model, server_specs
 from router.tables import format_table
 from simulator.cluster import SimConfig, simulate
 from traces.generators import shared_prefix

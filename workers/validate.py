@@ -42,9 +42,9 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.bench_proxy import free_port, wait_healthy
-from router.replay import replay
-from router.serve import ClusterConfig, ensure_tiny_model, server_specs
+from router.proxy.bench_proxy import free_port, wait_healthy
+from router.proxy.replay import replay
+from router.proxy.serve import ClusterConfig, ensure_tiny_model, server_specs
 from simulator.cluster import SimConfig, simulate
 from simulator.cost_model import FittedCost, Measurement
 from simulator.engine import EngineConfig

@@ -32,8 +32,9 @@ from pydantic import (
 )
 
 import policies
-from router.live import LiveCluster
-from router.openai_request import (
+from router.proxy.app import RUNNER_OPTIONS, ProxySettings, create_app
+from router.proxy.live import LiveCluster
+from router.proxy.openai_request import (
     BODY_TIMEOUT,
     MAX_BODY_BYTES,
     MAX_CLIENT_ID,
@@ -41,8 +42,7 @@ from router.openai_request import (
     MIN_WEIGHT,
     Tenant,
 )
-from router.prompts import PromptEncoder
-from router.proxy import RUNNER_OPTIONS, ProxySettings, create_app
+from router.proxy.prompts import PromptEncoder
 from simulator.cost_model import GPUS, MODELS, FittedCost, roofline
 from workers import emulated
 from workers.pool import ServerSpec, WorkerPool
@@ -387,8 +387,8 @@ def serve(config: ClusterConfig) -> int:
             cluster.add_worker(spec.url, spec.kv_events)
         pool.watch(_shut_down)
     try:
-        if config.routers > 1:  # N proxy processes on one port (router/replicas.py)
-            from router.replicas import run_replicas
+        if config.routers > 1:  # N proxy processes on one port (router/proxy/replicas.py)
+            from router.proxy.replicas import run_replicas
 
             urls = [(w.url, w.kv_events) for w in cluster.workers.values()]
             return run_replicas(config, model_dir, urls, scratch)

@@ -24,9 +24,9 @@ from router.collector import CollectorPacing
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
-from router.metrics import RouterMetrics
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
+from router.proxy.metrics import RouterMetrics
 from router.request import Request
 
 log = logging.getLogger(__name__)

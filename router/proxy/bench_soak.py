@@ -8,7 +8,7 @@ of requests, half streaming, a quarter chat, over several tenants, for `--durati
 Every `--sample` seconds it prints the proxy process's RSS (from /proc) and its event loop's
 lag (the proxy samples it itself: `fairway_event_loop_lag_seconds`, read from /metrics, p99 per
 interval from the histogram's buckets). At the end: requests, outcomes, and the number lost,
-judged byte by byte (router/load.py), which must be 0; the exit status says whether it was.
+judged byte by byte (router/proxy/load.py), which must be 0; the exit status says whether it was.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from router.bench_proxy import free_port
-from router.load import LoadSpec, Outcome, run_load
+from router.proxy.bench_proxy import free_port
+from router.proxy.load import LoadSpec, Outcome, run_load
 from router.tables import format_table
 
 ROOT = Path(__file__).resolve().parent.parent

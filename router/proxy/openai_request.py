@@ -30,12 +30,12 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from router.errors import APIError, bad_request
-from router.prompts import PromptEncoder, PromptError
+from router.proxy.errors import APIError, bad_request
+from router.proxy.prompts import PromptEncoder, PromptError
 from router.request import Request
 
 if TYPE_CHECKING:
-    from router.proxy import ProxySettings
+    from router.proxy.app import ProxySettings
 
 # json.loads holds the GIL while it parses, worker thread or not: about 60 ms per MiB of JSON
 # numbers (token ids), 10 ms per MiB of text, measured. 1 MiB keeps the event loop under 100 ms.

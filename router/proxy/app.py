@@ -22,11 +22,11 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from router.capture import TraceCapture
-from router.errors import APIError, bad_request, openai_errors, unavailable
-from router.live import LiveCluster, LiveWorker, WorkerDown
-from router.monitor import Monitor
-from router.openai_request import (
+from router.proxy.capture import TraceCapture
+from router.proxy.errors import APIError, bad_request, openai_errors, unavailable
+from router.proxy.live import LiveCluster, LiveWorker, WorkerDown
+from router.proxy.monitor import Monitor
+from router.proxy.openai_request import (
     BODY_TIMEOUT,
     MAX_BODY_BYTES,
     Tenant,
@@ -35,10 +35,10 @@ from router.openai_request import (
     parser_limits,
     read_request,
 )
-from router.prompts import PromptEncoder
+from router.proxy.prompts import PromptEncoder
+from router.proxy.sse import StreamAccount, client_wants_usage, with_usage_requested
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
-from router.sse import StreamAccount, client_wants_usage, with_usage_requested
 
 log = logging.getLogger(__name__)
 

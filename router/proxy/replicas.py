@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from router.serve import ClusterConfig
+    from router.proxy.serve import ClusterConfig
 
 log = logging.getLogger("fairway.replicas")
 REPLICA_HEADER = "X-Fairway-Replica"  # <index>-<pid> of the replica that answered
@@ -68,7 +68,7 @@ def run_replicas(
     config: ClusterConfig, model_dir: Path, workers: list[tuple[str, str | None]], scratch: Path
 ) -> int:
     """Start Redis (unless configured), then keep `config.routers` replicas until stopped."""
-    from router.shared_state import forget, redis_server
+    from router.proxy.shared_state import forget, redis_server
 
     with contextlib.ExitStack() as stack:
         url = config.redis_url or stack.enter_context(redis_server(scratch / "redis"))
@@ -108,7 +108,7 @@ class Supervisor:
         self, specs: list[ReplicaSpec], poll: float = 0.2, argv: list[str] | None = None
     ) -> None:
         self.specs, self.poll = specs, poll
-        self.argv = argv or [sys.executable, "-m", "router.replicas"]
+        self.argv = argv or [sys.executable, "-m", "router.proxy.replicas"]
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
         self.failures: dict[int, int] = {}  # deaths in a row, each within 10 s of its start
@@ -177,7 +177,7 @@ class Supervisor:
                   i, proc.pid, code, lived, delay)  # fmt: skip
 
     def _stop_all(self) -> None:
-        from router.serve import SHUTDOWN_GRACE
+        from router.proxy.serve import SHUTDOWN_GRACE
 
         for proc in self.procs.values():
             _signal(proc, signal.SIGTERM)
@@ -202,11 +202,11 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 def build_replica_app(spec: ReplicaSpec) -> web.Application:
     """The proxy of one replica: the whole policy, the parent's workers in its order, and the
     task that shares counters and routing decisions through Redis."""
-    from router.errors import APIError
-    from router.prompts import PromptEncoder
-    from router.proxy import CLUSTER, create_app
-    from router.serve import build_cluster, settings_of, validate_config
-    from router.shared_state import SHARED, shared_state_ctx
+    from router.proxy.app import CLUSTER, create_app
+    from router.proxy.errors import APIError
+    from router.proxy.prompts import PromptEncoder
+    from router.proxy.serve import build_cluster, settings_of, validate_config
+    from router.proxy.shared_state import SHARED, shared_state_ctx
 
     config = validate_config(spec.config, source=f"replica {spec.index}")
     cluster = build_cluster(config)
@@ -241,8 +241,8 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
 async def serve_replica(spec: ReplicaSpec) -> None:
     """Serve the replica on the shared port (SO_REUSEPORT) and on its own port until SIGTERM /
     SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
-    from router.proxy import RUNNER_OPTIONS
-    from router.serve import SHUTDOWN_GRACE
+    from router.proxy.app import RUNNER_OPTIONS
+    from router.proxy.serve import SHUTDOWN_GRACE
 
     app = build_replica_app(spec)
     host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port

@@ -1,7 +1,7 @@
 """`make bench` (replicas part): `fairway serve --routers N` against one router, same load.
 
 - Throughput: streams/s through 1, 2 and 4 replicas on one port, the proxy bench's closed
-  loop (router/bench_proxy.py: fixed concurrency, 16-token streams) for a fixed time.
+  loop (router/proxy/bench_proxy.py: fixed concurrency, 16-token streams) for a fixed time.
 - Locality: LPM's prefix hit rate (the workers' own cached-token counts) and how many workers
   each document ends on, when rounds of requests return to the same documents: a replica
   learns where another one placed a document only at the next sync.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-from router.bench_proxy import free_port, process, throughput, wait_healthy
+from router.proxy.bench_proxy import free_port, process, throughput, wait_healthy
 from router.records import RequestRecord
 from router.tables import format_table
 from workers import emulated
@@ -169,7 +169,7 @@ async def flood_load(
 
 
 def run_replicas_bench(quick: bool = False) -> int:
-    from router.serve import ensure_tiny_model
+    from router.proxy.serve import ensure_tiny_model
     from simulator.fairness import max_service_gap, service_curves
 
     if shutil.which("redis-server") is None:

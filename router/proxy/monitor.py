@@ -14,7 +14,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.kv_events import KVEventIndexer
-from router.live import LiveCluster, LiveWorker
+from router.proxy.live import LiveCluster, LiveWorker
 
 log = logging.getLogger(__name__)
 

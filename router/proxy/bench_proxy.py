@@ -100,7 +100,7 @@ async def throughput(url: str, seconds: float, concurrency: int, body: dict) -> 
 
 
 def run_proxy_bench(quick: bool = False) -> int:
-    from router.serve import ensure_tiny_model
+    from router.proxy.serve import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / "build" / "tiny-tokenizer", weights=False)
     scratch = Path(tempfile.mkdtemp(prefix="fairway-bench-"))
