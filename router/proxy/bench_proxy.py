@@ -27,7 +27,7 @@ import numpy as np
 from router.tables import format_table
 from workers import emulated
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -35,7 +35,7 @@ from router.records import RequestRecord
 from router.tables import format_table
 from workers import emulated
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from router.proxy.bench_proxy import free_port
 from router.proxy.load import LoadSpec, Outcome, run_load
 from router.tables import format_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAG = "fairway_event_loop_lag_seconds"
 
 

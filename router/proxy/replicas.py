@@ -138,7 +138,7 @@ class Supervisor:
 
     def _start(self, spec: ReplicaSpec) -> None:
         argv = self.argv  # no guard process: a replica asks for its death signal itself
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),

@@ -48,7 +48,7 @@ from workers import emulated
 from workers.pool import ServerSpec, WorkerPool
 
 log = logging.getLogger("fairway.serve")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = ROOT / "build" / "tiny-model"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
