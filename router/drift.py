@@ -12,6 +12,7 @@ Drift over the last `window` answers is sum |predicted - actual| / sum max(predi
 0 when they agree to the token, 1 when one says nothing of what the other says. A level is
 dropped when its drift passes `threshold` and taken back once it falls under `recover`. Every
 level keeps being scored while unused (its predictions cost a match), so recovery is seen.
+A window in which neither side saw a hit is no evidence either way: it takes nothing back.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class DriftScore:
     @property
     def is_full(self) -> bool:
         return len(self._pairs) == self._pairs.maxlen
+
+    @property
+    def has_hits(self) -> bool:
+        """Some answer in the window was predicted or found to hit: the drift means something."""
+        return self._scale > 0
 
     @property
     def drift(self) -> float:
@@ -73,7 +79,14 @@ class DriftGuard:
         for level, score in self.scores.items():
             if level not in self._dropped and score.is_full and score.drift > self.threshold:
                 self._dropped.add(level)
-            elif level in self._dropped and score.is_full and score.drift < self.recover:
+            # Only hits are evidence: over cold prompts an index that can never match (hashed
+            # in another block size, say) looks as good as a right one, and was taken back.
+            elif (
+                level in self._dropped
+                and score.is_full
+                and score.has_hits
+                and score.drift < self.recover
+            ):
                 self._dropped.discard(level)
         best = next(lvl for lvl in self.levels if lvl == "load" or lvl not in self._dropped)
         if best != self.level:

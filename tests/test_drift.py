@@ -64,3 +64,15 @@ def test_router_switches_what_policies_route_by() -> None:
     assert router.index_level == "load"
     assert router.level_changes and router.level_changes[-1][1:] == ("approximate", "load")
     assert router.view.index.num_blocks(0) == 0, "load only: policies see an empty index"
+
+
+def test_cold_prompts_take_no_dropped_level_back() -> None:
+    """A window where nothing was predicted or reused says nothing of an index: one that can
+    never match (another block size) must not be believed again over unshared prompts."""
+    guard = DriftGuard(window=4)
+    for _ in range(4):
+        guard.observe({"precise": 0, "approximate": 640}, 640)
+    assert guard.level == "approximate"
+    for _ in range(8):
+        assert guard.observe({"precise": 0, "approximate": 0}, 0) is None
+    assert guard.level == "approximate"
