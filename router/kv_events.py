@@ -20,9 +20,14 @@ log = logging.getLogger(__name__)
 
 
 class KVEventIndexer:
-    def __init__(self, index: PrefixIndex, worker: WorkerId) -> None:
+    """`block_size`: the router's. Blocks of another size (a worker configured apart from the
+    router) can never match a prompt's hashes: they are not indexed, and a warning says why."""
+
+    def __init__(self, index: PrefixIndex, worker: WorkerId, block_size: int | None = None) -> None:
         self.index = index
         self.worker = worker
+        self.block_size = block_size
+        self.other_sizes: set[int] = set()  # block sizes heard of and ignored
         self._blocks: dict[int, tuple[BlockHash, int | None]] = {}  # vLLM hash -> ours, parent
         self.last_seq: int | None = None
         self.num_gaps = 0
@@ -76,6 +81,14 @@ class KVEventIndexer:
         size = int(fields.get("block_size") or 0)
         tokens = list(fields.get("token_ids") or [])
         if not names or size <= 0 or len(tokens) < size * len(names):
+            return
+        if self.block_size is not None and size != self.block_size:
+            if size not in self.other_sizes:
+                self.other_sizes.add(size)
+                log.warning(
+                    "worker %s: KV events of %d-token blocks, the router's are %d: not indexed",
+                    self.worker, size, self.block_size,
+                )  # fmt: skip
             return
         prefix = self._path(parent) if parent is not None else []
         if parent is not None and not prefix:

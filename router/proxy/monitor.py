@@ -45,6 +45,7 @@ class Monitor:
         self.interval, self.timeout, self.fall, self.rise = interval, timeout, fall, rise
         self._tasks: list[asyncio.Task] = []
         self._subscribed: dict[int, asyncio.Task] = {}
+        self._warned_block_size: set[int] = set()
         self._zmq = zmq.asyncio.Context()
 
     def start(self) -> None:
@@ -135,12 +136,28 @@ class Monitor:
             self.cluster.metrics.reported_hit_rate.labels(worker.label).set(rate)
 
     def _capacity(self, worker: LiveWorker, samples: list) -> None:
-        blocks = kv_cache_blocks(samples)
-        if blocks is not None and worker.id in self.cluster.view.workers:
-            self.cluster.view.workers[worker.id].kv_capacity_blocks = blocks[0]
+        found = kv_cache_blocks(samples)
+        state = self.cluster.view.workers.get(worker.id)
+        if found is None or state is None:
+            return
+        blocks, size = found
+        ours = self.cluster.view.block_size
+        if size != ours and worker.id not in self._warned_block_size:
+            self._warned_block_size.add(worker.id)
+            log.warning(
+                "worker %s caches %d-token blocks, the router hashes %d-token ones: "
+                "predictions of its prefix hits are off (set block_size to %d)",
+                worker.id, size, ours, size,
+            )  # fmt: skip
+        # The index counts blocks of the router's size; the worker's are another size.
+        state.kv_capacity_blocks = blocks * size // ours
 
     async def _subscribe(self, worker: LiveWorker) -> None:
-        indexer = KVEventIndexer(self.cluster.view.index, worker.id)
+        # The KV-event index, not `view.index`: that is whatever routing uses now, and after a
+        # fallback (router.drift) a worker added or resubscribed would feed the approximate
+        # or the load-only index, and the precise one, scored for recovery, never hear it.
+        router = self.cluster.router
+        indexer = KVEventIndexer(router.held, worker.id, self.cluster.view.block_size)
         socket = self._zmq.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         try:
