@@ -36,10 +36,10 @@ def tokenizer_dir() -> Path:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
+async def serving(app: web.Application, port: int = 0) -> AsyncIterator[str]:
     runner = web.AppRunner(app, access_log=None, **RUNNER_OPTIONS)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
@@ -59,14 +59,22 @@ async def emulated_workers(n: int, speed: float = 1.0, **kw) -> AsyncIterator[li
 
 @contextlib.asynccontextmanager
 async def proxy(
-    worker_urls: list[str], policy: str = "round_robin", window: int = 8, **settings
+    worker_urls: list[str],
+    policy: str = "round_robin",
+    window: int = 8,
+    kv_events: list[str] | None = None,  # the workers' KV-event endpoints: a precise index
+    **settings,
 ) -> AsyncIterator[tuple[str, LiveCluster]]:
-    config = ClusterConfig(policy={"name": policy}, window=window, block_size=BLOCK)
+    mode = "precise" if kv_events else "approximate"
+    config = ClusterConfig(
+        policy={"name": policy}, window=window, block_size=BLOCK, index_mode=mode
+    )
     cluster = build_cluster(config)
-    for url in worker_urls:
-        cluster.add_worker(url)
+    for url, events in zip(worker_urls, kv_events or [None] * len(worker_urls), strict=True):
+        cluster.add_worker(url, events)
     settings.setdefault("trust_client_headers", True)  # tests name clients as a gateway would
-    s = ProxySettings(model_name="tiny", policy_name=policy, health_interval=0.2, **settings)
+    settings.setdefault("health_interval", 0.2)
+    s = ProxySettings(model_name="tiny", policy_name=policy, **settings)
     app = create_app(cluster, PromptEncoder(tokenizer_dir(), BLOCK), s)
     async with serving(app) as url:
         yield url, cluster

@@ -2,12 +2,15 @@
 HTTP API and /metrics names, for load tests and fast tests where no real vLLM fits.
 
     python -m workers.emulated --port 8100 --model-dir DIR [--preset llama-3-8b --gpu a100-80g]
+        [--kv-events ipc:///tmp/kv-0 [--kv-events-drop 0.5] [--kv-events-drop-after 100]]
 
 The SimPy environment is driven from the asyncio loop: a driver task sleeps until the next
 simulated event is due in wall time (`speed` x faster if asked), then steps it; an arriving
 request first advances the simulation to "now", so it joins the engine at its real arrival time.
 Tokens are random vocabulary pieces; timing, batching, prefix caching and preemption follow the
 engine model, one event per step (no fast-forward: each step's tokens stream as it ends).
+With `--kv-events` it publishes vLLM's KV events over ZMQ, and can lose some or all of them on
+purpose (what a router's precise index must survive).
 """
 
 from __future__ import annotations
@@ -15,15 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import random
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
+import msgpack
 import simpy
+import zmq
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -32,7 +39,7 @@ from router.proxy.app import ProxySettings
 from router.proxy.errors import APIError
 from router.proxy.openai_request import build_request, parse_body
 from router.proxy.prompts import PromptEncoder
-from router.request import Request
+from router.request import BlockHash, Request
 from simulator.cost_model import roofline
 from simulator.engine import Engine, EngineConfig, Seq
 
@@ -68,13 +75,115 @@ class VLLMMetrics:
         info.labels(str(block_size), str(num_blocks)).set(1)
 
 
+class KVEventPublisher:
+    """The engine's cache as vLLM's KV events: a ZMQ PUB socket sending (topic, 8-byte big-endian
+    sequence number, msgpack [ts, events, dp_rank]), with `BlockStored` when a prompt block is
+    computed and `BlockRemoved` when it is evicted (router/kv_events.py reads them).
+
+    As vLLM, it names blocks by a hash of its own, seeded afresh in every process (a restarted
+    vLLM names the same tokens differently), and each stored block carries its tokens.
+    It loses `drop_share` of its batches after the first `drop_after` (or from a `drop()` on),
+    as a lossy link would: a lost batch still takes its sequence number, so a subscriber can
+    see the gap.
+    """
+
+    MAX_PROMPT_BLOCKS = 1 << 14  # tokens remembered for blocks not stored yet
+
+    def __init__(
+        self, endpoint: str, block_size: int, drop_share: float = 0.0, drop_after: int = 0
+    ) -> None:
+        self.block_size = block_size
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self._salt = random.getrandbits(64)
+        self._tokens: OrderedDict[BlockHash, list[int]] = OrderedDict()
+        self._seq = itertools.count()
+        self._rng = random.Random()
+        self.drop_share, self.drop_after = drop_share, drop_after
+        self.sent = self.dropped = 0
+
+    def drop(self, share: float = 1.0) -> None:
+        """Lose `share` of the batches from now on (0 delivers them all again)."""
+        self.drop_share = share
+
+    def learn(self, hashes: list[BlockHash], token_ids: list[int]) -> None:
+        """A prompt's block hashes and tokens, for the BlockStored events its blocks cause."""
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            self._tokens[h] = token_ids[i * bs : (i + 1) * bs]
+            self._tokens.move_to_end(h)
+        while len(self._tokens) > self.MAX_PROMPT_BLOCKS:
+            self._tokens.popitem(last=False)
+
+    def close(self) -> None:
+        self._pub.close()
+        self._ctx.term()
+
+    # KVEventSink
+    def stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
+        tokens = [self._tokens.get(h) for h in hashes]
+        if any(t is None for t in tokens):
+            return  # never seen a prompt with it (cannot happen while learn() sees each one)
+        self._send(
+            {
+                "type": "BlockStored",
+                "block_hashes": [self._name(h) for h in hashes],
+                "parent_block_hash": None if parent is None else self._name(parent),
+                "token_ids": [t for block in tokens for t in block],  # type: ignore[union-attr]
+                "block_size": self.block_size,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+        )
+
+    def removed(self, hashes: list[BlockHash]) -> None:
+        names = [self._name(h) for h in hashes]
+        self._send({"type": "BlockRemoved", "block_hashes": names, "medium": "GPU"})
+
+    def _name(self, h: BlockHash) -> int:
+        return h ^ self._salt
+
+    def _send(self, event: dict) -> None:
+        seq = next(self._seq)
+        if seq >= self.drop_after and self.drop_share and self._rng.random() < self.drop_share:
+            self.dropped += 1
+            return
+        payload = msgpack.packb([time.time(), [event], 0])
+        with contextlib.suppress(zmq.Again):  # PUB drops at its high-water mark, never blocks
+            self._pub.send_multipart([b"", seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+        self.sent += 1
+
+
+class RecordingEncoder(PromptEncoder):
+    """The emulated server's tokenizer, telling the KV-event publisher each prompt's tokens."""
+
+    publisher: KVEventPublisher | None = None
+
+    def block_hashes(self, ids: list[int]) -> list[BlockHash]:
+        hashes = super().block_hashes(ids)
+        if self.publisher is not None:
+            self.publisher.learn(hashes, ids)
+        return hashes
+
+
 class WallClockEngine:
     """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`)."""
 
-    def __init__(self, engine_config: EngineConfig, preset: str, gpu: str, speed: float = 1.0):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        preset: str,
+        gpu: str,
+        speed: float = 1.0,
+        kv_events: KVEventPublisher | None = None,
+    ):
         self.env = simpy.Environment()
         self.speed = speed
-        self.engine = Engine(self.env, 0, roofline(preset, gpu), engine_config, FCFS(), self)
+        cost = roofline(preset, gpu)
+        self.engine = Engine(self.env, 0, cost, engine_config, FCFS(), self, kv_events)
         self.streams: dict[int, asyncio.Queue[int | None]] = {}
         self.cached_tokens: dict[int, int] = {}  # request id -> prefix hit, until answered
         self.metrics: VLLMMetrics | None = None
@@ -149,6 +258,7 @@ class WallClockEngine:
 
 ENGINE = web.AppKey("engine", WallClockEngine)
 ENCODER = web.AppKey("encoder", PromptEncoder)
+KV_EVENTS = web.AppKey("kv_events", KVEventPublisher)
 MODEL = web.AppKey("model", str)
 LIMITS = web.AppKey("limits", ProxySettings)
 VOCAB = web.AppKey("vocab", list)
@@ -303,9 +413,14 @@ def create_app(
     gpu: str = "a100-80g",
     speed: float = 1.0,
     num_kv_blocks: int | None = None,
+    kv_events: str | None = None,
+    kv_events_drop: float = 0.0,
+    kv_events_drop_after: int = 0,
 ) -> web.Application:
+    """`kv_events`: a ZMQ endpoint to publish KV events on (bound); `kv_events_drop`: the share
+    of them to lose once `kv_events_drop_after` batches went out."""
     app = web.Application()
-    encoder = PromptEncoder(model_dir, block_size)
+    encoder = RecordingEncoder(model_dir, block_size)
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, fast_forward=False)
     app[ENCODER] = encoder
     app[MODEL] = model_name
@@ -315,7 +430,14 @@ def create_app(
     app[VOCAB] = [v for v in vocab if v.strip()] or ["x"]
 
     async def engine_ctx(app: web.Application):
-        engine = WallClockEngine(config, preset, gpu, speed)
+        publisher = None
+        if kv_events:
+            publisher = KVEventPublisher(
+                kv_events, block_size, kv_events_drop, kv_events_drop_after
+            )
+            app[KV_EVENTS] = publisher
+            encoder.publisher = publisher
+        engine = WallClockEngine(config, preset, gpu, speed, publisher)
         engine.metrics = VLLMMetrics(model_name, block_size, engine.engine.blocks.num_blocks)
         app[ENGINE] = engine
         task = asyncio.create_task(engine.run())
@@ -323,6 +445,9 @@ def create_app(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if publisher is not None:
+            encoder.publisher = None
+            publisher.close()
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", completions)
@@ -368,6 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpu", default="a100-80g")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--kv-blocks", type=int)
+    p.add_argument("--kv-events", help="ZMQ endpoint to publish vLLM KV events on")
+    p.add_argument("--kv-events-drop", type=float, default=0.0, help="share of them to lose")
+    p.add_argument("--kv-events-drop-after", type=int, default=0, help="batches sent first")
     args = p.parse_args(argv)
     app = create_app(
         args.model_dir,
@@ -377,6 +505,9 @@ def main(argv: list[str] | None = None) -> None:
         args.gpu,
         args.speed,
         args.kv_blocks,
+        args.kv_events,
+        args.kv_events_drop,
+        args.kv_events_drop_after,
     )
     # A client that hangs up cancels its handler, as in vLLM (which aborts the request then).
     web.run_app(
