@@ -10,7 +10,7 @@ from router.registry import global_policies
 from router.request import Request
 
 
-def _load(worker: WorkerState) -> tuple[int, int, int]:
+def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]:
     # Outstanding tokens first; queue length and id break ties so the choice is deterministic.
     return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
 
@@ -20,6 +20,7 @@ class RoundRobin(GlobalPolicy):
     """Each healthy worker in turn, in id order."""
 
     default_local = "fcfs"
+    reads_progress = False
 
     def __init__(self) -> None:
         self._next = 0
@@ -40,6 +41,8 @@ class Random(GlobalPolicy):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
+    reads_progress = False
+
     def route(self, request: Request, view: ClusterView) -> Decision:
         return Decision(self._rng.choice(view.routable_workers()).id, "random")
 
@@ -51,7 +54,7 @@ class LeastLoad(GlobalPolicy):
     default_local = "fcfs"
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        return Decision(min(view.routable_workers(), key=_load).id, "least tokens in flight")
+        return Decision(view.least(least_tokens).id, "least tokens in flight")
 
 
 @global_policies.register("power_of_two")
@@ -66,4 +69,4 @@ class PowerOfTwo(GlobalPolicy):
     def route(self, request: Request, view: ClusterView) -> Decision:
         workers = view.routable_workers()
         pair = self._rng.sample(workers, 2) if len(workers) > 1 else workers
-        return Decision(min(pair, key=_load).id, "lesser of two")
+        return Decision(min(pair, key=lambda w: least_tokens(view, w)).id, "lesser of two")

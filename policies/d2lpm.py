@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.lpm import is_imbalanced
+from policies.lpm import is_imbalanced, shortest_queue
 from policies.service_cost import VTC_PROFILE, make_meter
-from router.cluster import ClusterView, WorkerState
+from router.cluster import ClusterView
 from router.ledger import Ledger
 from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
@@ -79,16 +79,15 @@ class DistributedDLPM(GlobalPolicy):
         return min(d, 0.0) + self.quantum
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = view.routable_workers()
-        healthy = {w.id: w for w in workers}
-        matched = {w: m for w, m in view.index.match(request.block_hashes).items() if w in healthy}
-
-        def queue(w: WorkerState) -> tuple[int, int]:
-            return (w.num_outstanding, w.id)
-
+        healthy = view.workers
+        matched = {
+            w: m
+            for w, m in view.index.match(request.block_hashes).items()
+            if (state := healthy.get(w)) is not None and state.healthy
+        }
         enough = self.cache_threshold * request.num_blocks
         holders = [w for w in matched if matched[w] > enough]
-        if is_imbalanced([w.num_outstanding for w in workers], *self.balance):
+        if is_imbalanced(view, *self.balance):
             holders = []
         for w in holders:
             # A holder nobody is in credit at refills now: refilling only on dispatch would
@@ -99,7 +98,7 @@ class DistributedDLPM(GlobalPolicy):
             target = min(in_credit, key=lambda w: (healthy[w].num_outstanding, -matched[w], w))
             self._matched[request.id] = matched[target]
             return Decision(target, "holds prefix, client in credit: shortest queue")
-        target = min(workers, key=queue).id
+        target = view.least(shortest_queue).id
         self._matched[request.id] = matched.get(target, 0)
         return Decision(target, "no holder in credit (or imbalanced): shortest queue")
 

@@ -9,3 +9,5 @@ from router.registry import local_policies
 @local_policies.register("fcfs")
 class FCFS(FifoQueue):
     """Arrival order; a preempted request goes back to the front."""
+
+    stable_head = True

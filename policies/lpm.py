@@ -13,18 +13,38 @@ LongestPrefixFirst).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from policies.queues import FifoQueue
-from router.cluster import ClusterView
+from router.cluster import ClusterView, WorkerState
 from router.policy import Decision, GlobalPolicy
+from router.prefix_index import WorkerId
 from router.registry import global_policies, local_policies
 from router.request import Request
 
 
-def is_imbalanced(loads: list[int], abs_threshold: float, rel_threshold: float) -> bool:
-    high, low = max(loads), min(loads)
+def shortest_queue(view: ClusterView, worker: WorkerState) -> tuple[int, int]:
+    return (worker.num_outstanding, worker.id)
+
+
+def smallest_cache(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]:
+    return (view.index.num_blocks(worker.id), worker.num_outstanding, worker.id)
+
+
+def is_imbalanced(view: ClusterView, abs_threshold: float, rel_threshold: float) -> bool:
+    """SGLang's test: the longest and shortest queues (in requests) differ by more than
+    `abs_threshold` and the longest is more than `rel_threshold` times the shortest."""
+    high = view.most(shortest_queue).num_outstanding
+    low = view.least(shortest_queue).num_outstanding
     return high - low > abs_threshold and high > low * rel_threshold
+
+
+def shortest_queue_among(view: ClusterView, candidates: Collection[WorkerId]) -> WorkerId:
+    """The candidate with the shortest queue (then the lowest id). Many candidates (a prefix
+    held everywhere): walk the fleet's queue order to the first one; few: compare them."""
+    if 8 * len(candidates) < len(view.workers):
+        return min(candidates, key=lambda w: shortest_queue(view, view.workers[w]))
+    return next(key[-1] for key in view.ordered(shortest_queue) if key[-1] in candidates)
 
 
 @global_policies.register("lpm")
@@ -32,6 +52,7 @@ class LongestPrefixMatch(GlobalPolicy):
     """Longest cached prefix above a match ratio, least load when imbalanced (SGLang)."""
 
     default_local = "lpm"
+    reads_progress = False  # queues in requests, what caches hold: nothing moves mid-decode
 
     def __init__(
         self,
@@ -44,23 +65,22 @@ class LongestPrefixMatch(GlobalPolicy):
         self.balance_rel_threshold = balance_rel_threshold
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = view.routable_workers()
-        loads = [w.num_outstanding for w in workers]
-        if is_imbalanced(loads, self.balance_abs_threshold, self.balance_rel_threshold):
-            target = min(workers, key=lambda w: (w.num_outstanding, w.id))
-            return Decision(target.id, "imbalanced: shortest queue")
+        if is_imbalanced(view, self.balance_abs_threshold, self.balance_rel_threshold):
+            return Decision(view.least(shortest_queue).id, "imbalanced: shortest queue")
 
-        healthy = {w.id: w for w in workers}
-        matched = {w: m for w, m in view.index.match(request.block_hashes).items() if w in healthy}
+        workers = view.workers
+        matched = {
+            w: m
+            for w, m in view.index.match(request.block_hashes).items()
+            if (state := workers.get(w)) is not None and state.healthy
+        }
         # The longest match first, then the shorter queue: found in two passes so that a prefix
         # every worker holds (a shared system prompt) costs no per-worker key.
         longest = max(matched.values(), default=0)
         if longest and longest > self.cache_threshold * request.num_blocks:
-            holders = [w for w, m in matched.items() if m == longest]
-            best = min(holders, key=lambda w: (healthy[w].num_outstanding, w))
-            return Decision(best, "longest prefix match")
-        target = min(workers, key=lambda w: (view.index.num_blocks(w.id), w.num_outstanding, w.id))
-        return Decision(target.id, "low match: smallest cache")
+            holders = {w for w, m in matched.items() if m == longest}
+            return Decision(shortest_queue_among(view, holders), "longest prefix match")
+        return Decision(view.least(smallest_cache).id, "low match: smallest cache")
 
 
 @local_policies.register("lpm")

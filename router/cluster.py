@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from sortedcontainers import SortedList
 
 from router.prefix_index import PrefixIndex, WorkerId
 
@@ -41,12 +44,50 @@ class CostEstimates(Protocol):
     def decode_time(self, num_seqs: int, context_tokens: int) -> float: ...
 
 
+# A worker's place in an order: a tuple ending in its id (so ties break by id and the id can be
+# read back), computed from what the view knows of it.
+OrderKey = Callable[["ClusterView", WorkerState], tuple]
+
+
+class WorkerOrder:
+    """The healthy workers sorted by a key, kept sorted across decisions: only the workers
+    marked changed since the last read are re-keyed, so reading the first or last costs
+    O(changed x log W) instead of a pass over the fleet."""
+
+    __slots__ = ("key", "pending", "sorted", "_keys")
+
+    def __init__(self, key: OrderKey, workers: dict[WorkerId, WorkerState]) -> None:
+        self.key = key
+        self.pending: set[WorkerId] = set(workers)
+        self.sorted: SortedList = SortedList()
+        self._keys: dict[WorkerId, tuple] = {}
+
+    def refresh(self, view: ClusterView) -> SortedList:
+        if self.pending:
+            workers, keys, ordered = view.workers, self._keys, self.sorted
+            for wid in self.pending:
+                old = keys.pop(wid, None)
+                if old is not None:
+                    ordered.remove(old)
+                state = workers.get(wid)
+                if state is not None and state.healthy:
+                    keys[wid] = new = self.key(view, state)
+                    ordered.add(new)
+            self.pending.clear()
+        return self.sorted
+
+
 @dataclass(slots=True)
 class ClusterView:
     """The router's state as handed to a policy.
 
     The backend (simulator or proxy) owns and mutates it; policies read it and keep their own
     counters through the hooks. `now` is the backend's clock: simulated or monotonic seconds.
+
+    `least` and `most` find a worker by a key. A view whose owner calls `changed(worker)`
+    after every change to a worker's state or index holdings (`tracked`: the router core does)
+    keeps an order per key and re-keys only changed workers; any other view (one a test builds
+    by hand) takes a pass over the workers.
     """
 
     now: float
@@ -54,6 +95,8 @@ class ClusterView:
     index: PrefixIndex
     block_size: int
     cost: CostEstimates | None = None
+    tracked: bool = False
+    _orders: dict[OrderKey, WorkerOrder] = field(default_factory=dict, repr=False)
 
     def healthy_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]
@@ -64,3 +107,44 @@ class ClusterView:
         if not workers:
             raise RuntimeError("no healthy worker to route to")
         return workers
+
+    def least(self, key: OrderKey) -> WorkerState:
+        """The healthy worker with the smallest `key(view, worker)`."""
+        return self._end(key, 0)
+
+    def most(self, key: OrderKey) -> WorkerState:
+        """The healthy worker with the largest `key(view, worker)`."""
+        return self._end(key, -1)
+
+    def ordered(self, key: OrderKey) -> list[WorkerState] | SortedList:
+        """Every healthy worker's key, smallest first (read-only; ends in the worker's id)."""
+        if not self.tracked:
+            return sorted(key(self, w) for w in self.workers.values() if w.healthy)
+        return self._order(key)
+
+    def changed(self, wid: WorkerId) -> None:
+        """What the view knows of `wid` changed: re-key it in every order before the next read."""
+        for order in self._orders.values():
+            order.pending.add(wid)
+
+    def changed_all(self) -> None:
+        for order in self._orders.values():
+            order.pending.update(self.workers)
+
+    def _end(self, key: OrderKey, end: int) -> WorkerState:
+        if self.tracked:
+            ordered = self._order(key)
+            if ordered:
+                return self.workers[ordered[end][-1]]
+        else:
+            healthy = [w for w in self.workers.values() if w.healthy]
+            if healthy:
+                pick = min if end == 0 else max
+                return pick(healthy, key=lambda w: key(self, w))
+        raise RuntimeError("no healthy worker to route to")
+
+    def _order(self, key: OrderKey) -> SortedList:
+        order = self._orders.get(key)
+        if order is None:
+            order = self._orders[key] = WorkerOrder(key, self.workers)
+        return order.refresh(self)

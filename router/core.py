@@ -83,12 +83,16 @@ class Router:
         strict: bool = True,
     ) -> None:
         self.policy = policy
+        # Token hooks run once per sequence per step: skip the ones that do nothing.
+        self._policy_counts_tokens = type(policy).on_token is not GlobalPolicy.on_token
         self.local_factory = local_factory
         self.window = window
         self.precise = precise
         self.strict = strict
         self.default_capacity = kv_capacity_blocks
-        self.view = ClusterView(0.0, {}, PrefixIndex(), block_size, cost)
+        # Tracked: every change to a worker's state or index holdings below calls
+        # view.changed, so policies' orders (least loaded, ...) are re-keyed, not rescanned.
+        self.view = ClusterView(0.0, {}, PrefixIndex(), block_size, cost, tracked=True)
         # Precise: KV events fill view.index; an approximate one is kept beside it on request
         # (the proxy exports both estimates). Approximate: view.index is the approximate one.
         self.approx_index: PrefixIndex | None = (
@@ -125,6 +129,7 @@ class Router:
         self.queues[wid] = queue
         capacity = self.default_capacity if kv_capacity_blocks is None else kv_capacity_blocks
         self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity)
+        self.view.changed(wid)
         return queue
 
     def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
@@ -135,6 +140,7 @@ class Router:
         if state is None or not state.healthy:
             return []
         state.healthy = False
+        self.view.changed(wid)
         for index in self._indexes():
             index.remove_worker(wid)
         queued = list(self.queues[wid].discipline)
@@ -145,12 +151,14 @@ class Router:
     def worker_up(self, wid: WorkerId) -> None:
         if wid in self.view.workers:
             self.view.workers[wid].healthy = True
+            self.view.changed(wid)
 
     def remove_worker(self, wid: WorkerId, now: float) -> list[Request]:
         """As `worker_down`, then forget the worker; its requests in flight may still finish."""
         queued = self.worker_down(wid, now)
         self.queues.pop(wid, None)
         self.view.workers.pop(wid, None)
+        self.view.changed(wid)
         self._reported_waiting.pop(wid, None)
         return queued
 
@@ -166,6 +174,7 @@ class Router:
         state = self.view.workers.get(wid)
         if state is None:
             return
+        self.view.changed(wid)
         if kv_used_blocks is not None:
             state.kv_used_blocks = kv_used_blocks
         if kv_capacity_blocks is not None:
@@ -215,6 +224,7 @@ class Router:
         best = predicted.get("precise", predicted["approximate"])
         self._flights[request.id] = Flight(request, wid, queue, work, predicted, best)
         state.tokens_in_flight += work
+        view.changed(wid)
         self._hook(self.policy.on_dispatch, request, wid, view)
         queue.push(request)
         released = self._release(wid, now)
@@ -229,6 +239,7 @@ class Router:
             return 0
         held_before = len(hashes) - index.insert(hashes, wid, now)
         index.evict(wid, self.view.workers[wid].kv_capacity_blocks)
+        self.view.changed(wid)
         return held_before
 
     # ------------------------------------------------------------- progress
@@ -241,13 +252,21 @@ class Router:
         self._hook(self.policy.on_first_token, request, flight.worker, now)
 
     def tokens(self, request: Request, num_tokens: int, now: float) -> None:
-        """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
+        """`num_tokens` more output tokens (negative: a correction to an earlier estimate).
+        Called once per sequence per decode step or run: the hot path of a simulation."""
         flight = self._flights.get(request.id)
         if flight is None:
             return
-        self._work_done(flight, min(num_tokens, flight.remaining))
-        self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
-        if flight.released:
+        done = num_tokens if num_tokens < flight.remaining else flight.remaining
+        if done > 0:
+            flight.remaining -= done
+            state = self.view.workers.get(flight.worker)
+            if state is not None:
+                state.tokens_in_flight -= done
+                self.view.changed(flight.worker)
+        if self._policy_counts_tokens:
+            self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
+        if flight.released and flight.queue.counts_tokens:
             self._hook(flight.queue.on_token, request, num_tokens)
 
     def finish(
@@ -292,6 +311,7 @@ class Router:
         """Route by `other`'s approximate and held indexes (replicas sharing one store)."""
         self.view.index = self.approx_index = self._level_index["approximate"] = other.view.index
         self.held = other.held
+        self.view.changed_all()
 
     def ledgers(self) -> dict[tuple[object, ...], Ledger]:
         """The shareable counters of this router's policies: the global policy's, and each
@@ -320,6 +340,7 @@ class Router:
             self.level_changes.append((now, self.index_level, level))
             self.index_level = level
             self.view.index = self._level_index[level]
+            self.view.changed_all()
 
     def index_levels(self) -> tuple[str, ...]:
         """The fallback levels this router has, best first."""
@@ -367,6 +388,7 @@ class Router:
         inside = min(self._reported_waiting.get(wid, 0), queue.in_flight)
         state.num_waiting = len(queue) + inside
         state.num_running = queue.in_flight - inside
+        self.view.changed(wid)
 
     def _work_done(self, flight: Flight, tokens: int) -> None:
         tokens = max(tokens, 0)
@@ -374,6 +396,7 @@ class Router:
         state = self.view.workers.get(flight.worker)
         if state is not None:
             state.tokens_in_flight -= tokens
+            self.view.changed(flight.worker)
 
     def _hook(self, hook: Callable[..., object], *args: object) -> None:
         """Run a policy hook; live, one that raises must not take the request down with it."""

@@ -41,6 +41,11 @@ class GlobalPolicy:
     """Base class with no-op hooks; subclasses implement `route`."""
 
     name = "?"
+    # Whether `route` reads what changes while requests decode: `tokens_in_flight`,
+    # `kv_used_blocks`, or counters kept by `on_token`. A simulator must then apply every
+    # engine's finished steps before each decision. False lets it apply an engine's decode steps
+    # when that engine's run ends or gets a request, so a decision costs the same on any fleet.
+    reads_progress = True
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         """Choose a healthy worker for `request`. Must not mutate `view`."""
@@ -76,6 +81,10 @@ class LocalPolicy:
     """
 
     name = "?"
+    # The head of the queue changes only when requests join or leave (not as cached blocks are
+    # evicted or tokens are served): a simulated engine may then run decode steps back to back
+    # while the head waits for memory.
+    stable_head = False
 
     def push(self, request: Request) -> None:
         raise NotImplementedError

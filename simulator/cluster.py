@@ -150,6 +150,11 @@ class SimCluster:
                     router.routing_log = []
             else:
                 self._share_state()
+        # Which engines an arrival must bring up to date: those with any step ended, or, when
+        # nothing routing reads moves while requests decode, only those whose run has ended
+        # (a finish or an admission): then an arrival costs the same on any fleet.
+        counting_queues = in_router and self.router.queues[0].counts_tokens
+        self._lazy = not (self.policy.reads_progress or self.precise or counting_queues)
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self._next_turns: dict[str, deque[Request]] = {}
@@ -271,13 +276,16 @@ class SimCluster:
             router.worker_up(worker)
 
     def _sync(self, now: float) -> None:
-        """Apply the engine steps that have ended by `now`: only engines with one due, found in
-        a heap of step ends, so routing costs the same whatever the fleet's size."""
+        """Apply the engine steps that have ended by `now`: only engines with one due (see
+        `_lazy`), found in a heap, so routing costs the same whatever the fleet's size."""
         due, engines = self._due, self.engines
         while due and due[0][0] <= now:
             end, wid = heapq.heappop(due)
-            if engines[wid].next_step_end == end:  # else a stale entry: the run was replanned
+            if self._due_at(engines[wid]) == end:  # else a stale entry: the run was replanned
                 engines[wid].sync(now)
+
+    def _due_at(self, engine: Engine) -> float | None:
+        return engine.run_end if self._lazy else engine.next_step_end
 
     def on_engine_changed(self, engine: Engine) -> None:
         """An engine's state moved: tell the router what the server would report, and note
@@ -285,7 +293,7 @@ class SimCluster:
         waiting, used = len(engine.waiting), engine.blocks.num_used
         for router in self.routers:
             router.report(engine.id, waiting=waiting, kv_used_blocks=used)
-        end = engine.next_step_end
+        end = self._due_at(engine)
         if end is not None:
             heapq.heappush(self._due, (end, engine.id))
 

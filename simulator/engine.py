@@ -204,6 +204,15 @@ class Engine:
             return None
         return run.ends[run.applied]
 
+    @property
+    def run_end(self) -> float | None:
+        """When the planned run ends, its last step applied (None: nothing planned). Requests
+        start and finish only at run boundaries; within a run, decode steps only add tokens."""
+        run = self._run
+        if run is None or run.applied == len(run.ends):
+            return None
+        return run.ends[-1]
+
     def _tell(self) -> None:
         if self._changed is not None:
             self._changed(self)
@@ -260,6 +269,7 @@ class Engine:
         if len(run.ends) > run.applied + 1:
             del run.ends[run.applied + 1 :]
             self._schedule_end(run)
+            self._tell()  # the run ends earlier
 
     # --------------------------------------------------------------- planning
 
@@ -349,7 +359,10 @@ class Engine:
             num_new = min(seq.total_len - cached, budget)
             need = blocks.blocks_for(cached + num_new) - hit
             if need > blocks.num_free_after_hit(seq.hashes, hit):
-                return budget, True
+                # Decode steps only take memory, so the head stays blocked while they run;
+                # but a discipline that reorders by cached blocks or tokens served may put a
+                # request that fits at the head after a step, so it must see every step.
+                return budget, self.local.stable_head
             self.local.pop(req, cached)
             del self.waiting[req.id]
             blocks.pin_prefix(seq.table, seq.hashes, hit)
