@@ -52,8 +52,8 @@ def to_levels(cluster: LiveCluster) -> list[str]:
 class Asker:
     """Sends token prompts through the proxy; returns what the worker reused."""
 
-    def __init__(self, base: str) -> None:
-        self.oa = client(base)
+    def __init__(self, base: str, **kw) -> None:
+        self.oa = client(base, **kw)
         self.sent = 0
 
     async def __call__(self, prompt: list[int]) -> int:
@@ -75,11 +75,12 @@ async def until_precise_holds(cluster: LiveCluster, prompt: list[int], tries: in
     return held
 
 
-async def subscribed(ask: Asker, cluster: LiveCluster) -> None:
+async def subscribed(ask: Asker, cluster: LiveCluster, first: int = 1000) -> None:
     """Wait until the proxy hears the worker's KV events (a ZMQ subscriber misses what was
-    published before it connected): probe prompts until one is placed."""
+    published before it connected): probe prompts (documents `first`, ...) until one is
+    placed. A probe the worker had cached already is stored again by no event: use new ones."""
     for k in range(50):
-        probe = doc(1000 + k, 2 * BLOCK + 1)
+        probe = doc(first + k, 2 * BLOCK + 1)
         await ask(probe)
         if await until_precise_holds(cluster, probe, tries=10) == 2:
             return
