@@ -6,6 +6,7 @@ asserted (the machines are shared and noisy).
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import random
@@ -34,6 +35,7 @@ AREAS = {
     "simulator/cost_model.py": "cost model",
     "simulator/cluster.py": "router loop (view, dispatch)",
     "router/prefix_index.py": "prefix index",
+    "router/": "router core (route, dispatch, load)",
     "policies/": "policies",
     "simpy/": "SimPy event loop",
 }
@@ -166,7 +168,9 @@ def fleet_scaling(
 def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
     """Router.route end to end (policy, index insert and eviction, hooks) against a 1M-block
     index on 16 workers, each request finished right after: the tail with the collector as it
-    is, and with the index frozen out of it (router.collector)."""
+    is, and paced as the live proxy paces it (router.collector). Per decision, wall time and the
+    thread's CPU time (which a busy machine's scheduler does not inflate); per mode, the
+    collector's passes and the longest of them."""
     import gc
 
     import policies
@@ -175,9 +179,8 @@ def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
 
     bs, num_workers, prompt_blocks = 16, 16, 8192 // 16
     rows = []
-    for mode in ("default collector", "frozen (CollectorPacing)"):
+    for mode in ("default collector", "CollectorPacing"):
         gc.collect()
-        gc.unfreeze()
         index, prompts, trunks = build_index(1_000_000, num_workers, prompt_blocks)
         router = Router(
             policies.global_policies.create("lpm"),
@@ -189,24 +192,27 @@ def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
         router.view.index = router.approx_index = index
         for w in range(num_workers):
             router.add_worker(w, kv_capacity_blocks=index.num_blocks(w))
-        pacing = CollectorPacing(every=1.0) if mode.startswith("frozen") else None
+        pacing = CollectorPacing(every=1.0) if mode == "CollectorPacing" else None
         rng = random.Random(2)
-        times = np.empty(num_requests)
+        wall, cpu = np.empty(num_requests), np.empty(num_requests)
         now = float(len(prompts))
-        for i in range(num_requests):
-            doc = rng.choice(prompts)
-            blocks = doc[: prompt_blocks - 8] + [rng.getrandbits(63) for _ in range(8)]
-            request = Request(i, now, 8192 + 7, 128, blocks, client=f"c{i % 8}")
-            now += 0.001
-            started = time.perf_counter_ns()
-            if pacing is not None:
-                pacing.tick(time.monotonic())
-            routed = router.route(request, now)
-            times[i] = time.perf_counter_ns() - started
-            for r in routed.released:
-                router.finish(r, now)
-        gc.unfreeze()
-        us = times / 1000
+        with _collector_passes() as passes:
+            for i in range(num_requests):
+                doc = rng.choice(prompts)
+                blocks = doc[: prompt_blocks - 8] + [rng.getrandbits(63) for _ in range(8)]
+                request = Request(i, now, 8192 + 7, 128, blocks, client=f"c{i % 8}")
+                now += 0.001
+                started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
+                if pacing is not None:
+                    pacing.tick(time.monotonic())
+                routed = router.route(request, now)
+                wall[i] = time.perf_counter_ns() - started
+                cpu[i] = time.thread_time_ns() - started_cpu
+                for r in routed.released:
+                    router.finish(r, now)
+        if pacing is not None:
+            pacing.stop()
+        us = wall / 1000
         rows.append(
             {
                 "collector": mode,
@@ -214,11 +220,35 @@ def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
                 "p99 us": float(np.percentile(us, 99)),
                 "p99.9 us": float(np.percentile(us, 99.9)),
                 "max us": float(us.max()),
-                "full passes": gc.get_stats()[2]["collections"],
+                "p99.9 cpu us": float(np.percentile(cpu, 99.9)) / 1000,
+                "passes gen 0/1/2": "/".join(str(len(p)) for p in passes),
+                "longest pass cpu us": max(max(p, default=0) for p in passes) / 1000,
             }
         )
         del router, index, prompts
     return rows
+
+
+@contextlib.contextmanager
+def _collector_passes():
+    """The collector's passes meanwhile, by generation: the thread's CPU time (ns) each took."""
+    import gc
+
+    passes: list[list[int]] = [[], [], []]
+    started = 0
+
+    def timed(phase: str, info: dict) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.thread_time_ns()
+        else:
+            passes[info["generation"]].append(time.thread_time_ns() - started)
+
+    gc.callbacks.append(timed)
+    try:
+        yield passes
+    finally:
+        gc.callbacks.remove(timed)
 
 
 def run_bench(trace: str | None = None, quick: bool = False) -> int:
