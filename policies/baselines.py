@@ -20,7 +20,9 @@ class RoundRobin(GlobalPolicy):
     """Each healthy worker in turn, in id order."""
 
     default_local = "fcfs"
-    reads_progress = False
+
+    def progress_read(self, request: Request, view: ClusterView) -> tuple[()]:
+        return ()  # the turn or a draw reads no load
 
     def __init__(self) -> None:
         self._next = 0
@@ -41,7 +43,8 @@ class Random(GlobalPolicy):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    reads_progress = False
+    def progress_read(self, request: Request, view: ClusterView) -> tuple[()]:
+        return ()  # the turn or a draw reads no load
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         return Decision(self._rng.choice(view.routable_workers()).id, "random")

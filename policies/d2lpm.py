@@ -70,6 +70,7 @@ class DistributedDLPM(GlobalPolicy):
         self.active: dict[WorkerId, dict[str, int]] = {}  # worker -> client -> outstanding
         self._matched: dict[int, int] = {}  # request id -> blocks matched on the chosen worker
         self._sent: dict[int, _Sent] = {}  # request id -> its dispatch, while outstanding
+        self._last_match: tuple[int, dict[WorkerId, int]] = (-1, {})
 
     def deficit(self, client: str, worker: WorkerId) -> float:
         """The client's deficit on `worker` as a new request would find it."""
@@ -78,13 +79,28 @@ class DistributedDLPM(GlobalPolicy):
             return d
         return min(d, 0.0) + self.quantum
 
+    def progress_read(self, request: Request, view: ClusterView) -> set[WorkerId]:
+        """Deficits move as requests decode (output is charged per token): those of the
+        holders, one of which may be chosen, and of the shortest queue, the fallback."""
+        matched = self._match(request, view)
+        enough = self.cache_threshold * request.num_blocks
+        return {w for w, m in matched.items() if m > enough} | {view.least(shortest_queue).id}
+
+    def _match(self, request: Request, view: ClusterView) -> dict[WorkerId, int]:
+        """Blocks matched per healthy worker; kept from `progress_read` for `route`."""
+        if self._last_match[0] != request.id:
+            healthy = view.workers
+            matched = {
+                w: m
+                for w, m in view.index.match(request.block_hashes).items()
+                if (state := healthy.get(w)) is not None and state.healthy
+            }
+            self._last_match = (request.id, matched)
+        return self._last_match[1]
+
     def route(self, request: Request, view: ClusterView) -> Decision:
-        healthy = view.workers
-        matched = {
-            w: m
-            for w, m in view.index.match(request.block_hashes).items()
-            if (state := healthy.get(w)) is not None and state.healthy
-        }
+        matched = self._match(request, view)
+        self._last_match = (-1, {})
         enough = self.cache_threshold * request.num_blocks
         holders = [w for w in matched if matched[w] > enough]
         if is_imbalanced(view, *self.balance):
@@ -95,7 +111,7 @@ class DistributedDLPM(GlobalPolicy):
             self._refill(w)
         in_credit = [w for w in holders if self.deficit(request.client, w) > 0]
         if in_credit:
-            target = min(in_credit, key=lambda w: (healthy[w].num_outstanding, -matched[w], w))
+            target = min(in_credit, key=lambda w: (view.workers[w].num_outstanding, -matched[w], w))
             self._matched[request.id] = matched[target]
             return Decision(target, "holds prefix, client in credit: shortest queue")
         target = view.least(shortest_queue).id

@@ -52,7 +52,6 @@ class LongestPrefixMatch(GlobalPolicy):
     """Longest cached prefix above a match ratio, least load when imbalanced (SGLang)."""
 
     default_local = "lpm"
-    reads_progress = False  # queues in requests, what caches hold: nothing moves mid-decode
 
     def __init__(
         self,
@@ -63,6 +62,9 @@ class LongestPrefixMatch(GlobalPolicy):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
+
+    def progress_read(self, request: Request, view: ClusterView) -> tuple[()]:
+        return ()  # queues in requests and what caches hold: neither moves while decoding
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         if is_imbalanced(view, self.balance_abs_threshold, self.balance_rel_threshold):

@@ -23,7 +23,7 @@ policy has forgotten: the backends call them from failure paths too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from router.cluster import ClusterView
@@ -41,11 +41,6 @@ class GlobalPolicy:
     """Base class with no-op hooks; subclasses implement `route`."""
 
     name = "?"
-    # Whether `route` reads what changes while requests decode: `tokens_in_flight`,
-    # `kv_used_blocks`, or counters kept by `on_token`. A simulator must then apply every
-    # engine's finished steps before each decision. False lets it apply an engine's decode steps
-    # when that engine's run ends or gets a request, so a decision costs the same on any fleet.
-    reads_progress = True
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         """Choose a healthy worker for `request`. Must not mutate `view`."""
@@ -53,6 +48,13 @@ class GlobalPolicy:
 
     def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         pass
+
+    def progress_read(self, request: Request, view: ClusterView) -> Collection[WorkerId] | None:
+        """The workers whose decode progress `route` and `on_dispatch` may read for `request`
+        (`tokens_in_flight`, `kv_used_blocks`, counters kept by `on_token`); None: any worker.
+        A simulator applies those workers' finished decode steps before routing and leaves the
+        others' for their run's end, so naming few keeps a decision's cost flat in the fleet."""
+        return None
 
     def on_first_token(self, request: Request, worker: WorkerId, now: float) -> None:
         pass

@@ -154,7 +154,8 @@ class SimCluster:
         # nothing routing reads moves while requests decode, only those whose run has ended
         # (a finish or an admission): then an arrival costs the same on any fleet.
         counting_queues = in_router and self.router.queues[0].counts_tokens
-        self._lazy = not (self.policy.reads_progress or self.precise or counting_queues)
+        names_workers = type(self.policy).progress_read is not GlobalPolicy.progress_read
+        self._lazy = names_workers and not (self.precise or counting_queues)
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self._next_turns: dict[str, deque[Request]] = {}
@@ -302,6 +303,10 @@ class SimCluster:
         self._sync(now)
         router = self.routers[self._next_router]
         self._next_router = (self._next_router + 1) % len(self.routers)
+        if self._lazy:  # bring up to date what this decision reads, and nothing else
+            read = router.policy.progress_read(req, router.view)
+            for wid in range(len(self.engines)) if read is None else read:
+                self.engines[wid].sync(now)
         routed = router.route(req, now)
         if len(self.routers) > 1:
             self._owner[req.id] = router

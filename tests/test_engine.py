@@ -134,6 +134,12 @@ class TestFastForwardLazySync(TestFastForward):
     policy, local = "lpm", "fcfs"
 
 
+class TestFastForwardNamedWorkers(TestFastForward):
+    """D²LPM names the workers whose deficits it reads: only those are brought up to date."""
+
+    policy, local = "d2lpm", "fcfs"
+
+
 class TestFastForwardReorderingQueue(TestFastForward):
     """An LPM queue may put a request that fits at its head as decode steps evict cached
     blocks: with a request waiting for memory, the engine steps one at a time."""
