@@ -328,15 +328,15 @@ class PrefixIndex:
 def _common_prefix(key: tuple[BlockHash, ...], hashes: Sequence[BlockHash], pos: int) -> int:
     """Length of the common prefix of `key` and `hashes[pos:]` (key[0] is known to match).
 
-    Chained hashes agree up to where two prompts diverge and differ from there on, so the
-    divergence is found by bisecting single blocks, and one slice comparison (in C) confirms it.
-    Stepping block by block in Python cost ~30 us for a prompt leaving a 500-block edge near
-    its end; only hashes that are not chained still pay that.
+    Slices compare in C. Where they differ, chained hashes agree up to the divergence and differ
+    from there on, so it is found by bisecting single blocks, and one slice comparison confirms
+    it; stepping block by block in Python cost ~30 us for a prompt leaving a 500-block edge near
+    its end. Only hashes that are not chained still pay that.
     """
     n = min(len(key), len(hashes) - pos)
+    if tuple(hashes[pos : pos + n]) == key[:n]:
+        return n  # most edges on a walk: all of it
     lo, hi = 1, n  # if chained: equal below `lo`, different from `hi` on
-    if key[n - 1] == hashes[pos + n - 1]:
-        lo = n
     while lo < hi:
         mid = (lo + hi) // 2
         if key[mid] == hashes[pos + mid]:
@@ -344,7 +344,7 @@ def _common_prefix(key: tuple[BlockHash, ...], hashes: Sequence[BlockHash], pos:
         else:
             hi = mid
     if tuple(hashes[pos : pos + lo]) == key[:lo]:
-        return lo  # key[lo] differs (or lo == n): the common prefix is exact
+        return lo  # and key[lo] differs: exact
     i = 1
     while key[i] == hashes[pos + i]:  # not chained: the plain scan (it stops before `lo`)
         i += 1
