@@ -9,7 +9,7 @@ everything below it on that worker with it: a prefix match could not reach past 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgpack
 
@@ -21,11 +21,20 @@ log = logging.getLogger(__name__)
 
 class KVEventIndexer:
     """`block_size`: the router's. Blocks of another size (a worker configured apart from the
-    router) can never match a prompt's hashes: they are not indexed, and a warning says why."""
+    router) can never match a prompt's hashes: they are not indexed, and a warning says why.
+    `changed(worker)` is told after each change to what the index says the worker holds (the
+    router's view re-keys the worker in the orders policies read)."""
 
-    def __init__(self, index: PrefixIndex, worker: WorkerId, block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        worker: WorkerId,
+        block_size: int | None = None,
+        changed: Callable[[WorkerId], None] | None = None,
+    ) -> None:
         self.index = index
         self.worker = worker
+        self.changed = changed or (lambda _: None)
         self.block_size = block_size
         self.other_sizes: set[int] = set()  # block sizes heard of and ignored
         self._blocks: dict[int, tuple[BlockHash, int | None]] = {}  # vLLM hash -> ours, parent
@@ -69,10 +78,12 @@ class KVEventIndexer:
             path = self._path(name)
             if path:
                 self.index.remove_prefix(path, self.worker)
+                self.changed(self.worker)
             self._blocks.pop(name, None)
 
     def cleared(self) -> None:
         self.index.remove_worker(self.worker)
+        self.changed(self.worker)
         self._blocks.clear()
 
     def _stored_tokens(self, fields: dict, now: float) -> None:
@@ -110,6 +121,7 @@ class KVEventIndexer:
             previous = name
         # A store is the new blocks' first use; reuses of the prefix are counted on routing.
         self.index.insert(prefix + list(ours), self.worker, now, hits_from=len(prefix))
+        self.changed(self.worker)
 
     def _path(self, name: int) -> list[BlockHash]:
         """Our hashes from the root to vLLM block `name` ([] if unknown)."""

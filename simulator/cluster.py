@@ -134,7 +134,9 @@ class SimCluster:
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
         for i in range(config.num_workers):
             # Precise: every replica subscribes to every engine's KV events.
-            indexers = [KVEventIndexer(r.view.index, i) for r in self.routers]
+            indexers = [
+                KVEventIndexer(r.view.index, i, changed=r.view.changed) for r in self.routers
+            ]
             sink = DelayedKVEvents(self, i, indexers) if self.precise else None
             # Router placement: a stock vLLM behind the router's queue, first come first served.
             local = fcfs() if in_router else self.local_factory()

@@ -150,14 +150,15 @@ class Monitor:
                 worker.id, size, ours, size,
             )  # fmt: skip
         # The index counts blocks of the router's size; the worker's are another size.
-        state.kv_capacity_blocks = blocks * size // ours
+        self.cluster.router.report(worker.id, kv_capacity_blocks=blocks * size // ours)
 
     async def _subscribe(self, worker: LiveWorker) -> None:
         # The KV-event index, not `view.index`: that is whatever routing uses now, and after a
         # fallback (router.drift) a worker added or resubscribed would feed the approximate
         # or the load-only index, and the precise one, scored for recovery, never hear it.
         router = self.cluster.router
-        indexer = KVEventIndexer(router.held, worker.id, self.cluster.view.block_size)
+        view = self.cluster.view
+        indexer = KVEventIndexer(router.held, worker.id, view.block_size, changed=view.changed)
         socket = self._zmq.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         try:

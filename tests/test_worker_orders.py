@@ -1,0 +1,90 @@
+"""The orders a tracked view keeps (least loaded, shortest queue, smallest cache) must name the
+same worker a pass over the fleet would, whatever the router core and KV events did since."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import policies
+from policies.baselines import least_tokens
+from policies.lpm import shortest_queue, shortest_queue_among, smallest_cache
+from router.cluster import ClusterView
+from router.core import Router
+from router.kv_events import KVEventIndexer
+from router.request import Request
+
+BS = 16
+KEYS = (least_tokens, shortest_queue, smallest_cache)
+
+
+def scanned(view: ClusterView) -> ClusterView:
+    """The same state, read by a pass over the workers."""
+    return ClusterView(view.now, view.workers, view.index, view.block_size, view.cost)
+
+
+def assert_orders_agree(view: ClusterView) -> None:
+    plain = scanned(view)
+    for key in KEYS:
+        assert view.least(key).id == plain.least(key).id, key.__name__
+        assert view.most(key).id == plain.most(key).id, key.__name__
+        assert list(view.ordered(key)) == plain.ordered(key), key.__name__
+    candidates = {w for w in view.workers if w % 3 == 0 and view.workers[w].healthy}
+    if candidates:
+        assert shortest_queue_among(view, candidates) == shortest_queue_among(plain, candidates)
+
+
+@pytest.mark.parametrize("precise", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_tracked_orders_match_a_scan(precise: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    router = Router(
+        policies.global_policies.create("lpm"),
+        lambda: policies.local_policies.create("fcfs"),
+        BS,
+        window=rng.choice([None, 2]),
+        precise=precise,
+    )
+    num_workers = 24
+    for w in range(num_workers):
+        router.add_worker(w, kv_capacity_blocks=rng.randint(40, 400))
+    indexers = [KVEventIndexer(router.view.index, w, changed=router.view.changed) for w in
+                range(num_workers)]  # fmt: skip
+    docs = [[rng.getrandbits(60) for _ in range(rng.randint(2, 30))] for _ in range(12)]
+    live: dict[int, Request] = {}
+    now = 0.0
+    for i in range(1500):
+        now += rng.random() * 0.01
+        op = rng.random()
+        if op < 0.35 or not live:
+            blocks = rng.choice(docs) + [rng.getrandbits(60) for _ in range(rng.randint(0, 3))]
+            request = Request(i, now, len(blocks) * BS + 1, rng.randint(1, 50), blocks)
+            router.route(request, now)
+            live[i] = request
+        elif op < 0.6:
+            router.tokens(live[rng.choice(list(live))], rng.randint(1, 8), now)
+        elif op < 0.75:
+            request = live.pop(rng.choice(list(live)))
+            router.first_token(request, now)
+            router.finish(request, now)
+        elif op < 0.82:
+            router.report(rng.randrange(num_workers), waiting=rng.randint(0, 3),
+                          kv_used_blocks=rng.randint(0, 300))  # fmt: skip
+        elif op < 0.86:
+            wid = rng.randrange(num_workers)
+            for request in router.worker_down(wid, now):
+                live.pop(request.id, None)
+        elif op < 0.9:
+            router.worker_up(rng.randrange(num_workers))
+        elif op < 0.95 and precise:  # a worker tells what it stored or evicted
+            w, doc = rng.randrange(num_workers), rng.choice(docs)
+            if rng.random() < 0.5:
+                hashes = doc[: rng.randint(1, len(doc))]
+                indexers[w].stored(hashes, None, hashes, now)
+            else:
+                indexers[w].removed(doc[rng.randint(0, len(doc) - 1) :])
+        else:
+            router.set_index_level(rng.choice(router.index_levels()), now)
+        if any(s.healthy for s in router.view.workers.values()):
+            assert_orders_agree(router.view)
