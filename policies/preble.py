@@ -256,16 +256,17 @@ class PrebleE2(GlobalPolicy):
     def route(self, request: Request, view: ClusterView) -> Decision:
         _require_cost(view)
         workers = sorted(w.id for w in view.routable_workers())
+        healthy = set(workers)
         self._expire(view.now)
         hashes = request.block_hashes
-        matched = {w: m for w, m in view.index.match(hashes).items() if w in workers}
+        matched = {w: m for w, m in view.index.match(hashes).items() if w in healthy}
         best = max(matched.values(), default=0)
         cached = best * view.block_size
         if best and cached > request.prompt_len - cached:
             group = self._group_of(hashes[best - 1])
             self._routed[request.id] = (matched, group)
             holders = [w for w, m in matched.items() if m == best]
-            candidates = [w for w in self._placement(group, best, holders) if w in workers]
+            candidates = [w for w in self._placement(group, best, holders) if w in healthy]
             terms = self.explore_costs(request, view, matched, candidates or holders)
             target = min(terms, key=lambda w: (terms[w][0] + terms[w][1], w))
             return Decision(target, "exploit" if target in holders else "exploit: rebalanced")
@@ -299,11 +300,18 @@ class PrebleE2(GlobalPolicy):
         if candidates is None:
             candidates = [w.id for w in view.healthy_workers()]
         bs, out = view.block_size, {}
+        num_blocks, workers = request.num_blocks, view.workers
+        shares, decode = self._prefill_share, self.window.decode  # load(w), inlined: O(W) calls
+        prefill_for: dict[int, float] = {}  # by blocks hit: most workers hit nothing
         for w in sorted(candidates):
             hit = matched.get(w, 0)
-            prefill = cost.prefill_time(request.prompt_len - hit * bs, hit * bs)
-            evict = self._eviction_cost(view, view.workers[w], request.num_blocks - hit, cost)
-            out[w] = (self.load(w), evict, prefill)
+            prefill = prefill_for.get(hit)
+            if prefill is None:
+                prefill = prefill_for[hit] = cost.prefill_time(
+                    request.prompt_len - hit * bs, hit * bs
+                )
+            evict = self._eviction_cost(view, workers[w], num_blocks - hit, cost)
+            out[w] = (shares.get(w, 0.0) + decode.get(w, 0.0), evict, prefill)
         return out
 
     def _eviction_cost(
@@ -321,9 +329,10 @@ class PrebleE2(GlobalPolicy):
             return 0.0
         total, bs = 0.0, view.block_size
         for node in view.index.eviction_victims(worker.id, to_evict):
-            length = len(node.key) * bs
             hits = view.index.hit_count(node, view.now)
-            total += cost.prefill_time(length, node.depth * bs - length) * hits
+            if hits:  # a prefix nobody reused lately costs nothing to lose
+                length = len(node.key) * bs
+                total += cost.prefill_time(length, node.depth * bs - length) * hits
         return total
 
     # ------------------------------------------------------------------ hooks
