@@ -25,17 +25,28 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
 from router.proxy.bench_proxy import free_port, process, throughput, wait_healthy
+from router.proxy.prompts import PromptEncoder
+from router.proxy.replicas import REPLICA_HEADER
 from router.records import RequestRecord
+from router.request import Request
 from router.tables import format_table
+from simulator.cluster import SimCluster, SimConfig, simulate
+from simulator.cost_model import CostModel, roofline
+from simulator.engine import EngineConfig
+from traces.schema import Trace, finish
 from workers import emulated
 
 ROOT = Path(__file__).resolve().parents[2]
+# The emulated workers, as the simulator's replay models them too.
+WORKERS, PRESET, GPU, BLOCK_SIZE = 2, "llama-3-8b", "a100-80g", 128
+FAST, SLOW = 50.0, 2.0  # x wall time: the throughput and locality workers, the fairness ones
+DOC_OUTPUT, FLOOD_OUTPUT = 8, 32  # tokens
 
 
 @dataclass(frozen=True)
@@ -76,19 +87,38 @@ def fairway(scratch: Path, model: Path, workers: list[str], setup: Setup, policy
         yield f"http://127.0.0.1:{port}"
 
 
-async def stream_one(
-    session: aiohttp.ClientSession, url: str, prompt: str, tenant: str, max_tokens: int, t0: float
-) -> RequestRecord | None:
-    """One streamed completion, timed at the client; None if it did not end complete."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+@dataclass
+class Sent:
+    """One request of a load: what the simulator replays, and what came back live."""
+
+    tenant: str
+    prompt: str
+    max_tokens: int
+    tag: int = 0  # the record's id (the document, for the documents load)
+    at: float = 0.0  # when the client sent it, seconds after the load's start
+    replica: int | None = None  # the replica that answered (None: one router, or no answer)
+    record: RequestRecord | None = None  # None: it did not end complete
+
+
+def records_of(sent: list[Sent]) -> list[RequestRecord]:
+    return [s.record for s in sent if s.record is not None]
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, sent: Sent, t0: float) -> None:
+    """One streamed completion, timed at the client: fills in `sent`."""
+    body = {"model": "tiny", "prompt": sent.prompt, "max_tokens": sent.max_tokens,
+            "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}  # fmt: skip
     start = time.monotonic()
+    sent.at = start - t0
     first, usage, done = None, None, False
     async with session.post(f"{url}/v1/completions", json=body,
-                            headers={"X-Client-Id": tenant}) as r:  # fmt: skip
+                            headers={"X-Client-Id": sent.tenant}) as r:  # fmt: skip
+        if (replica := r.headers.get(REPLICA_HEADER)) is not None:
+            sent.replica = int(replica.split("-", 1)[0])
         if r.status != 200:
             await r.read()
-            return None
+            return
         worker = int(r.headers.get("X-Fairway-Worker", -1))
         buf = b""
         async for chunk in r.content.iter_any():
@@ -102,20 +132,24 @@ async def stream_one(
                 elif data.startswith(b"{") and b'"usage"' in data:
                     usage = json.loads(data).get("usage") or usage
     if not done or usage is None or first is None:
-        return None
+        return
     end = time.monotonic()
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return RequestRecord(
-        id=0, client=tenant, session=None, worker=worker, arrival=start - t0,
+    sent.record = RequestRecord(
+        id=sent.tag, client=sent.tenant, session=None, worker=worker, arrival=start - t0,
         admitted=first - t0, first_token=first - t0, finish=end - t0,
         prompt_tokens=usage["prompt_tokens"], cached_tokens=cached,
         output_tokens=usage["completion_tokens"], preemptions=0,
     )  # fmt: skip
 
 
+def document_prompt(salt: str, d: int, i: int) -> str:
+    return f"{salt} document {d} about subject {d * 7919} " * 60 + f"question {i}"
+
+
 async def documents_load(
     url: str, num_docs: int, per_doc: int, concurrency: int, salt: str
-) -> list[RequestRecord]:
+) -> list[Sent]:
     """Rounds over the documents: request i asks about document i % num_docs. A replica that
     has not yet heard where another sent a document places it anew (often elsewhere). `salt`
     makes the documents new to the workers' caches."""
@@ -127,11 +161,9 @@ async def documents_load(
             while next_i < num_docs * per_doc:
                 i, next_i = next_i, next_i + 1
                 d = i % num_docs
-                doc = f"{salt} document {d} about subject {d * 7919} " * 60
-                record = await stream_one(session, url, doc + f"question {i}", "docs", 8, t0)
-                if record is not None:
-                    record.id = d
-                    out.append(record)
+                sent = Sent("docs", document_prompt(salt, d, i), DOC_OUTPUT, tag=d)
+                out.append(sent)
+                await stream_one(session, url, sent, t0)
 
         await asyncio.gather(*(loop() for _ in range(concurrency)))
     return out
@@ -143,7 +175,7 @@ def flood_prompt(salt: str, tenant: str, j: int) -> str:
 
 async def flood_load(
     url: str, seconds: float, flood_rate: float, calm_rate: float, num_calm: int, salt: str
-) -> list[RequestRecord]:
+) -> list[Sent]:
     """Open loop, as the simulator's `flood`: one tenant sends Poisson arrivals faster than the
     workers serve, `num_calm` others slowly, each over a prompt prefix of its own."""
     rng = random.Random(0)
@@ -157,20 +189,93 @@ async def flood_load(
             arrivals.append((t, tenant))
             t += rng.expovariate(rate)
     arrivals.sort()
-    t0 = time.monotonic()
+    t0, out = time.monotonic(), []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = []
         for j, (at, tenant) in enumerate(arrivals):
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            prompt = flood_prompt(salt, tenant, j)
-            tasks.append(asyncio.create_task(stream_one(session, url, prompt, tenant, 32, t0)))
-        done = await asyncio.gather(*tasks)
-    return [r for r in done if r is not None]
+            sent = Sent(tenant, flood_prompt(salt, tenant, j), FLOOD_OUTPUT, tag=j)
+            out.append(sent)
+            tasks.append(asyncio.create_task(stream_one(session, url, sent, t0)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+# ------------------------------------------------------------------ the simulator's replay
+
+
+class _LiveSplit(SimCluster):
+    """The simulator with the live run's balancer: each request goes to the replica that
+    answered it live (the kernel's SO_REUSEPORT hash of the client's connections), not round
+    robin. A request with no answer keeps the round robin's turn."""
+
+    def __init__(self, trace: Trace, cost: CostModel, config: SimConfig, split: dict[int, int]):
+        super().__init__(trace, cost, config)
+        self.split = split
+
+    def dispatch(self, req: Request) -> None:
+        if (replica := self.split.get(req.id)) is not None:
+            self._next_router = replica % len(self.routers)
+        super().dispatch(req)
+
+
+def replay(
+    sent: list[Sent],
+    encoder: PromptEncoder,
+    speed: float,
+    setup: Setup,
+    policy: str,
+    window: int,
+    live_split: bool = False,
+) -> list[RequestRecord]:
+    """The live load replayed by `fairway simulate`'s cluster: the same prompts (tokenized and
+    hashed as the proxy does), sent at the same moments, to as many workers as live running the
+    emulated workers' engine model and cost model, `setup.routers` replicas syncing every
+    `setup.sync` seconds, the router's queues with the same window. The emulated workers run
+    `speed` x faster than wall time, so wall seconds (arrivals, the sync) are `speed`
+    simulated ones. Records come back in wall seconds, admitted at the first token as the
+    live client measures it."""
+    requests = []
+    for k, s in enumerate(sent):
+        ids = encoder.completion_prompts(s.prompt)[0]
+        requests.append(Request(id=k, arrival=s.at * speed, prompt_len=len(ids),
+                                output_len=s.max_tokens, block_hashes=encoder.block_hashes(ids),
+                                client=s.tenant))  # fmt: skip
+    trace = finish(Trace(requests, BLOCK_SIZE, source="bench-replicas"))
+    config = SimConfig(
+        num_workers=WORKERS, policy=policy, placement="router", window=window,
+        routers=setup.routers, router_sync=setup.sync * speed,
+        engine=EngineConfig(fast_forward=False),  # as the emulated workers run it
+    )  # fmt: skip
+    cost = roofline(PRESET, GPU)
+    if live_split and setup.routers > 1:
+        split = {k: s.replica for k, s in enumerate(sent) if s.replica is not None}
+        result = _LiveSplit(trace, cost, config, split).run()
+    else:
+        result = simulate(trace, cost, config)
+    return [
+        replace(r, id=sent[r.id].tag, arrival=r.arrival / speed, admitted=r.first_token / speed,
+                first_token=r.first_token / speed, finish=r.finish / speed)
+        for r in result.records
+    ]  # fmt: skip
+
+
+def hit_rate(records: list[RequestRecord]) -> float:
+    return sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records))
+
+
+def service_gap(records: list[RequestRecord]) -> float:
+    from simulator.fairness import max_service_gap, service_curves
+
+    return max_service_gap(service_curves(records, step=0.25))
+
+
+def workers_per_document(records: list[RequestRecord]) -> float:
+    return len({(r.id, r.worker) for r in records}) / max(1, len({r.id for r in records}))
 
 
 def run_replicas_bench(quick: bool = False) -> int:
     from router.proxy.serve import ensure_tiny_model
-    from simulator.fairness import max_service_gap, service_curves
 
     if shutil.which("redis-server") is None:
         print("bench-replicas: needs redis-server (`make test` installs it)", file=sys.stderr)
@@ -182,14 +287,16 @@ def run_replicas_bench(quick: bool = False) -> int:
     stream = {"model": "tiny", "prompt": "benchmark " * 100, "max_tokens": 16, "stream": True}
     window = 4  # per worker, over all replicas, for the fairness runs
     compare = [Setup(1), Setup(2, 0.1), Setup(4, 0.1), Setup(4, 1.0), Setup(4, 60.0)]
-    throughput_rows, quality_rows = [], []
-    load_before = os.getloadavg()[0]
+    throughput_rows, quality_rows, sim_rows = [], [], []
+    encoder = PromptEncoder(model, BLOCK_SIZE)
+    load_before, started = os.getloadavg()[0], time.monotonic()
     with contextlib.ExitStack() as stack:
         fast, slow = [], []  # workers for throughput (cheap) and for fairness (a backlog)
-        for name, speed, out in (("fast", 50, fast), ("slow", 2, slow)):
-            for i in range(2):
+        for name, speed, out in (("fast", FAST, fast), ("slow", SLOW, slow)):
+            for i in range(WORKERS):
                 port = free_port()
-                argv = emulated.command(port, model, speed=speed)
+                argv = emulated.command(port, model, block_size=BLOCK_SIZE, preset=PRESET,
+                                        gpu=GPU, speed=speed)  # fmt: skip
                 log = scratch / f"worker-{name}-{i}.log"
                 stack.enter_context(process(argv, None, log, {"PYTHONPATH": str(ROOT)}))
                 out.append(f"http://127.0.0.1:{port}")
@@ -204,54 +311,92 @@ def run_replicas_bench(quick: bool = False) -> int:
             throughput_rows.append({"routers": n, "streams/s": rate, "vs 1 router": rate / base})
 
         # The flood's rate: 1.5 x what the slow workers serve here (measured, not assumed).
-        probe = {"model": "tiny", "prompt": flood_prompt("probe", "flood", 0), "max_tokens": 32,
-                 "stream": True, "ignore_eos": True}  # fmt: skip
+        probe = {"model": "tiny", "prompt": flood_prompt("probe", "flood", 0),
+                 "max_tokens": FLOOD_OUTPUT, "stream": True, "ignore_eos": True}  # fmt: skip
         with fairway(scratch, model, slow, Setup(1), "vtc", window) as url:
             capacity = asyncio.run(throughput(url, 4.0, 4 * window, probe))
         flood_rate, calm_rate, num_calm = 1.5 * capacity, 0.05 * capacity, 4
         for k, setup in enumerate(compare):
             with fairway(scratch, model, fast, setup, "lpm", 64) as url:
-                hits = asyncio.run(documents_load(url, docs, per_doc, 24, f"run {k}"))
+                sent_docs = asyncio.run(documents_load(url, docs, per_doc, 24, f"run {k}"))
             share = max(1, window // setup.routers)
             with fairway(scratch, model, slow, setup, "vtc", share) as url:
-                fair = asyncio.run(
+                sent_fair = asyncio.run(
                     flood_load(url, fair_seconds, flood_rate, calm_rate, num_calm, f"run {k}")
                 )
-            prompt = sum(r.prompt_tokens for r in hits)
-            placements = {(r.id, r.worker) for r in hits}
+            hits, fair = records_of(sent_docs), records_of(sent_fair)
             calm = [r.ttft for r in fair if r.client != "flood"]
             quality_rows.append({
                 "setup": setup.label,
-                "LPM hit rate": sum(r.cached_tokens for r in hits) / max(prompt, 1),
-                "workers per document": len(placements) / max(1, len({r.id for r in hits})),
-                "VTC max service gap": max_service_gap(service_curves(fair, step=0.25)),
+                "LPM hit rate": hit_rate(hits),
+                "workers per document": workers_per_document(hits),
+                "VTC max service gap": service_gap(fair),
                 "calm TTFT mean s": sum(calm) / max(1, len(calm)),
                 "window per replica": share,
                 "requests ok": len(hits) + len(fair),
             })  # fmt: skip
+            sim_rows.append(compare_with_simulator(setup, encoder, sent_docs, sent_fair, share))
+    live_wall = time.monotonic() - started
     cpu = platform.processor() or _cpu_model()
     print(
         f"Router replicas on one port (SO_REUSEPORT), this machine: {os.cpu_count()} cores "
-        f"({cpu}); replicas, Redis, 2 emulated workers and the load generator all share them; "
-        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after."
+        f"({cpu}); replicas, Redis, {WORKERS} emulated workers and the load generator all share "
+        f"them; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"{live_wall:.0f} s."
     )
     print(
-        f"Throughput: VTC, 2 workers (50x time), 16-token streams of a ~200-token prompt, "
-        f"{concurrency} concurrent for {seconds:.0f} s."
+        f"Throughput: VTC, {WORKERS} workers ({FAST:g}x time), 16-token streams of a ~200-token "
+        f"prompt, {concurrency} concurrent for {seconds:.0f} s."
     )
     print(format_table(throughput_rows))
     print(
         f"\nLocality: LPM, {docs} documents of ~530 tokens (4 blocks), asked {per_doc} times "
         f"each in rounds, 24 concurrent (hit rate from the workers' cached-token counts). "
         f"Fairness: VTC with the router's queues ordering (window {window} per worker over all "
-        f"replicas), 2 workers (2x time) serving about {capacity:.0f} requests/s here; for "
-        f"{fair_seconds:.0f} s one tenant floods at {flood_rate:.0f}/s and {num_calm} calm ones "
-        f"send {calm_rate:.1f}/s each (Poisson); service gap in weighted tokens (in + 2 x out) "
-        f"as the client sees it, and the calm tenants' mean TTFT."
+        f"replicas), {WORKERS} workers ({SLOW:g}x time) serving about {capacity:.0f} requests/s "
+        f"here; for {fair_seconds:.0f} s one tenant floods at {flood_rate:.0f}/s and {num_calm} "
+        f"calm ones send {calm_rate:.1f}/s each (Poisson); service gap in weighted tokens "
+        f"(in + 2 x out) as the client sees it, and the calm tenants' mean TTFT."
     )
     print(format_table(quality_rows))
+    print(
+        "\nThe simulator against the live runs above (issue 10 C): each run's requests replayed "
+        "by `fairway simulate`'s cluster (the same prompts hashed as the proxy hashes them, sent "
+        "at the moments the live client sent them, the emulated workers' engine and cost model, "
+        "`routers=N, router_sync=S`, wall seconds x the workers' speed). `sim` is its own "
+        "balancer (round robin over arrivals); `sim, live split` sends each request to the "
+        "replica that answered it live (the kernel's SO_REUSEPORT hash of the client's "
+        "connections). Service gap as above, the simulated first token standing for the first "
+        "byte."
+    )
+    print(format_table(sim_rows))
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def compare_with_simulator(
+    setup: Setup, encoder: PromptEncoder, docs: list[Sent], fair: list[Sent], share: int
+) -> dict[str, object]:
+    """One row of the simulator-against-live table for `setup`'s two runs."""
+    live_hits, live_fair = records_of(docs), records_of(fair)
+    sim = {
+        split: (
+            replay(docs, encoder, FAST, setup, "lpm", 64, split),
+            replay(fair, encoder, SLOW, setup, "vtc", share, split),
+        )
+        for split in (False, True)
+    }
+    return {
+        "setup": setup.label,
+        "hit live": hit_rate(live_hits),
+        "hit sim": hit_rate(sim[False][0]),
+        "hit sim, live split": hit_rate(sim[True][0]),
+        "workers/doc live": workers_per_document(live_hits),
+        "sim": workers_per_document(sim[False][0]),
+        "gap live": service_gap(live_fair),
+        "gap sim": service_gap(sim[False][1]),
+        "gap sim, live split": service_gap(sim[True][1]),
+    }
 
 
 def _cpu_model() -> str:
