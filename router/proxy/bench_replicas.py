@@ -148,13 +148,15 @@ def document_prompt(salt: str, d: int, i: int) -> str:
 
 
 async def documents_load(
-    url: str, num_docs: int, per_doc: int, concurrency: int, salt: str
+    url: str, num_docs: int, per_doc: int, concurrency: int, salt: str, fresh: bool = False
 ) -> list[Sent]:
     """Rounds over the documents: request i asks about document i % num_docs. A replica that
     has not yet heard where another sent a document places it anew (often elsewhere). `salt`
-    makes the documents new to the workers' caches."""
+    makes the documents new to the workers' caches. `fresh`: a new connection per request, so
+    the kernel picks a replica for each (else for each of the client's kept-alive ones)."""
     t0, next_i, out = time.monotonic(), 0, []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh)
+    async with aiohttp.ClientSession(connector=connector) as session:
 
         async def loop() -> None:
             nonlocal next_i
