@@ -5,9 +5,9 @@ nodes, so CPython's collector keeps walking objects that will live on, and lands
 whichever decision allocated last (`make bench` times them, 1M-block index, defaults):
 
     pass     what it walks                                    every             cost
-    gen 0    allocations since the last pass (700)            ~90 decisions     0.2 ms
-    gen 1    the survivors of the last 10 gen-0 passes        ~900 decisions    1.5-3 ms
-    gen 2    the whole heap, index included                   when it grows     60-130 ms
+    gen 0    allocations since the last pass (700)            ~90 decisions     0.1-0.2 ms
+    gen 1    the survivors of the last 10 gen-0 passes        ~1000 decisions   1-1.5 ms
+    gen 2    the whole heap, index included                   when it grows     40-70 ms
 
 CollectorPacing reshapes all three:
 - `gc.freeze()` moves everything alive into a permanent generation no pass walks: at the first
