@@ -252,22 +252,31 @@ class Router:
         self._hook(self.policy.on_first_token, request, flight.worker, now)
 
     def tokens(self, request: Request, num_tokens: int, now: float) -> None:
-        """`num_tokens` more output tokens (negative: a correction to an earlier estimate).
-        Called once per sequence per decode step or run: the hot path of a simulation."""
-        flight = self._flights.get(request.id)
-        if flight is None:
-            return
-        done = num_tokens if num_tokens < flight.remaining else flight.remaining
-        if done > 0:
-            flight.remaining -= done
-            state = self.view.workers.get(flight.worker)
-            if state is not None:
-                state.tokens_in_flight -= done
-                self.view.changed(flight.worker)
-        if self._policy_counts_tokens:
-            self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
-        if flight.released and flight.queue.counts_tokens:
-            self._hook(flight.queue.on_token, request, num_tokens)
+        """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
+        self.tokens_many((request,), num_tokens, now)
+
+    def tokens_many(self, requests: Iterable[Request], num_tokens: int, now: float) -> None:
+        """`num_tokens` more for each of `requests`: a simulated engine's batch, one call per
+        step or run applied (the hot path of a simulation, so hooks that do nothing are not
+        called and the view is told once per worker)."""
+        flights, workers, changed = self._flights, self.view.workers, None
+        for request in requests:
+            flight = flights.get(request.id)
+            if flight is None:
+                continue
+            done = num_tokens if num_tokens < flight.remaining else flight.remaining
+            if done > 0:
+                flight.remaining -= done
+                state = workers.get(flight.worker)
+                if state is not None:
+                    state.tokens_in_flight -= done
+                    if flight.worker != changed:
+                        changed = flight.worker
+                        self.view.changed(changed)
+            if self._policy_counts_tokens:
+                self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
+            if flight.released and flight.queue.counts_tokens:
+                self._hook(flight.queue.on_token, request, num_tokens)
 
     def finish(
         self, request: Request, now: float, cached_tokens: int | None = None

@@ -334,8 +334,12 @@ class SimCluster:
     def on_first_token(self, seq: Seq, now: float) -> None:
         self._router_of(seq.req).first_token(seq.req, now)
 
-    def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
-        self._router_of(seq.req).tokens(seq.req, num_tokens, now)
+    def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        if not self._owner:
+            self.router.tokens_many([seq.req for seq in seqs], num_tokens, now)
+            return
+        for seq in seqs:
+            self._router_of(seq.req).tokens(seq.req, num_tokens, now)
 
     def _router_of(self, req: Request) -> Router:
         return self._owner.get(req.id, self.router) if self._owner else self.router

@@ -83,7 +83,9 @@ class Seq:
 
 class EngineListener(Protocol):
     def on_first_token(self, seq: Seq, now: float) -> None: ...
-    def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None: ...
+    def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        """Each of `seqs` produced `num_tokens` more (one call per step or run applied)."""
+
     def on_finish(self, seq: Seq, now: float) -> None: ...
 
     # Optional: told after anything a router would see changed (requests waiting, KV used, the
@@ -418,7 +420,7 @@ class Engine:
         now = self.event_time = run.ends[0]
         bs = self.config.block_size
         blocks, listener, local = self.blocks, self.listener, self.local
-        computed_delta = 0
+        computed_delta, sampled = 0, []
         for seq, num_new in run.batch:
             start = seq.num_computed
             seq.num_computed = computed = start + num_new
@@ -433,8 +435,9 @@ class Engine:
                 listener.on_first_token(seq, now)
             if self._local_counts_tokens:
                 local.on_token(seq.req, 1)
-            if self._listener_counts_tokens:
-                listener.on_tokens(seq, 1, now)
+            sampled.append(seq)
+        if sampled and self._listener_counts_tokens:
+            listener.on_tokens(sampled, 1, now)
         self._tokens_computed += computed_delta
         self.tokens_processed += computed_delta
         run.applied = 1
@@ -452,8 +455,8 @@ class Engine:
                 blocks.allocate(table, need)
             if self._local_counts_tokens:
                 self.local.on_token(seq.req, num_steps)
-            if self._listener_counts_tokens:
-                self.listener.on_tokens(seq, num_steps, now)
+        if self._listener_counts_tokens:
+            self.listener.on_tokens([seq for seq, _ in run.batch], num_steps, now)
         self._tokens_computed += num_steps * len(run.batch)
         self.tokens_processed += num_steps * len(run.batch)
         self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)

@@ -184,7 +184,7 @@ class TestAbort:
             def on_first_token(self, seq, now):
                 pass
 
-            def on_tokens(self, seq, n, now):
+            def on_tokens(self, seqs, n, now):
                 pass
 
             def on_finish(self, seq, now):

@@ -204,7 +204,7 @@ class Recorder:
 
     def attach(self, r: Router) -> None:
         route, finish = r.route, r.finish
-        first, tokens, report = r.first_token, r.tokens, r.report
+        first, report = r.first_token, r.report
         down, up = r.worker_down, r.worker_up
 
         def rec(name, fn, answer=None):
@@ -224,7 +224,14 @@ class Recorder:
         )
         r.finish = rec("finish", finish, lambda o: [x.id for x in o])
         r.first_token = rec("first_token", first)
-        r.tokens = rec("tokens", tokens)
+        tokens_many = r.tokens_many  # Router.tokens comes through here too
+
+        def tokens_each(requests, num_tokens, now):  # a batch is a token event per request
+            requests = list(requests)
+            tokens_many(requests, num_tokens, now)
+            self.calls.extend(("tokens", (q, num_tokens, now), (), None) for q in requests)
+
+        r.tokens_many = tokens_each
         r.report = rec("report", report)
         r.worker_down = rec("worker_down", down, lambda o: [x.id for x in o])
         r.worker_up = rec("worker_up", up)

@@ -240,11 +240,12 @@ class WallClockEngine:
             m.prompt_tokens.labels(*labels).inc(seq.req.prompt_len)
             m.ttft.labels(*labels).observe((now - seq.req.arrival) / self.speed)
 
-    def on_tokens(self, seq: Seq, num_tokens: int, now: float) -> None:
-        if (queue := self.streams.get(seq.req.id)) is not None:
-            queue.put_nowait(num_tokens)
+    def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        for seq in seqs:
+            if (queue := self.streams.get(seq.req.id)) is not None:
+                queue.put_nowait(num_tokens)
         if self.metrics:
-            self.metrics.generation_tokens.labels(*self.metrics.labels).inc(num_tokens)
+            self.metrics.generation_tokens.labels(*self.metrics.labels).inc(num_tokens * len(seqs))
 
     def on_finish(self, seq: Seq, now: float) -> None:
         if (queue := self.streams.pop(seq.req.id, None)) is not None:
