@@ -168,9 +168,9 @@ def fleet_scaling(
 def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
     """Router.route end to end (policy, index insert and eviction, hooks) against a 1M-block
     index on 16 workers, each request finished right after: the tail with the collector as it
-    is, and paced as the live proxy paces it (router.collector). Per decision, wall time and the
-    thread's CPU time (which a busy machine's scheduler does not inflate); per mode, the
-    collector's passes and the longest of them."""
+    is, and paced as the live proxy paces it (router.collector; freezing every second, not ten,
+    so that this run sees it). Per decision, wall time and the thread's CPU time (which a busy
+    machine's scheduler does not inflate); per mode, the collector's passes and the longest."""
     import gc
 
     import policies
