@@ -10,4 +10,4 @@ from router.registry import local_policies
 class FCFS(FifoQueue):
     """Arrival order; a preempted request goes back to the front."""
 
-    stable_head = True
+    reorders_on = "nothing"

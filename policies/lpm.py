@@ -110,6 +110,8 @@ class LongestPrefixFirst(FifoQueue):
     blocks exactly when their k-th hashes are equal.
     """
 
+    reorders_on = "cache"
+
     def __init__(
         self,
         max_scan: int = 128,

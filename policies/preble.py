@@ -509,6 +509,8 @@ class HitRatioGroups(LocalPolicy):
     with more cached context go first more often, and zero-hit ones still progress.
     """
 
+    reorders_on = "cache"  # a request's group is fixed when first seen
+
     def __init__(self, num_groups: int = 10) -> None:
         self.num_groups = num_groups
         self.groups: list[deque[Request]] = [deque() for _ in range(num_groups)]

@@ -83,10 +83,11 @@ class LocalPolicy:
     """
 
     name = "?"
-    # The head of the queue changes only when requests join or leave (not as cached blocks are
-    # evicted or tokens are served): a simulated engine may then run decode steps back to back
-    # while the head waits for memory.
-    stable_head = False
+    # What besides requests joining or leaving can change the head of the queue: "nothing"
+    # (FCFS), "cache" (the blocks the worker holds: evictions), or "tokens" (service counted as
+    # tokens stream). A simulated engine runs decode steps back to back while the head waits
+    # for memory only as far as they cannot move it.
+    reorders_on = "tokens"
 
     def push(self, request: Request) -> None:
         raise NotImplementedError

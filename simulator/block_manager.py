@@ -55,6 +55,11 @@ class BlockManager:
     # ----------------------------------------------------------------- queries
 
     @property
+    def num_empty(self) -> int:
+        """Free blocks with no cached content: taking them evicts nothing."""
+        return self._num_empty
+
+    @property
     def num_free(self) -> int:
         """Blocks an allocation may take: empty ones plus cached ones nobody uses."""
         return self._num_empty + len(self._free_cached)

@@ -138,6 +138,7 @@ class Engine:
         self.clock = 0.0  # exact time of the last step boundary
         self._run: _Run | None = None
         self._start_pending = False
+        self._evictions_move_head = False  # set while planning: see _admit_waiting
         # Load accounting for the router's view, kept incrementally.
         self._tokens_total = 0  # prompt + output tokens of every request here
         self._tokens_computed = 0  # num_computed summed over running sequences
@@ -278,6 +279,7 @@ class Engine:
     def _plan(self) -> _Run:
         cfg, blocks = self.config, self.blocks
         self.event_time = self.clock
+        self._evictions_move_head = False
         batch: list[tuple[Seq, int]] = []
         budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
         # Admission blocked by memory or max_num_seqs is something a decode run cannot ease.
@@ -361,10 +363,11 @@ class Engine:
             num_new = min(seq.total_len - cached, budget)
             need = blocks.blocks_for(cached + num_new) - hit
             if need > blocks.num_free_after_hit(seq.hashes, hit):
-                # Decode steps only take memory, so the head stays blocked while they run;
-                # but a discipline that reorders by cached blocks or tokens served may put a
-                # request that fits at the head after a step, so it must see every step.
-                return budget, self.local.stable_head
+                # Decode steps only take memory, so this head stays blocked while they run; a
+                # discipline that reorders as tokens are served may put one that fits first
+                # after any step, and one that reorders by what is cached, after an eviction.
+                self._evictions_move_head = self.local.reorders_on == "cache"
+                return budget, self.local.reorders_on != "tokens"
             self.local.pop(req, cached)
             del self.waiting[req.id]
             blocks.pin_prefix(seq.table, seq.hashes, hit)
@@ -384,7 +387,9 @@ class Engine:
             return 1
         limit = min(seq.output_len - seq.num_output for seq, _ in batch)
         limit = min(limit, self.config.max_run_steps)
-        free, bs = self.blocks.num_free, self.config.block_size
+        bs = self.config.block_size
+        # Steps that evict nothing cached leave a cache-ordered queue's head where it is.
+        free = self.blocks.num_empty if self._evictions_move_head else self.blocks.num_free
         if len(batch) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
         blocks_for = self.blocks.blocks_for
