@@ -174,12 +174,13 @@ class Router:
         state = self.view.workers.get(wid)
         if state is None:
             return
-        self.view.changed(wid)
-        if kv_used_blocks is not None:
+        if kv_used_blocks is not None and kv_used_blocks != state.kv_used_blocks:
             state.kv_used_blocks = kv_used_blocks
-        if kv_capacity_blocks is not None:
+            self.view.changed(wid)
+        if kv_capacity_blocks is not None and kv_capacity_blocks != state.kv_capacity_blocks:
             state.kv_capacity_blocks = kv_capacity_blocks
-        if waiting is not None:
+            self.view.changed(wid)
+        if waiting is not None and waiting != self._reported_waiting.get(wid):
             self._reported_waiting[wid] = waiting
             self._count(wid)
 
@@ -395,9 +396,10 @@ class Router:
         if state is None or queue is None:
             return
         inside = min(self._reported_waiting.get(wid, 0), queue.in_flight)
-        state.num_waiting = len(queue) + inside
-        state.num_running = queue.in_flight - inside
-        self.view.changed(wid)
+        waiting, running = len(queue) + inside, queue.in_flight - inside
+        if waiting != state.num_waiting or running != state.num_running:
+            state.num_waiting, state.num_running = waiting, running
+            self.view.changed(wid)
 
     def _work_done(self, flight: Flight, tokens: int) -> None:
         tokens = max(tokens, 0)
