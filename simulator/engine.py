@@ -138,7 +138,6 @@ class Engine:
         self.clock = 0.0  # exact time of the last step boundary
         self._run: _Run | None = None
         self._start_pending = False
-        self._evictions_move_head = False  # set while planning: see _admit_waiting
         # Load accounting for the router's view, kept incrementally.
         self._tokens_total = 0  # prompt + output tokens of every request here
         self._tokens_computed = 0  # num_computed summed over running sequences
@@ -279,13 +278,17 @@ class Engine:
     def _plan(self) -> _Run:
         cfg, blocks = self.config, self.blocks
         self.event_time = self.clock
-        self._evictions_move_head = False
         batch: list[tuple[Seq, int]] = []
         budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
-        # Admission blocked by memory or max_num_seqs is something a decode run cannot ease.
-        admission_blocked = False
+        stopped_by = None
         if not preempted:
-            budget, admission_blocked = self._admit_waiting(batch, budget)
+            budget, stopped_by = self._admit_waiting(batch, budget)
+        # Decode steps free no sequence slot and no memory, so a head blocked for either stays
+        # blocked while they run, unless the discipline reorders: as tokens are served (after
+        # any step), or by what is cached (after a step that evicts).
+        reorders = self.local.reorders_on
+        stays_blocked = stopped_by == "seqs" or (stopped_by == "memory" and reorders != "tokens")
+        free = blocks.num_empty if stopped_by == "memory" and reorders == "cache" else None
 
         if not batch:
             raise RuntimeError(
@@ -299,7 +302,7 @@ class Engine:
         durations = None
         # One token each (budget spent = batch size) and none of them a prompt's last token.
         if len(batch) == cfg.max_num_batched_tokens - budget and (
-            admission_blocked or not self.waiting
+            stays_blocked or not self.waiting
         ):
             context = 0
             for seq, _ in batch:
@@ -307,7 +310,7 @@ class Engine:
                     break
                 context += seq.num_computed + 1
             else:
-                num_steps = self._plan_decode_run(batch)
+                num_steps = self._plan_decode_run(batch, free)
                 durations = self.cost.decode_step_times(len(batch), context, num_steps)
         if durations is None:
             durations = [self.cost.step_time(self._shape(batch))]
@@ -345,14 +348,14 @@ class Engine:
             i += 1
         return budget, preempted
 
-    def _admit_waiting(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
+    def _admit_waiting(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, str | None]:
         """Step 2: waiting requests in the local policy's order, each from its longest cached
-        prefix. Returns the budget left and whether admission stopped for lack of memory or
-        sequence slots."""
+        prefix. Returns the budget left and what stopped admission with requests still
+        waiting: "seqs" (no sequence slot), "memory", or None."""
         cfg, blocks = self.config, self.blocks
         while budget > 0 and self.waiting:
             if len(self.running) >= cfg.max_num_seqs:
-                return budget, True
+                return budget, "seqs"
             req = self.local.peek(self.cached_blocks)
             if req is None:
                 break
@@ -363,11 +366,7 @@ class Engine:
             num_new = min(seq.total_len - cached, budget)
             need = blocks.blocks_for(cached + num_new) - hit
             if need > blocks.num_free_after_hit(seq.hashes, hit):
-                # Decode steps only take memory, so this head stays blocked while they run; a
-                # discipline that reorders as tokens are served may put one that fits first
-                # after any step, and one that reorders by what is cached, after an eviction.
-                self._evictions_move_head = self.local.reorders_on == "cache"
-                return budget, self.local.reorders_on != "tokens"
+                return budget, "memory"
             self.local.pop(req, cached)
             del self.waiting[req.id]
             blocks.pin_prefix(seq.table, seq.hashes, hit)
@@ -379,17 +378,18 @@ class Engine:
             self.running.append(seq)
             batch.append((seq, num_new))
             budget -= num_new
-        return budget, False
+        return budget, None
 
-    def _plan_decode_run(self, batch: list[tuple[Seq, int]]) -> int:
-        """How many decode steps can run with this batch before something must change."""
+    def _plan_decode_run(self, batch: list[tuple[Seq, int]], free: int | None = None) -> int:
+        """How many decode steps can run with this batch before something must change, taking
+        at most `free` new blocks (default: every free block)."""
         if not self.config.fast_forward:
             return 1
         limit = min(seq.output_len - seq.num_output for seq, _ in batch)
         limit = min(limit, self.config.max_run_steps)
         bs = self.config.block_size
-        # Steps that evict nothing cached leave a cache-ordered queue's head where it is.
-        free = self.blocks.num_empty if self._evictions_move_head else self.blocks.num_free
+        if free is None:
+            free = self.blocks.num_free
         if len(batch) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
         blocks_for = self.blocks.blocks_for
