@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.lpm import is_imbalanced, shortest_queue
+from policies.lpm import healthy_matches, is_imbalanced, shortest_queue
 from policies.service_cost import VTC_PROFILE, make_meter
 from router.cluster import ClusterView
 from router.ledger import Ledger
@@ -89,13 +89,7 @@ class DistributedDLPM(GlobalPolicy):
     def _match(self, request: Request, view: ClusterView) -> dict[WorkerId, int]:
         """Blocks matched per healthy worker; kept from `progress_read` for `route`."""
         if self._last_match[0] != request.id:
-            healthy = view.workers
-            matched = {
-                w: m
-                for w, m in view.index.match(request.block_hashes).items()
-                if (state := healthy.get(w)) is not None and state.healthy
-            }
-            self._last_match = (request.id, matched)
+            self._last_match = (request.id, healthy_matches(request, view))
         return self._last_match[1]
 
     def route(self, request: Request, view: ClusterView) -> Decision:

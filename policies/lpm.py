@@ -31,6 +31,16 @@ def smallest_cache(view: ClusterView, worker: WorkerState) -> tuple[int, int, in
     return (view.index.num_blocks(worker.id), worker.num_outstanding, worker.id)
 
 
+def healthy_matches(request: Request, view: ClusterView) -> dict[WorkerId, int]:
+    """Blocks of `request`'s prefix each healthy worker holds (those holding any)."""
+    workers = view.workers
+    return {
+        w: m
+        for w, m in view.index.match(request.block_hashes).items()
+        if (state := workers.get(w)) is not None and state.healthy
+    }
+
+
 def is_imbalanced(view: ClusterView, abs_threshold: float, rel_threshold: float) -> bool:
     """SGLang's test: the longest and shortest queues (in requests) differ by more than
     `abs_threshold` and the longest is more than `rel_threshold` times the shortest."""
@@ -70,12 +80,7 @@ class LongestPrefixMatch(GlobalPolicy):
         if is_imbalanced(view, self.balance_abs_threshold, self.balance_rel_threshold):
             return Decision(view.least(shortest_queue).id, "imbalanced: shortest queue")
 
-        workers = view.workers
-        matched = {
-            w: m
-            for w, m in view.index.match(request.block_hashes).items()
-            if (state := workers.get(w)) is not None and state.healthy
-        }
+        matched = healthy_matches(request, view)
         # The longest match first, then the shorter queue: found in two passes so that a prefix
         # every worker holds (a shared system prompt) costs no per-worker key.
         longest = max(matched.values(), default=0)

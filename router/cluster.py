@@ -116,7 +116,7 @@ class ClusterView:
         """The healthy worker with the largest `key(view, worker)`."""
         return self._end(key, -1)
 
-    def ordered(self, key: OrderKey) -> list[WorkerState] | SortedList:
+    def ordered(self, key: OrderKey) -> list[tuple] | SortedList:
         """Every healthy worker's key, smallest first (read-only; ends in the worker's id)."""
         if not self.tracked:
             return sorted(key(self, w) for w in self.workers.values() if w.healthy)
@@ -137,7 +137,7 @@ class ClusterView:
             if ordered:
                 return self.workers[ordered[end][-1]]
         else:
-            healthy = [w for w in self.workers.values() if w.healthy]
+            healthy = self.healthy_workers()
             if healthy:
                 pick = min if end == 0 else max
                 return pick(healthy, key=lambda w: key(self, w))

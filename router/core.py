@@ -258,22 +258,13 @@ class Router:
 
     def tokens_many(self, requests: Iterable[Request], num_tokens: int, now: float) -> None:
         """`num_tokens` more for each of `requests`: a simulated engine's batch, one call per
-        step or run applied (the hot path of a simulation, so hooks that do nothing are not
-        called and the view is told once per worker)."""
-        flights, workers, changed = self._flights, self.view.workers, None
+        step or run applied (the hot path of a simulation: hooks that do nothing are skipped)."""
+        flights = self._flights
         for request in requests:
             flight = flights.get(request.id)
             if flight is None:
                 continue
-            done = num_tokens if num_tokens < flight.remaining else flight.remaining
-            if done > 0:
-                flight.remaining -= done
-                state = workers.get(flight.worker)
-                if state is not None:
-                    state.tokens_in_flight -= done
-                    if flight.worker != changed:
-                        changed = flight.worker
-                        self.view.changed(changed)
+            self._work_done(flight, min(num_tokens, flight.remaining))
             if self._policy_counts_tokens:
                 self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
             if flight.released and flight.queue.counts_tokens:
