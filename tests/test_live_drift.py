@@ -262,17 +262,10 @@ def test_a_restart_the_health_checks_see_needs_no_fallback() -> None:
                 await until_precise_holds(cluster, prompt)
             await worker.stop()
             state = cluster.view.workers[0]
-            for _ in range(250):  # health checks every 0.2 s; two failed in a row: down
-                if not state.healthy:
-                    break
-                await asyncio.sleep(0.02)
-            assert not state.healthy
+            # Health checks every 0.2 s; two failed in a row: down.
+            assert await eventually(lambda: not state.healthy)
             await worker.start()
-            for _ in range(250):
-                if state.healthy:
-                    break
-                await asyncio.sleep(0.02)
-            assert state.healthy
+            assert await eventually(lambda: state.healthy)
             for prompt in DOCS:
                 assert await ask(prompt) == 0
                 await until_precise_holds(cluster, prompt)
@@ -381,28 +374,46 @@ def test_a_worker_with_another_block_size_loses_the_precise_index_for_good(caplo
             assert 0 < guard.scores["approximate"].drift < guard.threshold
             # Its events were heard, and left out of the index: they could never match.
             assert cluster.router.held.num_blocks(0) == 0
-            warned = " ".join(r.getMessage() for r in caplog.records)
-            assert "KV events of 256-token blocks, the router's are 128" in warned
-            assert "caches 256-token blocks, the router hashes 128-token ones" in warned
-
-            short = [doc(40 + d, BLOCK + 100) for d in range(4)]  # one router block, no worker one
-            for prompt in short:
-                assert await ask(prompt) == 0
-                assert await ask(prompt) == 0
-            assert to_levels(cluster) == ["approximate", "load"]
-            text = await scrape(base)
-            assert metric(text, "fairway_index_level ") == 0
-
-            for prompt in long_docs:
-                assert await ask(prompt) == 3 * 256
-            assert to_levels(cluster) == ["approximate", "load", "approximate"]
-            assert guard.scores["precise"].drift == 1.0, "never believable at 256 vs 128"
-            text = await scrape(base)
-            assert metric(text, 'fairway_index_level_changes_total{level="approximate"}') == 2
-            assert metric(text, 'fairway_index_level_changes_total{level="load"}') == 1
-            assert metric(text, 'fairway_index_level_changes_total{level="precise"}') == 0
+            short = [doc(40 + d, BLOCK + 100) for d in range(4)]
+            await short_then_long_blocks_256(ask, cluster, base, caplog, short, long_docs)
 
     run(go)
+
+
+async def short_then_long_blocks_256(
+    ask: Asker, cluster: LiveCluster, base: str, caplog, short: list, long_docs: list
+) -> None:
+    """A worker of 256-token blocks behind a 128-token router, once precise is dropped: both
+    mismatches warned; short prompts (one router block, no worker block) take approximate down
+    to load; long ones bring approximate back; precise never."""
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "KV events of 256-token blocks, the router's are 128" in warned
+    assert "caches 256-token blocks, the router hashes 128-token ones" in warned
+
+    for prompt in short:
+        assert await ask(prompt) == 0
+        assert await ask(prompt) == 0
+    assert to_levels(cluster) == ["approximate", "load"]
+    assert metric(await scrape(base), "fairway_index_level ") == 0
+
+    for prompt in long_docs:
+        assert await ask(prompt) == 3 * 256
+    assert to_levels(cluster) == ["approximate", "load", "approximate"]
+    guard = cluster.router.drift
+    assert guard is not None and guard.scores["precise"].drift == 1.0, "never believable"
+    text = await scrape(base)
+    assert metric(text, 'fairway_index_level_changes_total{level="approximate"}') == 2
+    assert metric(text, 'fairway_index_level_changes_total{level="load"}') == 1
+    assert metric(text, 'fairway_index_level_changes_total{level="precise"}') == 0
+
+
+async def eventually(condition, tries: int = 250) -> bool:
+    """Poll `condition` every 20 ms, at most `tries` times; its last value."""
+    for _ in range(tries):
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return condition()
 
 
 def test_a_worker_added_after_a_fallback_is_heard_by_the_precise_index() -> None:

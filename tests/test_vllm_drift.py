@@ -35,6 +35,7 @@ from tests.test_live_drift import (
     doc,
     metric,
     scrape,
+    short_then_long_blocks_256,
     subscribed,
     to_levels,
     until_precise_holds,
@@ -212,25 +213,8 @@ def test_another_block_size(servers: Servers, caplog) -> None:
             assert to_levels(cluster) == ["approximate"]
             assert guard.scores["precise"].drift == 1.0
             assert cluster.router.held.num_blocks(0) == 0
-            warned = " ".join(r.getMessage() for r in caplog.records)
-            assert "KV events of 256-token blocks, the router's are 128" in warned
-            assert "caches 256-token blocks, the router hashes 128-token ones" in warned
-
-            for d in range(4):
-                prompt = doc(140 + d, BLOCK + 100)  # one router block, no server block
-                assert await ask(prompt) == 0
-                assert await ask(prompt) == 0
-            assert to_levels(cluster) == ["approximate", "load"]
-            assert metric(await scrape(base), "fairway_index_level ") == 0
-
-            for prompt in long_docs:
-                assert await ask(prompt) == 3 * 256
-            assert to_levels(cluster) == ["approximate", "load", "approximate"]
-            assert guard.scores["precise"].drift == 1.0, "never believable at 256 vs 128"
-            text = await scrape(base)
-            assert metric(text, 'fairway_index_level_changes_total{level="approximate"}') == 2
-            assert metric(text, 'fairway_index_level_changes_total{level="load"}') == 1
-            assert metric(text, 'fairway_index_level_changes_total{level="precise"}') == 0
+            short = [doc(140 + d, BLOCK + 100) for d in range(4)]
+            await short_then_long_blocks_256(ask, cluster, base, caplog, short, long_docs)
 
     run(go, timeout=240)
 
