@@ -259,16 +259,26 @@ class Router:
     def tokens_many(self, requests: Iterable[Request], num_tokens: int, now: float) -> None:
         """`num_tokens` more for each of `requests`: a simulated engine's batch, one call per
         step or run applied (the hot path of a simulation: hooks that do nothing are skipped)."""
-        flights = self._flights
+        flights, counts_tokens = self._flights, self._policy_counts_tokens
+        done_on: dict[WorkerId, int] = {}  # a batch is one worker's: its load changes once
         for request in requests:
             flight = flights.get(request.id)
             if flight is None:
                 continue
-            self._work_done(flight, min(num_tokens, flight.remaining))
-            if self._policy_counts_tokens:
+            done = min(num_tokens, flight.remaining)
+            if done > 0:
+                flight.remaining -= done
+                done_on[flight.worker] = done_on.get(flight.worker, 0) + done
+            if counts_tokens:
                 self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
             if flight.released and flight.queue.counts_tokens:
                 self._hook(flight.queue.on_token, request, num_tokens)
+        workers = self.view.workers
+        for wid, done in done_on.items():
+            state = workers.get(wid)
+            if state is not None:
+                state.tokens_in_flight -= done
+                self.view.changed(wid)
 
     def finish(
         self, request: Request, now: float, cached_tokens: int | None = None

@@ -99,6 +99,10 @@ class _Run:
 
     batch: list[tuple[Seq, int]]
     ends: list[float]  # end time of each step
+    # Every step of the run decodes one token per sequence, step 1 included (its blocks were
+    # allocated while planning): then `seqs` is the batch's sequences and one pass applies
+    # any number of its steps.
+    seqs: list[Seq] | None = None
     applied: int = 0
     end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
 
@@ -189,7 +193,7 @@ class Engine:
         if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
             return
         done = bisect.bisect_right(run.ends, now, lo=run.applied)
-        if run.applied == 0:
+        if run.applied == 0 and run.seqs is None:
             self._apply_first_step(run)
         if done > run.applied:
             self._apply_decode_steps(run, done - run.applied)
@@ -299,23 +303,25 @@ class Engine:
         if cfg.check_invariants:
             self.check_integrity()
 
-        durations = None
+        durations, decoding = None, None
         # One token each (budget spent = batch size) and none of them a prompt's last token.
         if len(batch) == cfg.max_num_batched_tokens - budget and (
             stays_blocked or not self.waiting
         ):
             context = 0
             for seq, _ in batch:
-                if not seq.num_output:
+                # Not a prompt's last token, nor a recomputation that the budget cut to one.
+                if not seq.num_output or seq.num_computed + 1 != seq.prompt_len + seq.num_output:
                     break
                 context += seq.num_computed + 1
             else:
                 num_steps = self._plan_decode_run(batch, free)
                 durations = self.cost.decode_step_times(len(batch), context, num_steps)
+                decoding = [seq for seq, _ in batch]
         if durations is None:
             durations = [self.cost.step_time(self._shape(batch))]
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
-        return _Run(batch, ends)
+        return _Run(batch, ends, decoding)
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.
@@ -451,7 +457,8 @@ class Engine:
     def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
         now = self.event_time = run.ends[run.applied + num_steps - 1]
         blocks, bs = self.blocks, self.config.block_size
-        for seq, _ in run.batch:
+        seqs = run.seqs if run.seqs is not None else [seq for seq, _ in run.batch]
+        for seq in seqs:
             table = seq.table
             seq.num_computed = computed = seq.num_computed + num_steps
             seq.num_output += num_steps
@@ -461,9 +468,9 @@ class Engine:
             if self._local_counts_tokens:
                 self.local.on_token(seq.req, num_steps)
         if self._listener_counts_tokens:
-            self.listener.on_tokens([seq for seq, _ in run.batch], num_steps, now)
-        self._tokens_computed += num_steps * len(run.batch)
-        self.tokens_processed += num_steps * len(run.batch)
+            self.listener.on_tokens(seqs, num_steps, now)
+        self._tokens_computed += num_steps * len(seqs)
+        self.tokens_processed += num_steps * len(seqs)
         self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
         run.applied += num_steps
         self.num_steps += num_steps
