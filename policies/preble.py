@@ -77,6 +77,8 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from statistics import median
 
+import numpy as np
+
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import WorkerId
@@ -100,15 +102,48 @@ class _Entry:
     is_live: bool = True  # False once withdrawn: already taken back
 
 
+class PerWorker:
+    """A number per worker, held in a numpy vector. Vectors sharing one `slots` map line up,
+    so a term read for the whole fleet per request (Preble's L) is one array operation. The
+    arithmetic is float64 either way: values are those a dict of floats would hold."""
+
+    def __init__(self, slots: dict[WorkerId, int]) -> None:
+        self.slots = slots
+        self._values = np.zeros(8)
+
+    def get(self, worker: WorkerId, default: float = 0.0) -> float:
+        i = self.slots.get(worker)
+        return default if i is None or i >= len(self._values) else float(self._values[i])
+
+    def __getitem__(self, worker: WorkerId) -> float:
+        return self.get(worker)
+
+    def __setitem__(self, worker: WorkerId, value: float) -> None:
+        i = self.slots.setdefault(worker, len(self.slots))
+        self._grow(i + 1)
+        self._values[i] = value
+
+    def values(self) -> np.ndarray:
+        """Every slot's value (0 for a worker never set), read-only."""
+        n = len(self.slots)
+        self._grow(n)
+        return self._values[:n]
+
+    def _grow(self, n: int) -> None:
+        if n > len(self._values):
+            more = max(n, 2 * len(self._values)) - len(self._values)
+            self._values = np.concatenate([self._values, np.zeros(more)])
+
+
 class GroupWindow:
     """The work requests brought over the last `window` seconds: prefill per prefix group,
     decode per worker and per (worker, group)."""
 
-    def __init__(self, window: float) -> None:
+    def __init__(self, window: float, slots: dict[WorkerId, int] | None = None) -> None:
         self.window = window
         self.prefill: dict[Group, float] = {}
         self.count: dict[Group, int] = {}  # requests of the group in the window
-        self.decode: dict[WorkerId, float] = {}
+        self.decode = PerWorker({} if slots is None else slots)
         self.decode_of: dict[tuple[WorkerId, Group], float] = {}
         self._entries: deque[_Entry] = deque()
         self._by_request: dict[int, _Entry] = {}
@@ -225,7 +260,8 @@ class PrebleE2(GlobalPolicy):
         tpot_samples: int = 200,
         full_fraction: float = 0.95,
     ) -> None:
-        self.window = GroupWindow(window)
+        self._slots: dict[WorkerId, int] = {}  # the numpy vectors' positions of workers
+        self.window = GroupWindow(window, self._slots)
         self.overload = TTFTOverloadDetector(ttft_window, ttft_factor)
         self.rebalance_ratio = rebalance_ratio
         self.warmup = warmup  # requests routed per worker before rebalancing starts
@@ -240,7 +276,7 @@ class PrebleE2(GlobalPolicy):
         # Per worker, the measured time per output token of its last finished requests.
         self.tpot: dict[WorkerId, deque[float]] = {}
         self.num_routed = 0
-        self._prefill_share: dict[WorkerId, float] = {}  # sum of prefill / len(alloc)
+        self._prefill_share = PerWorker(self._slots)  # sum of prefill / len(alloc)
         self._share_of: dict[Group, float] = {}  # the group's prefill / len(alloc)
         self._groups_on: dict[WorkerId, set[Group]] = {}
         # Each block the cluster learnt from a request in the window -> that request's group,
@@ -271,8 +307,7 @@ class PrebleE2(GlobalPolicy):
             target = min(terms, key=lambda w: (terms[w][0] + terms[w][1], w))
             return Decision(target, "exploit" if target in holders else "exploit: rebalanced")
         self._routed[request.id] = (matched, _own_group(request))
-        terms = self.explore_costs(request, view, matched, workers)
-        return Decision(min(terms, key=lambda w: (sum(terms[w]), w)), "explore")
+        return Decision(self._cheapest(request, view, matched, workers), "explore")
 
     def _placement(self, group: Group, best: int, holders: list[WorkerId]) -> set[WorkerId]:
         """Where an exploited request goes (the reference: the allocation of the deepest node
@@ -313,6 +348,37 @@ class PrebleE2(GlobalPolicy):
             evict = self._eviction_cost(view, workers[w], num_blocks - hit, cost)
             out[w] = (shares.get(w, 0.0) + decode.get(w, 0.0), evict, prefill)
         return out
+
+    def _cheapest(
+        self, request: Request, view: ClusterView, matched: dict[WorkerId, int],
+        workers: list[WorkerId],
+    ) -> WorkerId:  # fmt: skip
+        """The worker with the least L + M + P, ties to the smaller id: `explore_costs`'s
+        argmin, in the same float arithmetic. L and P are vectors over the fleet; M, a walk of
+        a worker's LRU victims, is at least 0, so it is taken only for workers whose L + P
+        could still beat the best total found, cheapest L + P first."""
+        cost, bs = _require_cost(view), view.block_size
+        loads = self._loads(workers)
+        prefill = np.full(len(workers), cost.prefill_time(request.prompt_len, 0))
+        if matched:
+            position = {w: k for k, w in enumerate(workers)}
+            prefill_for: dict[int, float] = {}  # by blocks hit: a shared prefix, one value
+            for w, hit in matched.items():
+                if hit not in prefill_for:
+                    prefill_for[hit] = cost.prefill_time(request.prompt_len - hit * bs, hit * bs)
+                prefill[position[w]] = prefill_for[hit]
+        bound = loads + prefill
+        best, best_w = np.inf, -1
+        for k in np.argsort(bound, kind="stable").tolist():
+            if bound[k] > best:
+                break
+            w = workers[k]
+            missed = request.num_blocks - matched.get(w, 0)
+            total = float(loads[k]) + self._eviction_cost(view, view.workers[w], missed, cost)
+            total += float(prefill[k])
+            if total < best or (total == best and w < best_w):
+                best, best_w = total, w
+        return best_w
 
     def _eviction_cost(
         self, view: ClusterView, worker: WorkerState, missed: int, cost: CostEstimates
@@ -403,6 +469,8 @@ class PrebleE2(GlobalPolicy):
         workers = [w.id for w in view.healthy_workers()]
         if len(workers) < 2 or self.num_routed < self.warmup * len(view.workers):
             return
+        if not self._is_imbalanced(workers):
+            return
         loads = {w: self.load(w) for w in workers}
         order = sorted(workers, key=lambda w: (-loads[w], w))
         while len(order) >= 2:
@@ -426,6 +494,21 @@ class PrebleE2(GlobalPolicy):
                 self._replicate(movable[-1][1], heavy, light, view.now)
                 loads[heavy], loads[light] = self.load(heavy), self.load(light)
             order = sorted(order[1:], key=lambda w: (-loads[w], w))
+
+    def _is_imbalanced(self, workers: list[WorkerId]) -> bool:
+        """The heaviest worker's L is at least `rebalance_ratio` x the lightest's: the first
+        test of `_rebalance`, over the fleet in one vector operation."""
+        loads = self._loads(workers)
+        return bool(loads.max() >= self.rebalance_ratio * loads.min())
+
+    def _loads(self, workers: list[WorkerId]) -> np.ndarray:
+        """L of each of `workers`, as `load` computes it."""
+        slots = self._slots
+        for w in workers:
+            if w not in slots:
+                self._prefill_share[w] = 0.0
+        at = np.fromiter((slots[w] for w in workers), dtype=np.intp, count=len(workers))
+        return (self._prefill_share.values() + self.window.decode.values())[at]
 
     def _move(self, group: Group, heavy: WorkerId, light: WorkerId) -> None:
         """All the group's requests go to `light` in place of `heavy` from now on, and its

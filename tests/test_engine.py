@@ -152,6 +152,13 @@ class TestFastForwardRoundRobin(TestFastForward):
     policy = "round_robin"
 
 
+class TestFastForwardPreble(TestFastForward):
+    """Preble reads every worker's KV use and decode timings: every engine is brought up to
+    date before a decision, as for least_load, with its own queue discipline."""
+
+    policy, local = "preble", None
+
+
 class TestRoofline:
     def test_decode_of_8b_on_a100_is_memory_bound_around_12ms(self) -> None:
         assert 0.010 < COST.decode_time(1, 1000) < 0.014

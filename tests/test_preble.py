@@ -485,3 +485,31 @@ class TestWithdrawAndStrangers:
         policy.route(make_req(2, [9]), view)  # the group leaves the window
         policy.on_first_token(make_req(3, [3]), 0, 21.0)
         assert not policy.overload._samples
+
+
+def test_the_fleet_vector_search_picks_what_explore_costs_ranks_first(monkeypatch) -> None:
+    """Explore reads L and P as vectors and walks M's victims only while L + P can still win:
+    on a simulated run with full caches (M > 0) and rebalancing, every choice is the argmin of
+    the per-worker terms `explore_costs` lists."""
+    from policies.preble import PrebleE2
+    from simulator.cluster import SimConfig, simulate
+    from simulator.engine import EngineConfig
+    from traces.generators import shared_prefix
+
+    vector_search, seen = PrebleE2._cheapest, {"choices": 0, "evicting": 0}
+
+    def checked(self, request, view, matched, workers):
+        terms = self.explore_costs(request, view, matched, workers)
+        expected = min(terms, key=lambda w: (sum(terms[w]), w))
+        assert vector_search(self, request, view, matched, workers) == expected
+        seen["choices"] += 1
+        seen["evicting"] += any(m > 0 for _, m, _ in terms.values())
+        return expected
+
+    monkeypatch.setattr(PrebleE2, "_cheapest", checked)
+    trace = shared_prefix(num_requests=300, num_tenants=20, prefixes_per_tenant=6, rate=40,
+                          prefix_tokens=1500, question_tokens=1200, output_tokens=100)  # fmt: skip
+    config = SimConfig(5, "preble", policy_params={"warmup": 5},
+                       engine=EngineConfig(num_kv_blocks=600))  # fmt: skip
+    simulate(trace, COST, config)
+    assert seen["choices"] > 50 and seen["evicting"] > 10, seen
