@@ -54,6 +54,13 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=_window, help="keep arrivals in START:END seconds")
     g.add_argument("--rate-scale", type=float, help="multiply the request rate by X")
     g.add_argument("--time-scale", type=float, help="stretch timestamps by X")
+    g.add_argument(
+        "--tile",
+        type=int,
+        metavar="N",
+        help="N copies of the workload side by side, prompts and arrival phases their own: "
+        "N times the rate, for N times the workers",
+    )
     g.add_argument("--tenants", type=int, help="assign N tenants to the requests")
     g.add_argument("--tenant-skew", type=float, default=0.0, help="Zipf skew of --tenants")
     g.add_argument(
@@ -173,6 +180,11 @@ def load_workload(args: argparse.Namespace):  # -> Trace
         trace = transform.window(trace, *args.window)
     if args.limit:
         trace = transform.limit(trace, args.limit)
+    if args.tile:
+        try:
+            trace = transform.tile(trace, args.tile)
+        except ValueError as e:
+            raise SystemExit(f"fairway: --tile: {e}") from None
     if args.time_scale:
         trace = transform.scale_time(trace, args.time_scale)
     if args.rate_scale:

@@ -137,19 +137,30 @@ def decision_times(repeats: int = 2000) -> list[dict[str, object]]:
 
 
 def fleet_scaling(
-    path: Path, sizes: tuple[int, ...] = (8, 64, 512), limit: int | None = None
+    path: Path,
+    sizes: tuple[int, ...] = (8, 64, 512),
+    method: str = "squeeze",
+    limit: int | None = None,
+    tile_seconds: float = 300.0,
 ) -> list[dict[str, object]]:
     """Simulated requests per wall second as the fleet grows, the request rate scaled with it
-    so each worker's load stays the same (the Mooncake conversation trace). The hour squeezed
-    into a minute on 512 workers leaves each engine smaller batches, so it simulates more steps
-    per request: the steps column says how much of a slowdown is the engines' own work."""
-    from traces.transform import scale_rate
+    so that each worker's load stays the same (the Mooncake conversation trace).
 
-    def trace_for(workers: int):  # scaling rewrites timestamps in place: a fresh load each
+    "squeeze": the whole trace, its time compressed by W / 8. The hour squeezed into a minute
+    on 512 workers leaves each engine 23 requests and smaller batches, so it simulates more
+    steps per request: the steps column says how much of a slowdown is the engines' own work.
+    "tile": the trace's first `tile_seconds`, W / 8 copies side by side (traces.transform.tile):
+    each worker sees the same load and history at every size, the steps per request stay
+    flat, and what is left of a slowdown is the cost of the fleet itself."""
+    from traces.transform import scale_rate, tile, window
+
+    def trace_for(workers: int):  # both rewrite the trace in place: a fresh load each
         trace = load_trace(path)
         if limit:
             trace.requests = trace.requests[:limit]
-        return scale_rate(trace, workers / sizes[0])
+        if method == "squeeze":
+            return scale_rate(trace, workers / sizes[0])
+        return tile(window(trace, 0.0, tile_seconds), workers // sizes[0])
 
     cost = roofline("llama-3-8b", "a100-80g")
     rows = []
@@ -322,8 +333,12 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
     print(format_table(_profile_areas(path)))
 
-    print("\nFleet size (Mooncake conversation, rate scaled with the workers; one run each):")
-    print(format_table(fleet_scaling(path, limit=3000 if quick else None)))
+    print("\nFleet size (Mooncake conversation, rate scaled with the workers; one run each)")
+    print("squeezed: the whole trace, time compressed by workers / 8:")
+    print(format_table(fleet_scaling(path, method="squeeze", limit=3000 if quick else None)))
+    seconds = 60.0 if quick else 300.0
+    print(f"tiled: its first {seconds:.0f} s, workers / 8 copies side by side (--tile):")
+    print(format_table(fleet_scaling(path, method="tile", tile_seconds=seconds)))
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
     print(format_table(decision_times(500 if quick else 2000)))

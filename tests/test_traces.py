@@ -208,6 +208,35 @@ class TestTransforms:
         transform.assign_tenants(trace, 3, seed=1)
         assert set(trace.clients) <= {"tenant-0", "tenant-1", "tenant-2"}
 
+    def test_tile_multiplies_the_rate_keeping_each_copy_its_own(self) -> None:
+        trace = chat_sessions(num_sessions=30, rate=2.0)
+        n, span = len(trace), trace.duration
+        turns = {s: [r.block_hashes for r in trace.requests if r.session == s]
+                 for s in {r.session for r in trace.requests}}  # fmt: skip
+        tiled = transform.tile(trace, 4)
+        assert len(tiled) == 4 * n
+        starts: dict[str, float] = {}
+        for r in tiled.requests:
+            starts.setdefault(r.session, r.arrival)
+        assert max(starts.values()) <= span, "sessions start within the original span"
+        assert sorted(r.id for r in tiled.requests) == list(range(4 * n))
+        by_copy: dict[str, set[int]] = {}
+        for r in tiled.requests:
+            by_copy.setdefault(r.session.split("#")[1], set()).update(r.block_hashes)
+        copies = list(by_copy.values())
+        assert len(copies) == 4
+        assert all(a.isdisjoint(b) for i, a in enumerate(copies) for b in copies[i + 1 :])
+        # Each session's turns come in their order, prompts as in the original but offset.
+        for s, prompts in turns.items():
+            for k in range(4):
+                got = [r.block_hashes for r in tiled.requests if r.session == f"{s}#{k}"]
+                offset = got[0][0] - prompts[0][0]
+                assert got == [[h + offset for h in p] for p in prompts]
+
+    def test_tile_needs_a_copy(self) -> None:
+        with pytest.raises(ValueError, match="at least 1"):
+            transform.tile(shared_prefix(num_requests=5), 0)
+
     def test_sessions_keep_one_tenant(self) -> None:
         trace = transform.assign_tenants(chat_sessions(num_sessions=30), 5, seed=2)
         tenants: dict[str, set[str]] = {}

@@ -1,11 +1,13 @@
-"""Reshaping a loaded trace: time scaling, windows, limits, tenant assignment, cache bound."""
+"""Reshaping a loaded trace: time scaling, windows, limits, tiling, tenant assignment, cache
+bound."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from router.request import Request
-from traces.schema import Trace, finish
+from traces.schema import Trace, finish, renumber
 
 
 def scale_time(trace: Trace, factor: float) -> Trace:
@@ -40,6 +42,38 @@ def limit(trace: Trace, n: int) -> Trace:
         raise ValueError(f"limit must be positive, got {n}")
     trace.requests = trace.requests[:n]
     return trace
+
+
+def tile(trace: Trace, copies: int) -> Trace:
+    """The trace's population `copies` times side by side, for a fleet `copies` times larger:
+    the rate grows by `copies` while each worker's load and history stay as they were (where
+    `scale_rate` squeezes the same requests into less time). Copy k's prompts are its own
+    (block hashes offset past the trace's largest) and its arrivals are rotated by k/copies of
+    the trace's span, so copies are not in lockstep; a session rotates as one, in order."""
+    if copies < 1:
+        raise ValueError(f"copies must be at least 1, got {copies}")
+    span = trace.duration
+    stride = 1 + max((h for r in trace.requests for h in r.block_hashes), default=0)
+    session_start: dict[str, float] = {}
+    for r in trace.requests:
+        if r.session is not None:
+            session_start.setdefault(r.session, r.arrival)
+    out: list[Request] = []
+    for k in range(copies):
+        shift = k * span / copies
+        for r in trace.requests:
+            start = r.arrival if r.session is None else session_start[r.session]
+            back = span if start + shift >= span else 0.0
+            out.append(
+                dataclasses.replace(
+                    r,
+                    arrival=r.arrival + shift - back,
+                    block_hashes=[h + k * stride for h in r.block_hashes],
+                    session=None if r.session is None else f"{r.session}#{k}",
+                )
+            )
+    trace.requests = renumber(out)
+    return finish(trace)
 
 
 def assign_tenants(trace: Trace, num_tenants: int, skew: float = 0.0, seed: int = 0) -> Trace:
