@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 
 from router.cluster import ClusterView, WorkerState
 from router.policy import Decision, GlobalPolicy
 from router.registry import global_policies
 from router.request import Request
+
+
+def worker_id(view: ClusterView, worker: WorkerState) -> tuple[int]:
+    return (worker.id,)
 
 
 def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]:
@@ -28,8 +33,11 @@ class RoundRobin(GlobalPolicy):
         self._next = 0
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        workers = sorted(w.id for w in view.routable_workers())
-        worker = next((w for w in workers if w >= self._next), workers[0])
+        ids = view.ordered(worker_id)  # kept sorted across decisions: no pass over the fleet
+        if not ids:
+            raise RuntimeError("no healthy worker to route to")
+        at = bisect.bisect_left(ids, (self._next,))
+        worker = ids[at if at < len(ids) else 0][-1]
         self._next = worker + 1
         return Decision(worker, "turn")
 
