@@ -260,7 +260,7 @@ class Router:
         """`num_tokens` more for each of `requests`: a simulated engine's batch, one call per
         step or run applied (the hot path of a simulation: hooks that do nothing are skipped)."""
         flights, counts_tokens = self._flights, self._policy_counts_tokens
-        done_on: dict[WorkerId, int] = {}  # a batch is one worker's: its load changes once
+        worker, done_there = None, 0  # a batch is one worker's: its load changes once
         for request in requests:
             flight = flights.get(request.id)
             if flight is None:
@@ -268,17 +268,15 @@ class Router:
             done = min(num_tokens, flight.remaining)
             if done > 0:
                 flight.remaining -= done
-                done_on[flight.worker] = done_on.get(flight.worker, 0) + done
+                if flight.worker != worker:
+                    self._credit(worker, done_there)
+                    worker, done_there = flight.worker, 0
+                done_there += done
             if counts_tokens:
                 self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
             if flight.released and flight.queue.counts_tokens:
                 self._hook(flight.queue.on_token, request, num_tokens)
-        workers = self.view.workers
-        for wid, done in done_on.items():
-            state = workers.get(wid)
-            if state is not None:
-                state.tokens_in_flight -= done
-                self.view.changed(wid)
+        self._credit(worker, done_there)
 
     def finish(
         self, request: Request, now: float, cached_tokens: int | None = None
@@ -405,10 +403,14 @@ class Router:
     def _work_done(self, flight: Flight, tokens: int) -> None:
         tokens = max(tokens, 0)
         flight.remaining -= tokens
-        state = self.view.workers.get(flight.worker)
+        self._credit(flight.worker, tokens)
+
+    def _credit(self, wid: WorkerId | None, tokens: int) -> None:
+        """`tokens` of work done on `wid` (None: nowhere)."""
+        state = self.view.workers.get(wid) if wid is not None else None
         if state is not None:
             state.tokens_in_flight -= tokens
-            self.view.changed(flight.worker)
+            self.view.changed(wid)
 
     def _hook(self, hook: Callable[..., object], *args: object) -> None:
         """Run a policy hook; live, one that raises must not take the request down with it."""
