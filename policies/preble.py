@@ -469,9 +469,10 @@ class PrebleE2(GlobalPolicy):
         workers = [w.id for w in view.healthy_workers()]
         if len(workers) < 2 or self.num_routed < self.warmup * len(view.workers):
             return
-        if not self._is_imbalanced(workers):
+        vector = self._loads(workers)
+        if vector.max() < self.rebalance_ratio * vector.min():
             return
-        loads = {w: self.load(w) for w in workers}
+        loads = dict(zip(workers, vector.tolist(), strict=True))
         order = sorted(workers, key=lambda w: (-loads[w], w))
         while len(order) >= 2:
             heavy, light = order[0], order[-1]
@@ -494,12 +495,6 @@ class PrebleE2(GlobalPolicy):
                 self._replicate(movable[-1][1], heavy, light, view.now)
                 loads[heavy], loads[light] = self.load(heavy), self.load(light)
             order = sorted(order[1:], key=lambda w: (-loads[w], w))
-
-    def _is_imbalanced(self, workers: list[WorkerId]) -> bool:
-        """The heaviest worker's L is at least `rebalance_ratio` x the lightest's: the first
-        test of `_rebalance`, over the fleet in one vector operation."""
-        loads = self._loads(workers)
-        return bool(loads.max() >= self.rebalance_ratio * loads.min())
 
     def _loads(self, workers: list[WorkerId]) -> np.ndarray:
         """L of each of `workers`, as `load` computes it."""
