@@ -141,7 +141,7 @@ def fleet_scaling(
     sizes: tuple[int, ...] = (8, 64, 512),
     method: str = "squeeze",
     limit: int | None = None,
-    tile_seconds: float = 300.0,
+    tile_seconds: float = 120.0,
 ) -> list[dict[str, object]]:
     """Simulated requests per wall second as the fleet grows, the request rate scaled with it
     so that each worker's load stays the same (the Mooncake conversation trace).
@@ -336,7 +336,7 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print("\nFleet size (Mooncake conversation, rate scaled with the workers; one run each)")
     print("squeezed: the whole trace, time compressed by workers / 8:")
     print(format_table(fleet_scaling(path, method="squeeze", limit=3000 if quick else None)))
-    seconds = 60.0 if quick else 300.0
+    seconds = 30.0 if quick else 120.0
     print(f"tiled: its first {seconds:.0f} s, workers / 8 copies side by side (--tile):")
     print(format_table(fleet_scaling(path, method="tile", tile_seconds=seconds)))
 
