@@ -256,9 +256,23 @@ class Router:
         """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
         self.tokens_many((request,), num_tokens, now)
 
-    def tokens_many(self, requests: Iterable[Request], num_tokens: int, now: float) -> None:
+    @property
+    def policy_counts_tokens(self) -> bool:
+        """Whether the global policy keeps counts by the token (`on_token`)."""
+        return self._policy_counts_tokens
+
+    def work_done_on(self, wid: WorkerId, num_tokens: int) -> None:
+        """`num_tokens` of `wid`'s work done, before it is known whose: a simulated engine
+        part-way through a decode run. `tokens_many(..., credited=True)` settles them on
+        their requests later, without counting them on the worker again."""
+        self._credit(wid, num_tokens)
+
+    def tokens_many(
+        self, requests: Iterable[Request], num_tokens: int, now: float, credited: bool = False
+    ) -> None:
         """`num_tokens` more for each of `requests`: a simulated engine's batch, one call per
-        step or run applied (the hot path of a simulation: hooks that do nothing are skipped)."""
+        step or run applied (the hot path of a simulation: hooks that do nothing are skipped).
+        `credited`: the worker's load already counts them (`work_done_on`)."""
         flights, counts_tokens = self._flights, self._policy_counts_tokens
         worker, done_there = None, 0  # a batch is one worker's: its load changes once
         for request in requests:
@@ -268,10 +282,11 @@ class Router:
             done = min(num_tokens, flight.remaining)
             if done > 0:
                 flight.remaining -= done
-                if flight.worker != worker:
-                    self._credit(worker, done_there)
-                    worker, done_there = flight.worker, 0
-                done_there += done
+                if not credited:
+                    if flight.worker != worker:
+                        self._credit(worker, done_there)
+                        worker, done_there = flight.worker, 0
+                    done_there += done
             if counts_tokens:
                 self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
             if flight.released and flight.queue.counts_tokens:

@@ -130,6 +130,12 @@ class SimCluster:
         self.router = self.routers[0]
         self.view = self.router.view
         engine_config = replace(config.engine, block_size=trace.block_size)
+        # Decode progress in sum mid-run (engines settle each sequence at the run's end) when
+        # nothing counts tokens per request: one router, whose policy and queues do not.
+        queue_counts = in_router and type(self.local_factory()).on_token is not LocalPolicy.on_token
+        self.defers_tokens = (
+            len(self.routers) == 1 and not self.router.policy_counts_tokens and not queue_counts
+        )
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
         for i in range(config.num_workers):
@@ -293,7 +299,7 @@ class SimCluster:
     def on_engine_changed(self, engine: Engine) -> None:
         """An engine's state moved: tell the router what the server would report, and note
         when its next step ends."""
-        waiting, used = len(engine.waiting), engine.blocks.num_used
+        waiting, used = len(engine.waiting), engine.kv_used_blocks
         for router in self.routers:
             router.report(engine.id, waiting=waiting, kv_used_blocks=used)
         end = self._due_at(engine)
@@ -340,6 +346,12 @@ class SimCluster:
             return
         for seq in seqs:
             self._router_of(seq.req).tokens(seq.req, num_tokens, now)
+
+    def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None:
+        self.router.work_done_on(engine.id, num_tokens)
+
+    def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        self.router.tokens_many([seq.req for seq in seqs], num_tokens, now, credited=True)
 
     def _router_of(self, req: Request) -> Router:
         return self._owner.get(req.id, self.router) if self._owner else self.router

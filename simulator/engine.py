@@ -88,6 +88,13 @@ class EngineListener(Protocol):
 
     def on_finish(self, seq: Seq, now: float) -> None: ...
 
+    # Optional, for a listener that needs decode progress only in sum between run boundaries
+    # (sets `defers_tokens`): mid-run, `on_progress(engine, num_tokens, now)` gives the tokens
+    # the engine's sequences made in all; at the run's end, `on_tokens_settled(seqs,
+    # num_tokens, now)` says which sequences made them.
+    # def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None: ...
+    # def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None: ...
+
     # Optional: told after anything a router would see changed (requests waiting, KV used, the
     # next step's end), so a cluster never has to poll its engines.
     # def on_engine_changed(self, engine: Engine) -> None: ...
@@ -104,6 +111,13 @@ class _Run:
     # any number of its steps.
     seqs: list[Seq] | None = None
     applied: int = 0
+    # Steps applied to the engine's totals and told to the listener as a sum only, not yet to
+    # each sequence (see Engine._progress_decode_steps).
+    pending: int = 0
+    pending_blocks: int = 0  # the blocks those steps take, not yet allocated
+    # Each sequence's computed tokens modulo the block size at planning, sorted: the blocks
+    # that `pending` steps from the start of the run take, by counting (None once settled).
+    residues: list[int] | None = None
     end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
 
     @property
@@ -132,6 +146,12 @@ class Engine:
         self._local_counts_tokens = type(local).on_token is not LocalPolicy.on_token
         self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
         self._changed = getattr(listener, "on_engine_changed", None)
+        self._on_progress = (
+            listener.on_progress  # type: ignore[attr-defined]
+            if getattr(listener, "defers_tokens", False) and not self._local_counts_tokens
+            and kv_events is None  # evictions a decode step makes are events, at their time
+            else None
+        )  # fmt: skip
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size, kv_events)
         # When the block changes being made happen: step start while planning, step end while
@@ -168,6 +188,7 @@ class Engine:
         """Stop a request (its client left). Waiting: withdrawn from its queue discipline,
         uncharged. Running: it ends with the tokens it has, at the next step boundary."""
         self.sync(self.env.now)
+        self._settle()
         seq = self.waiting.pop(request_id, None)
         if seq is not None:
             self.local.remove(seq.req)
@@ -196,7 +217,10 @@ class Engine:
         if run.applied == 0 and run.seqs is None:
             self._apply_first_step(run)
         if done > run.applied:
-            self._apply_decode_steps(run, done - run.applied)
+            if run.seqs is not None and done < len(run.ends) and self._on_progress is not None:
+                self._progress_decode_steps(run, done - run.applied)
+            else:
+                self._apply_decode_steps(run, done - run.applied)
         self._after_steps(run)
         if self.config.check_invariants:
             self.check_integrity(between_steps=True)
@@ -321,7 +345,10 @@ class Engine:
         if durations is None:
             durations = [self.cost.step_time(self._shape(batch))]
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
-        return _Run(batch, ends, decoding)
+        run = _Run(batch, ends, decoding)
+        if decoding is not None and self._on_progress is not None and len(ends) > 1:
+            run.residues = sorted(seq.num_computed % cfg.block_size for seq in decoding)
+        return run
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.
@@ -454,20 +481,68 @@ class Engine:
         run.applied = 1
         self.num_steps += 1
 
+    def _progress_decode_steps(self, run: _Run, num_steps: int) -> None:
+        """Apply `num_steps` steps of a decode run that does not end with them, in sum: the
+        engine's totals, the KV blocks they take, and the listener's load. The sequences
+        themselves catch up when the run ends (or an abort looks at them): nothing reads them
+        before, and this is the step a policy reading every worker's load pays on each one."""
+        run.applied += num_steps
+        run.pending += num_steps
+        now = self.event_time = run.ends[run.applied - 1]
+        seqs, bs = run.seqs, self.config.block_size
+        assert seqs is not None
+        steps = run.pending
+        if run.residues is not None:
+            # Sequence i, at c = q * bs + r tokens when planned, holds q + 1 blocks (step 1's
+            # allocated) and after `steps` steps needs q + ceil((r + steps) / bs): floor((r +
+            # steps - 1) / bs) more, which counting residues against the step gives for all.
+            t = steps - 1
+            crossed = len(seqs) - bisect.bisect_left(run.residues, bs - t % bs)
+            run.pending_blocks = len(seqs) * (t // bs) + crossed
+        else:
+            run.pending_blocks = sum(
+                (s.num_computed + steps + bs - 1) // bs - len(s.table) for s in seqs
+            )
+        tokens = num_steps * len(seqs)
+        self._tokens_computed += tokens
+        self.tokens_processed += tokens
+        self.num_steps += num_steps
+        self.peak_used_blocks = max(self.peak_used_blocks, self.kv_used_blocks)
+        self._on_progress(self, tokens, now)  # type: ignore[misc]
+
+    @property
+    def kv_used_blocks(self) -> int:
+        """KV blocks in use, those of decode steps applied in sum included."""
+        run = self._run
+        return self.blocks.num_used + (run.pending_blocks if run is not None else 0)
+
+    def _settle(self) -> None:
+        """Bring each sequence up to the steps applied in sum (before anything reads one)."""
+        run = self._run
+        if run is not None and run.pending:
+            self._apply_decode_steps(run, 0)
+
     def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
+        """`num_steps` more steps of the run, and the ones applied in sum, sequence by
+        sequence."""
         now = self.event_time = run.ends[run.applied + num_steps - 1]
         blocks, bs = self.blocks, self.config.block_size
         seqs = run.seqs if run.seqs is not None else [seq for seq, _ in run.batch]
+        settled, run.pending, run.pending_blocks = run.pending, 0, 0
+        run.residues = None  # counted from the run's start: not once sequences caught up
+        steps = settled + num_steps
         for seq in seqs:
             table = seq.table
-            seq.num_computed = computed = seq.num_computed + num_steps
-            seq.num_output += num_steps
+            seq.num_computed = computed = seq.num_computed + steps
+            seq.num_output += steps
             need = (computed + bs - 1) // bs - len(table.hashed) - table.num_anonymous
             if need > 0:
                 blocks.allocate(table, need)
             if self._local_counts_tokens:
                 self.local.on_token(seq.req, num_steps)
-        if self._listener_counts_tokens:
+        if settled:
+            self.listener.on_tokens_settled(seqs, settled, now)  # type: ignore[attr-defined]
+        if num_steps and self._listener_counts_tokens:
             self.listener.on_tokens(seqs, num_steps, now)
         self._tokens_computed += num_steps * len(seqs)
         self.tokens_processed += num_steps * len(seqs)
@@ -509,9 +584,17 @@ class Engine:
         self.blocks.check_integrity([s.table for s in self.running])
         assert self.blocks.num_used <= self.blocks.num_blocks, "over KV capacity"
         assert len(self.local) == len(self.waiting), "local queue and waiting set disagree"
+        run = self._run
+        in_sum = set(run.seqs or ()) if run is not None and run.pending else set()
+        owed = 0
         for seq in self.running:
             need = self.blocks.blocks_for(seq.num_computed)
             held = len(seq.table)
+            if seq in in_sum:  # decode steps applied in sum: it holds step 1's blocks only
+                assert held == self.blocks.blocks_for(seq.num_computed + 1), seq.req.id
+                owed += self.blocks.blocks_for(seq.num_computed + run.pending) - held
+                continue
             # Between steps a sequence holds exactly its computed tokens' blocks (the planning
             # loop relies on it); once planned, also those of the step about to run.
             assert held == need if between_steps else held >= need, f"request {seq.req.id}"
+        assert owed == (run.pending_blocks if in_sum else 0), "blocks owed to steps in sum"

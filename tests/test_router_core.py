@@ -226,12 +226,15 @@ class Recorder:
         r.first_token = rec("first_token", first)
         tokens_many = r.tokens_many  # Router.tokens comes through here too
 
-        def tokens_each(requests, num_tokens, now):  # a batch is a token event per request
+        def tokens_each(requests, num_tokens, now, credited=False):  # an event per request
             requests = list(requests)
-            tokens_many(requests, num_tokens, now)
-            self.calls.extend(("tokens", (q, num_tokens, now), (), None) for q in requests)
+            tokens_many(requests, num_tokens, now, credited=credited)
+            kw = (("credited", True),) if credited else ()
+            self.calls.extend(("tokens", (q, num_tokens, now), kw, None) for q in requests)
 
         r.tokens_many = tokens_each
+        # A simulated engine's decode progress in sum, settled on requests later (credited).
+        r.work_done_on = rec("work_done_on", r.work_done_on)
         r.report = rec("report", report)
         r.worker_down = rec("worker_down", down, lambda o: [x.id for x in o])
         r.worker_up = rec("worker_up", up)
@@ -281,11 +284,15 @@ def replay_live(
                 clock.now = now
                 worker, _, fut = live.route(request)
                 futures[request.id], where[request.id] = fut, worker
+            elif name == "work_done_on":  # the same core call, as the simulator makes it
+                live.router.work_done_on(*args)
             elif name in ("first_token", "tokens", "finish"):
                 request, clock.now = requests[args[0].id], args[-1]
                 worker = where[request.id]
                 if name == "first_token":
                     live.first_token(worker, request)
+                elif name == "tokens" and kw:
+                    live.router.tokens_many([request], args[1], clock.now, credited=True)
                 elif name == "tokens":
                     live.tokens(worker, request, args[1])
                 else:
