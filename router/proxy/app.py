@@ -253,6 +253,8 @@ class Forward:
                 if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ClientError)
                 else type(e).__name__  # not its text: that names the worker's address
             )
+            log.warning("request %s: worker %s failed before answering: %r",
+                        self.request_id, worker.id, e)  # fmt: skip
             raise _bad_gateway(f"worker {worker.id} failed: {what}") from e
         except BaseException:
             if resp is not None:
