@@ -42,6 +42,8 @@ from router.request import Request
 
 log = logging.getLogger(__name__)
 
+UPSTREAM_KEEPALIVE_S = 3.0  # idle upstream connections kept below the servers' limit (vLLM: 5 s)
+
 HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -585,7 +587,12 @@ def create_app(
         )
 
     async def session_ctx(app: web.Application):
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); aiohttp keeps
+        # one for 15 s by default, so a request after a lull could go out on a connection the
+        # server was closing: ServerDisconnected, a 502 where there is no other worker to try.
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+        )
         async with aiohttp.ClientSession(connector=connector) as session:
             app[SESSION] = session
             app[POOL] = ThreadPoolExecutor(2, thread_name_prefix="fairway-tokenize")
