@@ -112,6 +112,11 @@ class LocalPolicy:
         """`num_tokens` output tokens of a started request. Must not raise for a request or
         client the discipline does not know (it may have been rebuilt under running requests)."""
 
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether `on_token` does anything: callers skip it per token when it does not."""
+        return type(self).on_token is not LocalPolicy.on_token
+
     def on_finish(self, request: Request) -> None:
         pass
 

@@ -130,11 +130,11 @@ class SimCluster:
         self.router = self.routers[0]
         self.view = self.router.view
         engine_config = replace(config.engine, block_size=trace.block_size)
+        counting_queues = in_router and self.local_factory().counts_tokens  # no queue yet
         # Decode progress in sum mid-run (engines settle each sequence at the run's end) when
         # nothing counts tokens per request: one router, whose policy and queues do not.
-        queue_counts = in_router and type(self.local_factory()).on_token is not LocalPolicy.on_token
         self.defers_tokens = (
-            len(self.routers) == 1 and not self.router.policy_counts_tokens and not queue_counts
+            len(self.routers) == 1 and not self.router.policy_counts_tokens and not counting_queues
         )
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
@@ -161,7 +161,6 @@ class SimCluster:
         # Which engines an arrival must bring up to date: those with any step ended, or, when
         # nothing routing reads moves while requests decode, only those whose run has ended
         # (a finish or an admission): then an arrival costs the same on any fleet.
-        counting_queues = in_router and self.router.queues[0].counts_tokens
         names_workers = type(self.policy).progress_read is not GlobalPolicy.progress_read
         self._lazy = names_workers and not (self.precise or counting_queues)
         self.bound = InfiniteCache(trace.block_size)

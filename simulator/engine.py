@@ -143,7 +143,7 @@ class Engine:
         self.local = local
         self.listener = listener
         # Skip per-token hooks nobody listens to: they run once per sequence per step.
-        self._local_counts_tokens = type(local).on_token is not LocalPolicy.on_token
+        self._local_counts_tokens = local.counts_tokens
         self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
         self._changed = getattr(listener, "on_engine_changed", None)
         self._on_progress = (
@@ -188,7 +188,6 @@ class Engine:
         """Stop a request (its client left). Waiting: withdrawn from its queue discipline,
         uncharged. Running: it ends with the tokens it has, at the next step boundary."""
         self.sync(self.env.now)
-        self._settle()
         seq = self.waiting.pop(request_id, None)
         if seq is not None:
             self.local.remove(seq.req)
@@ -197,6 +196,7 @@ class Engine:
             return
         for seq in self.running:
             if seq.req.id == request_id:
+                self._settle()  # its tokens so far, steps applied in sum included
                 seq.output_len = seq.num_output
                 if self._run is not None and self._run.is_multi_step:
                     self._cut_run()  # the run assumed it would keep decoding
@@ -489,20 +489,16 @@ class Engine:
         run.applied += num_steps
         run.pending += num_steps
         now = self.event_time = run.ends[run.applied - 1]
-        seqs, bs = run.seqs, self.config.block_size
-        assert seqs is not None
-        steps = run.pending
-        if run.residues is not None:
-            # Sequence i, at c = q * bs + r tokens when planned, holds q + 1 blocks (step 1's
-            # allocated) and after `steps` steps needs q + ceil((r + steps) / bs): floor((r +
-            # steps - 1) / bs) more, which counting residues against the step gives for all.
-            t = steps - 1
-            crossed = len(seqs) - bisect.bisect_left(run.residues, bs - t % bs)
-            run.pending_blocks = len(seqs) * (t // bs) + crossed
-        else:
-            run.pending_blocks = sum(
-                (s.num_computed + steps + bs - 1) // bs - len(s.table) for s in seqs
-            )
+        seqs, residues, bs = run.seqs, run.residues, self.config.block_size
+        # Steps in sum always count from the run's start: the only catch-up before its end
+        # (an abort) cuts the run to end at the next step.
+        assert seqs is not None and residues is not None
+        # Sequence i, at c = q * bs + r tokens when planned, holds q + 1 blocks (step 1's
+        # allocated) and after `pending` steps needs q + ceil((r + pending) / bs): floor((r +
+        # pending - 1) / bs) more, which counting residues against the step gives for all.
+        t = run.pending - 1
+        crossed = len(seqs) - bisect.bisect_left(residues, bs - t % bs)
+        run.pending_blocks = len(seqs) * (t // bs) + crossed
         tokens = num_steps * len(seqs)
         self._tokens_computed += tokens
         self.tokens_processed += tokens
