@@ -79,6 +79,7 @@ from statistics import median
 
 import numpy as np
 
+from policies.lpm import healthy_matches
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import WorkerId
@@ -241,7 +242,7 @@ class _InFlight:
     dispatched_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
-    num_decoded: int = 0  # output tokens after the first
+    num_tokens: int = 0  # output tokens, the first included
 
 
 @global_policies.register("preble")
@@ -249,6 +250,7 @@ class PrebleE2(GlobalPolicy):
     """Exploit the longest cached prefix, else explore by load + eviction + prefill cost."""
 
     default_local = "preble"
+    tokens_read_at_finish = True  # on_token feeds the time per output token only
 
     def __init__(
         self,
@@ -286,23 +288,27 @@ class PrebleE2(GlobalPolicy):
         self._shared: dict[Group, int] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._routed: dict[int, tuple[dict[WorkerId, int], Group]] = {}
+        self._kept_positions: tuple[list[WorkerId], np.ndarray, dict[WorkerId, int]] | None = (
+            None  # see _positions
+        )
 
     # ------------------------------------------------------------------ route
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         _require_cost(view)
-        workers = sorted(w.id for w in view.routable_workers())
-        healthy = set(workers)
+        workers = view.healthy_ids()
+        if not workers:
+            raise RuntimeError("no healthy worker to route to")
         self._expire(view.now)
         hashes = request.block_hashes
-        matched = {w: m for w, m in view.index.match(hashes).items() if w in healthy}
+        matched = healthy_matches(request, view)
         best = max(matched.values(), default=0)
         cached = best * view.block_size
         if best and cached > request.prompt_len - cached:
             group = self._group_of(hashes[best - 1])
             self._routed[request.id] = (matched, group)
             holders = [w for w, m in matched.items() if m == best]
-            candidates = [w for w in self._placement(group, best, holders) if w in healthy]
+            candidates = [w for w in self._placement(group, best, holders) if _is_healthy(view, w)]
             terms = self.explore_costs(request, view, matched, candidates or holders)
             target = min(terms, key=lambda w: (terms[w][0] + terms[w][1], w))
             return Decision(target, "exploit" if target in holders else "exploit: rebalanced")
@@ -333,7 +339,7 @@ class PrebleE2(GlobalPolicy):
         """(L, M, P) for each candidate (by default every healthy worker)."""
         cost = _require_cost(view)
         if candidates is None:
-            candidates = [w.id for w in view.healthy_workers()]
+            candidates = view.healthy_ids()
         bs, out = view.block_size, {}
         num_blocks, workers = request.num_blocks, view.workers
         shares, decode = self._prefill_share, self.window.decode  # load(w), inlined: O(W) calls
@@ -361,7 +367,7 @@ class PrebleE2(GlobalPolicy):
         loads = self._loads(workers)
         prefill = np.full(len(workers), cost.prefill_time(request.prompt_len, 0))
         if matched:
-            position = {w: k for k, w in enumerate(workers)}
+            position = self._positions(workers)[1]
             prefill_for: dict[int, float] = {}  # by blocks hit: a shared prefix, one value
             for w, hit in matched.items():
                 if hit not in prefill_for:
@@ -374,17 +380,21 @@ class PrebleE2(GlobalPolicy):
                 break
             w = workers[k]
             missed = request.num_blocks - matched.get(w, 0)
-            total = float(loads[k]) + self._eviction_cost(view, view.workers[w], missed, cost)
-            total += float(prefill[k])
+            load, own = float(loads[k]), float(prefill[k])
+            evict = self._eviction_cost(view, view.workers[w], missed, cost, (load, own, best))
+            total = load + evict + own
             if total < best or (total == best and w < best_w):
                 best, best_w = total, w
         return best_w
 
     def _eviction_cost(
-        self, view: ClusterView, worker: WorkerState, missed: int, cost: CostEstimates
-    ) -> float:
+        self, view: ClusterView, worker: WorkerState, missed: int, cost: CostEstimates,
+        beaten: tuple[float, float, float] | None = None,
+    ) -> float:  # fmt: skip
         """M: what placing `missed` new blocks on `worker` pushes out, weighed by reuse. A full
-        cache (an LRU cache's steady state) gives up as many blocks as it takes in."""
+        cache (an LRU cache's steady state) gives up as many blocks as it takes in.
+        `beaten` = (L, P, best): stop once L + M + P exceeds `best`, M then only part-summed
+        (its terms are not negative, so the whole cannot come back under)."""
         capacity = worker.kv_capacity_blocks
         if missed <= 0 or capacity <= 0:
             return 0.0
@@ -393,12 +403,14 @@ class PrebleE2(GlobalPolicy):
         to_evict = missed if is_full else missed - (capacity - held)
         if to_evict <= 0:
             return 0.0
-        total, bs = 0.0, view.block_size
-        for node in view.index.eviction_victims(worker.id, to_evict):
-            hits = view.index.hit_count(node, view.now)
+        total, bs, index = 0.0, view.block_size, view.index
+        for node in index.eviction_victims(worker.id, to_evict):
+            hits = index.hit_count(node, view.now)
             if hits:  # a prefix nobody reused lately costs nothing to lose
                 length = len(node.key) * bs
                 total += cost.prefill_time(length, node.depth * bs - length) * hits
+                if beaten is not None and beaten[0] + total + beaten[1] > beaten[2]:
+                    break
         return total
 
     # ------------------------------------------------------------------ hooks
@@ -438,19 +450,21 @@ class PrebleE2(GlobalPolicy):
             flight.first_token_at = flight.last_token_at = now
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
+        # Only a count and the latest time: tokens may come summed and late (before finish).
         flight = self._in_flight.get(request.id)
-        if flight is not None and flight.last_token_at is not None and now > flight.last_token_at:
-            flight.last_token_at = now
-            flight.num_decoded += num_tokens
+        if flight is not None and flight.last_token_at is not None:
+            flight.last_token_at = max(flight.last_token_at, now)
+            flight.num_tokens += num_tokens
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         """A finished request's time per output token (first to last token) joins its
         worker's samples."""
         self._routed.pop(request.id, None)
         flight = self._in_flight.pop(request.id, None)
-        if flight is not None and flight.num_decoded > 0:
+        if flight is not None and flight.num_tokens > 1:  # the first token's gap is the TTFT
             samples = self.tpot.setdefault(worker, deque(maxlen=self.tpot_samples))
-            samples.append((flight.last_token_at - flight.first_token_at) / flight.num_decoded)
+            gap = flight.last_token_at - flight.first_token_at  # type: ignore[operator]
+            samples.append(gap / (flight.num_tokens - 1))
 
     def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         """It never ran: its windowed work is taken back, as if it had never been sent."""
@@ -466,7 +480,7 @@ class PrebleE2(GlobalPolicy):
         """Pair the heaviest worker with the lightest and move the heaviest's cheapest groups
         while that does not overshoot, or replicate an overloaded one if moves were not
         enough; then the next heaviest, until a pair is within `rebalance_ratio`."""
-        workers = [w.id for w in view.healthy_workers()]
+        workers = view.healthy_ids()
         if len(workers) < 2 or self.num_routed < self.warmup * len(view.workers):
             return
         vector = self._loads(workers)
@@ -498,12 +512,22 @@ class PrebleE2(GlobalPolicy):
 
     def _loads(self, workers: list[WorkerId]) -> np.ndarray:
         """L of each of `workers`, as `load` computes it."""
-        slots = self._slots
-        for w in workers:
-            if w not in slots:
-                self._prefill_share[w] = 0.0
-        at = np.fromiter((slots[w] for w in workers), dtype=np.intp, count=len(workers))
+        at = self._positions(workers)[0]
         return (self._prefill_share.values() + self.window.decode.values())[at]
+
+    def _positions(self, workers: list[WorkerId]) -> tuple[np.ndarray, dict[WorkerId, int]]:
+        """Each of `workers`' slot in the vectors, and its place in the list. Kept while
+        routing is handed the same list (a tracked view's, until its roster changes): the
+        fleet is not walked per request."""
+        kept = self._kept_positions
+        if kept is None or kept[0] is not workers:
+            slots = self._slots
+            for w in workers:
+                if w not in slots:
+                    self._prefill_share[w] = 0.0
+            at = np.fromiter((slots[w] for w in workers), dtype=np.intp, count=len(workers))
+            kept = self._kept_positions = (workers, at, {w: k for k, w in enumerate(workers)})
+        return kept[1], kept[2]
 
     def _move(self, group: Group, heavy: WorkerId, light: WorkerId) -> None:
         """All the group's requests go to `light` in place of `heavy` from now on, and its
@@ -565,6 +589,11 @@ class PrebleE2(GlobalPolicy):
     def _expire(self, now: float) -> None:
         for group in self.window.expire(now):
             self._reshare(group, self.alloc.get(group, set()))
+
+
+def _is_healthy(view: ClusterView, worker: WorkerId) -> bool:
+    state = view.workers.get(worker)
+    return state is not None and state.healthy
 
 
 def _own_group(request: Request) -> Group:

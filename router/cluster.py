@@ -97,9 +97,25 @@ class ClusterView:
     cost: CostEstimates | None = None
     tracked: bool = False
     _orders: dict[OrderKey, WorkerOrder] = field(default_factory=dict, repr=False)
+    _healthy_ids: list[WorkerId] | None = field(default=None, repr=False)
 
     def healthy_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]
+
+    def healthy_ids(self) -> list[WorkerId]:
+        """The healthy workers' ids, smallest first (read-only). A tracked view keeps the list
+        until its owner calls `roster_changed`, so a policy that weighs the whole fleet per
+        request (Preble) does not rebuild it each time."""
+        if self._healthy_ids is not None:
+            return self._healthy_ids
+        ids = sorted(w.id for w in self.workers.values() if w.healthy)
+        if self.tracked:
+            self._healthy_ids = ids
+        return ids
+
+    def roster_changed(self) -> None:
+        """A worker joined or left, or went down or came back (a tracked view's owner calls it)."""
+        self._healthy_ids = None
 
     def routable_workers(self) -> list[WorkerState]:
         """The healthy workers; a policy's `route` starts here, so none means an error."""

@@ -130,6 +130,7 @@ class Router:
         capacity = self.default_capacity if kv_capacity_blocks is None else kv_capacity_blocks
         self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity)
         self.view.changed(wid)
+        self.view.roster_changed()
         return queue
 
     def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
@@ -141,6 +142,7 @@ class Router:
             return []
         state.healthy = False
         self.view.changed(wid)
+        self.view.roster_changed()
         for index in self._indexes():
             index.remove_worker(wid)
         queued = list(self.queues[wid].discipline)
@@ -152,6 +154,7 @@ class Router:
         if wid in self.view.workers:
             self.view.workers[wid].healthy = True
             self.view.changed(wid)
+            self.view.roster_changed()
 
     def remove_worker(self, wid: WorkerId, now: float) -> list[Request]:
         """As `worker_down`, then forget the worker; its requests in flight may still finish."""
@@ -159,6 +162,7 @@ class Router:
         self.queues.pop(wid, None)
         self.view.workers.pop(wid, None)
         self.view.changed(wid)
+        self.view.roster_changed()
         self._reported_waiting.pop(wid, None)
         return queued
 

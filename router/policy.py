@@ -41,6 +41,10 @@ class GlobalPolicy:
     """Base class with no-op hooks; subclasses implement `route`."""
 
     name = "?"
+    # True when what `on_token` keeps is read only by `on_finish` (a time per output token),
+    # never by `route` or `on_dispatch`: a driver may then deliver a request's tokens late and
+    # summed, stamped with the last one's time, as long as it does before the request finishes.
+    tokens_read_at_finish = False
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         """Choose a healthy worker for `request`. Must not mutate `view`."""

@@ -132,10 +132,10 @@ class SimCluster:
         engine_config = replace(config.engine, block_size=trace.block_size)
         counting_queues = in_router and self.local_factory().counts_tokens  # no queue yet
         # Decode progress in sum mid-run (engines settle each sequence at the run's end) when
-        # nothing counts tokens per request: one router, whose policy and queues do not.
-        self.defers_tokens = (
-            len(self.routers) == 1 and not self.router.policy_counts_tokens and not counting_queues
-        )
+        # nothing reads tokens per request before it finishes: one router, whose policy and
+        # queues count none, or a policy that reads its counts only at the finish.
+        counting_policy = self.router.policy_counts_tokens and not self.policy.tokens_read_at_finish
+        self.defers_tokens = len(self.routers) == 1 and not counting_policy and not counting_queues
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
         for i in range(config.num_workers):

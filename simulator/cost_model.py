@@ -110,12 +110,16 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+PREFILL_MEMO_SIZE = 1 << 16
+
+
 class StepCost:
     """What every cost model derives from its `step_time`."""
 
     name: str
     kv_capacity_tokens: int
     request_overhead: float = 0.0
+    _prefill_memo: dict[tuple[int, int], float] | None = None
 
     def step_time(self, shape: StepShape) -> float:
         raise NotImplementedError
@@ -128,9 +132,22 @@ class StepCost:
         ]
 
     def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float:
-        if num_new_tokens <= 0:
-            return 0.0
-        return self.step_time(StepShape.prefill(num_new_tokens, num_cached_tokens))
+        # Policies price the same prefixes again and again (Preble: each LRU victim of each
+        # worker it weighs, per request), and a cost model does not change once built.
+        key = (num_new_tokens, num_cached_tokens)
+        memo = self._prefill_memo
+        if memo is None:
+            memo = self._prefill_memo = {}
+        seconds = memo.get(key)
+        if seconds is None:
+            if len(memo) >= PREFILL_MEMO_SIZE:
+                memo.clear()
+            seconds = memo[key] = (
+                self.step_time(StepShape.prefill(num_new_tokens, num_cached_tokens))
+                if num_new_tokens > 0
+                else 0.0
+            )
+        return seconds
 
     def decode_time(self, num_seqs: int, context_tokens: int) -> float:
         return self.step_time(StepShape(num_seqs, context_tokens, context_tokens))

@@ -212,6 +212,27 @@ class TestLoad:
         policy.on_dispatch(r, 0, view)
         assert policy.load(0) - before == pytest.approx(COST.prefill_time(r.prompt_len, 0) + 2.0)
 
+    def test_tokens_counted_late_and_summed_give_the_same_time_per_token(self) -> None:
+        """`tokens_read_at_finish`: a simulator may settle a decode run's tokens at its end,
+        summed and stamped with the last one's time; the sample must not change."""
+        assert policies.global_policies.get("preble").tokens_read_at_finish
+        view = make_view(0)
+        samples = []
+        for summed in (False, True):
+            policy = policies.global_policies.create("preble")
+            r = make_req(1, [1], out=9)
+            policy.on_dispatch(r, 0, view)
+            if summed:
+                policy.on_first_token(r, 0, 1.0)
+                policy.on_token(r, 0, 1, 1.0)
+                policy.on_token(r, 0, 5, 1.5)  # steps 2-6, told at the 6th's end
+                policy.on_token(r, 0, 3, 1.8)  # the rest, at the finish
+            else:
+                run(policy, r, 0, first=1.0, last=1.8, num_output=9)
+            policy.on_finish(r, 0, view)
+            samples.append(list(policy.tpot[0]))
+        assert samples[0] == samples[1] == [pytest.approx(0.1)]
+
     def test_a_groups_prefill_is_split_over_its_workers_and_decode_stays_put(self) -> None:
         """As the reference's get_node_cost: the group's prefill divided by the number of
         workers it is allocated to; each request's decode where it runs."""

@@ -30,6 +30,7 @@ def assert_orders_agree(view: ClusterView) -> None:
         assert view.least(key).id == plain.least(key).id, key.__name__
         assert view.most(key).id == plain.most(key).id, key.__name__
         assert list(view.ordered(key)) == plain.ordered(key), key.__name__
+    assert view.healthy_ids() == plain.healthy_ids()  # kept until the roster changes
     candidates = {w for w in view.workers if w % 3 == 0 and view.workers[w].healthy}
     if candidates:
         assert shortest_queue_among(view, candidates) == shortest_queue_among(plain, candidates)
