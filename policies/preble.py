@@ -82,7 +82,7 @@ import numpy as np
 from policies.lpm import healthy_matches
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.policy import Decision, GlobalPolicy, LocalPolicy
-from router.prefix_index import WorkerId
+from router.prefix_index import Node, WorkerId
 from router.registry import global_policies, local_policies
 from router.request import BlockHash, Request
 
@@ -288,6 +288,7 @@ class PrebleE2(GlobalPolicy):
         self._shared: dict[Group, int] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._routed: dict[int, tuple[dict[WorkerId, int], Group]] = {}
+        self._kept_victims: dict[WorkerId, tuple] = {}  # see _victims
         self._kept_positions: tuple[list[WorkerId], np.ndarray, dict[WorkerId, int]] | None = (
             None  # see _positions
         )
@@ -403,15 +404,35 @@ class PrebleE2(GlobalPolicy):
         to_evict = missed if is_full else missed - (capacity - held)
         if to_evict <= 0:
             return 0.0
-        total, bs, index = 0.0, view.block_size, view.index
-        for node in index.eviction_victims(worker.id, to_evict):
-            hits = index.hit_count(node, view.now)
+        total, index, now = 0.0, view.index, view.now
+        for node, freed_before, prefill in self._victims(view, worker.id, to_evict, cost):
+            if freed_before >= to_evict:
+                break
+            hits = index.hit_count(node, now)
             if hits:  # a prefix nobody reused lately costs nothing to lose
-                length = len(node.key) * bs
-                total += cost.prefill_time(length, node.depth * bs - length) * hits
+                total += prefill * hits
                 if beaten is not None and beaten[0] + total + beaten[1] > beaten[2]:
                     break
         return total
+
+    def _victims(
+        self, view: ClusterView, worker: WorkerId, num_blocks: int, cost: CostEstimates
+    ) -> list[tuple[Node, int, float]]:
+        """The index's `eviction_victims(worker, num_blocks)`, each with the blocks freed
+        before it and its prefill time. Kept until the worker's eviction order changes (the
+        index's `version`): explore prices victims across the fleet for every request, and a
+        worker's change only when requests go there."""
+        index, version = view.index, view.index.version(worker)
+        kept = self._kept_victims.get(worker)
+        if kept is not None and kept[:3] == (index, version, cost) and kept[3] >= num_blocks:
+            return kept[4]
+        bs, victims, freed = view.block_size, [], 0
+        for node in index.eviction_victims(worker, num_blocks):
+            length = len(node.key) * bs
+            victims.append((node, freed, cost.prefill_time(length, node.depth * bs - length)))
+            freed += len(node.key)
+        self._kept_victims[worker] = (index, version, cost, num_blocks, victims)
+        return victims
 
     # ------------------------------------------------------------------ hooks
 

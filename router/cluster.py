@@ -66,12 +66,17 @@ class WorkerOrder:
         if self.pending:
             workers, keys, ordered = view.workers, self._keys, self.sorted
             for wid in self.pending:
-                old = keys.pop(wid, None)
+                state = workers.get(wid)
+                new = self.key(view, state) if state is not None and state.healthy else None
+                old = keys.get(wid)
+                if new == old:
+                    continue  # most changes move nothing this order reads (ids, queues)
                 if old is not None:
                     ordered.remove(old)
-                state = workers.get(wid)
-                if state is not None and state.healthy:
-                    keys[wid] = new = self.key(view, state)
+                if new is None:
+                    del keys[wid]
+                else:
+                    keys[wid] = new
                     ordered.add(new)
             self.pending.clear()
         return self.sorted

@@ -67,6 +67,7 @@ class PrefixIndex:
         # sequence. With a non-decreasing clock this is the order of (touch, -depth); kept as an
         # insertion-ordered dict because a sorted list's deletes cost milliseconds at times.
         self._lru: dict[WorkerId, dict[Node, None]] = {}
+        self._versions: dict[WorkerId, int] = {}  # see version()
 
     # ----------------------------------------------------------------- queries
 
@@ -94,6 +95,11 @@ class PrefixIndex:
 
     def num_blocks(self, worker: WorkerId) -> int:
         return self._num_blocks.get(worker, 0)
+
+    def version(self, worker: WorkerId) -> int:
+        """A number that changes whenever `worker`'s eviction order does, or the edge of a
+        node it holds (a split): what is derived from its victims may be kept until then."""
+        return self._versions.get(worker, 0)
 
     @property
     def workers(self) -> list[WorkerId]:
@@ -252,6 +258,7 @@ class PrefixIndex:
         lru = self._lru.get(worker)
         if lru is None:
             lru = self._lru[worker] = {}
+        self._versions[worker] = self._versions.get(worker, 0) + 1
         for node in reversed(path):
             lru.pop(node, None)
             lru[node] = None
@@ -260,6 +267,7 @@ class PrefixIndex:
     def _drop(self, node: Node, worker: WorkerId) -> int:
         del node.workers[worker]
         del self._lru[worker][node]
+        self._versions[worker] += 1
         self._num_blocks[worker] -= len(node.key)
         self._prune(node)
         return len(node.key)
@@ -286,6 +294,7 @@ class PrefixIndex:
         # order: it and its ancestors move to the end. An insert touches that path at once
         # anyway; a split by remove_prefix makes it look recent.
         for worker in upper.workers:
+            self._versions[worker] += 1
             lru = self._lru[worker]
             node = upper
             while node is not self.root:

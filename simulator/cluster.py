@@ -347,7 +347,12 @@ class SimCluster:
             self._router_of(seq.req).tokens(seq.req, num_tokens, now)
 
     def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None:
+        """Decode steps applied in sum mid-run (one router): its load and KV use moved."""
         self.router.work_done_on(engine.id, num_tokens)
+        self.router.report(engine.id, kv_used_blocks=engine.kv_used_blocks)
+        end = self._due_at(engine)
+        if end is not None:
+            heapq.heappush(self._due, (end, engine.id))
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         self.router.tokens_many([seq.req for seq in seqs], num_tokens, now, credited=True)

@@ -90,7 +90,7 @@ class EngineListener(Protocol):
 
     # Optional, for a listener that needs decode progress only in sum between run boundaries
     # (sets `defers_tokens`): mid-run, `on_progress(engine, num_tokens, now)` gives the tokens
-    # the engine's sequences made in all; at the run's end, `on_tokens_settled(seqs,
+    # the engine's sequences made in all, in place of `on_engine_changed`; at the run's end, `on_tokens_settled(seqs,
     # num_tokens, now)` says which sequences made them.
     # def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None: ...
     # def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None: ...
@@ -214,13 +214,16 @@ class Engine:
         if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
             return
         done = bisect.bisect_right(run.ends, now, lo=run.applied)
+        if run.seqs is not None and done < len(run.ends) and self._on_progress is not None:
+            # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
+            self._progress_decode_steps(run, done - run.applied)
+            if self.config.check_invariants:
+                self.check_integrity(between_steps=True)
+            return
         if run.applied == 0 and run.seqs is None:
             self._apply_first_step(run)
         if done > run.applied:
-            if run.seqs is not None and done < len(run.ends) and self._on_progress is not None:
-                self._progress_decode_steps(run, done - run.applied)
-            else:
-                self._apply_decode_steps(run, done - run.applied)
+            self._apply_decode_steps(run, done - run.applied)
         self._after_steps(run)
         if self.config.check_invariants:
             self.check_integrity(between_steps=True)
