@@ -90,8 +90,8 @@ class EngineListener(Protocol):
 
     # Optional, for a listener that needs decode progress only in sum between run boundaries
     # (sets `defers_tokens`): mid-run, `on_progress(engine, num_tokens, now)` gives the tokens
-    # the engine's sequences made in all, in place of `on_engine_changed`; at the run's end, `on_tokens_settled(seqs,
-    # num_tokens, now)` says which sequences made them.
+    # the engine's sequences made in all, in place of `on_engine_changed`; at the run's end,
+    # `on_tokens_settled(seqs, num_tokens, now)` says which sequences made them.
     # def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None: ...
     # def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None: ...
 
