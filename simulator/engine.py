@@ -175,6 +175,9 @@ class Engine:
     # ------------------------------------------------------------- interface
 
     def submit(self, req: Request) -> None:
+        # First the steps ended by now: a queue discipline may read what they charged (VTC
+        # lifts an arriving client to the backlogged ones' counters).
+        self.sync(self.env.now)
         self.waiting[req.id] = Seq(req, self.id, self.config.block_size)
         self._tokens_total += req.prompt_len + req.output_len
         self.local.push(req)

@@ -148,6 +148,15 @@ class TestFastForwardReorderingQueue(TestFastForward):
     saves_events = False
 
 
+class TestFastForwardFairQueue(TestFastForward):
+    """VTC's queue in the engine, behind a router that reads no decode progress: an arrival
+    lifts its client's counter to the backlogged ones', which the steps ended so far charged.
+    Its head moves as tokens are served: with a request waiting, the engine steps one by one."""
+
+    policy, local = "lpm", "vtc"
+    saves_events = False
+
+
 class TestFastForwardRoundRobin(TestFastForward):
     policy = "round_robin"
 
