@@ -148,7 +148,7 @@ class Engine:
         self._changed = getattr(listener, "on_engine_changed", None)
         self._on_progress = (
             listener.on_progress  # type: ignore[attr-defined]
-            if getattr(listener, "defers_tokens", False) and not self._local_counts_tokens
+            if getattr(listener, "defers_tokens", False)
             and kv_events is None  # evictions a decode step makes are events, at their time
             else None
         )  # fmt: skip
@@ -178,6 +178,8 @@ class Engine:
         # First the steps ended by now: a queue discipline may read what they charged (VTC
         # lifts an arriving client to the backlogged ones' counters).
         self.sync(self.env.now)
+        if self._local_counts_tokens:
+            self._settle()  # the run is cut below: steps in sum count from its start
         self.waiting[req.id] = Seq(req, self.id, self.config.block_size)
         self._tokens_total += req.prompt_len + req.output_len
         self.local.push(req)
@@ -193,6 +195,9 @@ class Engine:
         self.sync(self.env.now)
         seq = self.waiting.pop(request_id, None)
         if seq is not None:
+            if self._local_counts_tokens and self._run is not None and self._run.pending:
+                self._settle()  # the discipline may read its counters (VTC's last departed)
+                self._cut_run()
             self.local.remove(seq.req)
             self._tokens_total -= seq.req.prompt_len + seq.req.output_len
             self._tell()
@@ -541,7 +546,7 @@ class Engine:
             if need > 0:
                 blocks.allocate(table, need)
             if self._local_counts_tokens:
-                self.local.on_token(seq.req, num_steps)
+                self.local.on_token(seq.req, steps)
         if settled:
             self.listener.on_tokens_settled(seqs, settled, now)  # type: ignore[attr-defined]
         if num_steps and self._listener_counts_tokens:

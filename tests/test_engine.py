@@ -157,6 +157,14 @@ class TestFastForwardFairQueue(TestFastForward):
     saves_events = False
 
 
+class TestFastForwardVTC(TestFastForward):
+    """Least load across workers, VTC's queue in each engine: the queues' counters catch up
+    with decode runs at their ends, and at an arrival."""
+
+    policy, local = "vtc", None
+    saves_events = False
+
+
 class TestFastForwardRoundRobin(TestFastForward):
     policy = "round_robin"
 
