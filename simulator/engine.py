@@ -495,8 +495,9 @@ class Engine:
     def _progress_decode_steps(self, run: _Run, num_steps: int) -> None:
         """Apply `num_steps` steps of a decode run that does not end with them, in sum: the
         engine's totals, the KV blocks they take, and the listener's load. The sequences
-        themselves catch up when the run ends (or an abort looks at them): nothing reads them
-        before, and this is the step a policy reading every worker's load pays on each one."""
+        themselves catch up when the run ends, or when an abort or an arrival at a queue that
+        counts tokens looks at them: nothing reads them before, and this is the step a policy
+        reading every worker's load pays on each engine."""
         run.applied += num_steps
         run.pending += num_steps
         now = self.event_time = run.ends[run.applied - 1]
