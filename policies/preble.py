@@ -309,7 +309,7 @@ class PrebleE2(GlobalPolicy):
             group = self._group_of(hashes[best - 1])
             self._routed[request.id] = (matched, group)
             holders = [w for w, m in matched.items() if m == best]
-            candidates = [w for w in self._placement(group, best, holders) if _is_healthy(view, w)]
+            candidates = [w for w in self._placement(group, best, holders) if view.is_healthy(w)]
             terms = self.explore_costs(request, view, matched, candidates or holders)
             target = min(terms, key=lambda w: (terms[w][0] + terms[w][1], w))
             return Decision(target, "exploit" if target in holders else "exploit: rebalanced")
@@ -610,11 +610,6 @@ class PrebleE2(GlobalPolicy):
     def _expire(self, now: float) -> None:
         for group in self.window.expire(now):
             self._reshare(group, self.alloc.get(group, set()))
-
-
-def _is_healthy(view: ClusterView, worker: WorkerId) -> bool:
-    state = view.workers.get(worker)
-    return state is not None and state.healthy
 
 
 def _own_group(request: Request) -> Group:

@@ -118,6 +118,10 @@ class ClusterView:
             self._healthy_ids = ids
         return ids
 
+    def is_healthy(self, wid: WorkerId) -> bool:
+        state = self.workers.get(wid)
+        return state is not None and state.healthy
+
     def roster_changed(self) -> None:
         """A worker joined or left, or went down or came back (a tracked view's owner calls it)."""
         self._healthy_ids = None

@@ -301,6 +301,9 @@ class SimCluster:
         waiting, used = len(engine.waiting), engine.kv_used_blocks
         for router in self.routers:
             router.report(engine.id, waiting=waiting, kv_used_blocks=used)
+        self._note_due(engine)
+
+    def _note_due(self, engine: Engine) -> None:
         end = self._due_at(engine)
         if end is not None:
             heapq.heappush(self._due, (end, engine.id))
@@ -350,9 +353,7 @@ class SimCluster:
         """Decode steps applied in sum mid-run (one router): its load and KV use moved."""
         self.router.work_done_on(engine.id, num_tokens)
         self.router.report(engine.id, kv_used_blocks=engine.kv_used_blocks)
-        end = self._due_at(engine)
-        if end is not None:
-            heapq.heappush(self._due, (end, engine.id))
+        self._note_due(engine)
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         self.router.tokens_many([seq.req for seq in seqs], num_tokens, now, credited=True)
