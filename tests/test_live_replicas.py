@@ -30,6 +30,7 @@ from router.core import Router
 from router.ledger import Ledger
 from router.proxy.load import LoadSpec, Outcome, request_body, send
 from router.proxy.replicas import REPLICA_HEADER
+from router.proxy.serve import SHUTDOWN_GRACE
 from router.proxy.shared_state import SharedState, decode_key, encode_key, redis_server
 from tests.live_helpers import (
     BLOCK,
@@ -402,10 +403,12 @@ class TestServeReplicas:
                 pids = started_pids(log_path)
                 redis_port = int(re.search(r"redis://127.0.0.1:(\d+)", log_path.read_text())[1])
                 proc.kill()  # no chance to stop anything itself
-                deadline = time.monotonic() + 30
+                # Each bounds its own stop: a replica by the proxy's grace, the guard by its own.
+                deadline = time.monotonic() + SHUTDOWN_GRACE + 15
                 while [p for p in pids if is_running(p)] and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
-                assert not [p for p in pids if is_running(p)], "replicas and Redis's guard"
+                alive = [p for p in pids if is_running(p)]
+                assert not alive, f"alive: {alive} of {pids}\n{log_path.read_text()[-4000:]}"
                 with pytest.raises(OSError):
                     socket.create_connection(("127.0.0.1", redis_port), 1).close()
 

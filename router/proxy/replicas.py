@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -257,6 +258,11 @@ async def serve_replica(spec: ReplicaSpec) -> None:
         await web.TCPSite(runner, "127.0.0.1", own_port).start()
         log.info("replica %d on http://%s:%d (own port %d)", spec.index, host, port, own_port)
         await stop.wait()
+        # The supervisor SIGKILLs a replica whose stop outlasts the grace; an orphan has no one
+        # to, so it bounds its own stop: past the grace, every thread's stack goes to the log
+        # (where it hung) and the process exits.
+        faulthandler.dump_traceback_later(SHUTDOWN_GRACE + 5, exit=True)
+        log.info("replica %d stopping", spec.index)
     finally:
         await runner.cleanup()
 
