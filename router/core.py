@@ -265,11 +265,19 @@ class Router:
         """Whether the global policy keeps counts by the token (`on_token`)."""
         return self._policy_counts_tokens
 
-    def work_done_on(self, wid: WorkerId, num_tokens: int) -> None:
+    def work_done_on(
+        self, wid: WorkerId, num_tokens: int, kv_used_blocks: int | None = None
+    ) -> None:
         """`num_tokens` of `wid`'s work done, before it is known whose: a simulated engine
-        part-way through a decode run. `tokens_many(..., credited=True)` settles them on
-        their requests later, without counting them on the worker again."""
-        self._credit(wid, num_tokens)
+        part-way through a decode run, with its KV use (as `report` would take it) since
+        nothing else moves. `tokens_many(..., credited=True)` settles the tokens on their
+        requests later, without counting them on the worker again."""
+        state = self.view.workers.get(wid)
+        if state is not None:
+            state.tokens_in_flight -= num_tokens
+            if kv_used_blocks is not None:
+                state.kv_used_blocks = kv_used_blocks
+            self.view.changed(wid)
 
     def tokens_many(
         self, requests: Iterable[Request], num_tokens: int, now: float, credited: bool = False

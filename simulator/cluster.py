@@ -349,11 +349,13 @@ class SimCluster:
         for seq in seqs:
             self._router_of(seq.req).tokens(seq.req, num_tokens, now)
 
-    def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None:
+    def on_progress(
+        self, engine: Engine, num_tokens: int, kv_used_blocks: int, next_step_end: float
+    ) -> None:
         """Decode steps applied in sum mid-run (one router): its load and KV use moved."""
-        self.router.work_done_on(engine.id, num_tokens)
-        self.router.report(engine.id, kv_used_blocks=engine.kv_used_blocks)
-        self._note_due(engine)
+        self.router.work_done_on(engine.id, num_tokens, kv_used_blocks)
+        if not self._lazy:  # lazily synced, an engine is due at its run's end, noted already
+            heapq.heappush(self._due, (next_step_end, engine.id))
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         self.router.tokens_many([seq.req for seq in seqs], num_tokens, now, credited=True)

@@ -89,10 +89,13 @@ class EngineListener(Protocol):
     def on_finish(self, seq: Seq, now: float) -> None: ...
 
     # Optional, for a listener that needs decode progress only in sum between run boundaries
-    # (sets `defers_tokens`): mid-run, `on_progress(engine, num_tokens, now)` gives the tokens
-    # the engine's sequences made in all, in place of `on_engine_changed`; at the run's end,
+    # (sets `defers_tokens`): mid-run, `on_progress(engine, num_tokens, kv_used_blocks,
+    # next_step_end)` gives the tokens the engine's sequences made in all, in place of
+    # `on_engine_changed` (the only other things that moved come with them); at the run's end,
     # `on_tokens_settled(seqs, num_tokens, now)` says which sequences made them.
-    # def on_progress(self, engine: Engine, num_tokens: int, now: float) -> None: ...
+    # def on_progress(
+    #     self, engine: Engine, num_tokens: int, kv_used_blocks: int, next_step_end: float
+    # ) -> None: ...
     # def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None: ...
 
     # Optional: told after anything a router would see changed (requests waiting, KV used, the
@@ -515,8 +518,10 @@ class Engine:
         self._tokens_computed += tokens
         self.tokens_processed += tokens
         self.num_steps += num_steps
-        self.peak_used_blocks = max(self.peak_used_blocks, self.kv_used_blocks)
-        self._on_progress(self, tokens, now)  # type: ignore[misc]
+        used = self.blocks.num_used + run.pending_blocks
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+        self._on_progress(self, tokens, used, run.ends[run.applied])  # type: ignore[misc]
 
     @property
     def kv_used_blocks(self) -> int:

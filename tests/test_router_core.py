@@ -277,7 +277,7 @@ def replay_live(
         for name, args, kw, _ in sim_calls:
             if name == "report":
                 wid, reported = args[0], dict(kw)
-                if "waiting" in reported:  # mid-run progress reports KV use only
+                if "waiting" in reported:
                     live.workers[wid].reported = {"waiting": reported["waiting"]}
             elif name == "route":
                 request, now = args[0], args[1]
