@@ -503,7 +503,7 @@ class Engine:
         reading every worker's load pays on each engine."""
         run.applied += num_steps
         run.pending += num_steps
-        now = self.event_time = run.ends[run.applied - 1]
+        self.event_time = run.ends[run.applied - 1]
         seqs, residues, bs = run.seqs, run.residues, self.config.block_size
         # Steps in sum always count from the run's start: the only catch-up before its end
         # (an abort) cuts the run to end at the next step.
