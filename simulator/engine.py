@@ -221,16 +221,21 @@ class Engine:
 
     def sync(self, now: float) -> None:
         """Apply every planned step that has ended by `now`."""
+        if self._apply_ended(now):
+            self._tell()
+
+    def _apply_ended(self, now: float) -> bool:
+        """`sync` but for telling the listener; True if it should be told."""
         run = self._run
         if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
-            return
+            return False
         done = bisect.bisect_right(run.ends, now, lo=run.applied)
         if run.seqs is not None and done < len(run.ends) and self._on_progress is not None:
             # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
             self._progress_decode_steps(run, done - run.applied)
             if self.config.check_invariants:
                 self.check_integrity(between_steps=True)
-            return
+            return False
         if run.applied == 0 and run.seqs is None:
             self._apply_first_step(run)
         if done > run.applied:
@@ -238,7 +243,7 @@ class Engine:
         self._after_steps(run)
         if self.config.check_invariants:
             self.check_integrity(between_steps=True)
-        self._tell()
+        return True
 
     @property
     def next_step_end(self) -> float | None:
@@ -298,11 +303,13 @@ class Engine:
         run = self._run
         if run is None or event is not run.end_event:
             return  # superseded by an earlier end
-        self.sync(run.ends[-1])
+        self._apply_ended(run.ends[-1])
         self.clock = run.ends[-1]
         self._run = None
-        if not self.is_idle:
-            self._begin_run()
+        if self.is_idle:
+            self._tell()
+        else:
+            self._begin_run()  # tells the listener once, what this instant ends with
 
     def _cut_run(self) -> None:
         """Something arrived or left mid-run: end the run after the step in progress."""
