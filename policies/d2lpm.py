@@ -21,6 +21,7 @@ inactive there: it costs nothing. Each worker runs local DLPM. VTC's cost option
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.lpm import healthy_matches, is_imbalanced, shortest_queue
@@ -128,10 +129,17 @@ class DistributedDLPM(GlobalPolicy):
         self._refill(worker)
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
+        self.on_tokens((request,), worker, num_tokens, now)
+
+    def on_tokens(
+        self, requests: Sequence[Request], worker: WorkerId, num_tokens: int, now: float
+    ) -> None:
         # Hooks come from failure paths too: a request this policy did not send is ignored.
-        sent = self._sent.get(request.id)
-        if sent is not None and sent.worker == worker:
-            self.deficits[(request.client, worker)] -= self.meter.tokens(request, num_tokens)
+        sent = self._sent
+        mine = [r for r in requests if (s := sent.get(r.id)) is not None and s.worker == worker]
+        self.meter.charge_tokens(
+            mine, num_tokens, self.deficits, lambda r: (r.client, worker), -1.0
+        )  # fmt: skip
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         if self._forget(request, worker) is not None:

@@ -16,11 +16,11 @@ the extend tokens as the input; the quantum is in the cost's units.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from policies.lpm import LongestPrefixMatch
 from policies.queues import ClientQueues
-from policies.service_cost import VTC_PROFILE, make_meter
+from policies.service_cost import VTC_PROFILE, client_of, make_meter
 from router.ledger import Ledger
 from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
@@ -89,9 +89,12 @@ class DeficitLongestPrefixMatch(LocalPolicy):
             self._leave(request.client)
 
     def on_token(self, request: Request, num_tokens: int) -> None:
+        self.on_tokens((request,), num_tokens)
+
+    def on_tokens(self, requests: Sequence[Request], num_tokens: int) -> None:
         # The meter charges only requests this queue started: one rebuilt under running
         # requests (its worker was marked down) keeps accounts of what it admitted itself.
-        self._charge(request, self.meter.tokens(request, num_tokens))
+        self.meter.charge_tokens(requests, num_tokens, self.deficits, client_of, -1.0)
 
     def on_finish(self, request: Request) -> None:
         self._charge(request, self.meter.finish(request))

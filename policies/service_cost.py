@@ -22,6 +22,8 @@ as x, VTC the whole prompt.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +31,8 @@ from router.request import Request
 
 COSTS = ("linear", "profiled")
 CHARGE_OUTPUT = ("on_token", "predicted")
+client_of: Callable[[Request], Hashable] = operator.attrgetter("client")  # an account's key
+
 # The VTC artifact's fit (fair_bench/profile_cost_function.py): a, b, c, d, e.
 VTC_PROFILE = (0.21001891, 0.10075395, 0.0039868, 0.00324733, 1.14601454)
 
@@ -141,6 +145,26 @@ class ServiceMeter:
             return 0.0  # still within what the prediction charged
         charge, started.charged_output = due - started.charged_output, due
         return charge / request.weight
+
+    def charge_tokens(
+        self,
+        requests: Iterable[Request],
+        num_tokens: int,
+        accounts: dict[Hashable, float],
+        account_of: Callable[[Request], Hashable],
+        sign: float,
+    ) -> None:
+        """`tokens` for each of a batch, added to (sign 1) or taken from (sign -1) its
+        account: each account is written once, with the value a write per request gives."""
+        values: dict[Hashable, float] = {}
+        for request in requests:
+            charge = self.tokens(request, num_tokens)
+            if charge:
+                key = account_of(request)
+                value = values.get(key)
+                values[key] = (accounts.get(key, 0.0) if value is None else value) + sign * charge
+        for key, value in values.items():
+            accounts[key] = value
 
     def finish(self, request: Request) -> float:
         """`request` ended (or was taken back after it had run): settle its output charge to

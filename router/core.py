@@ -290,6 +290,8 @@ class Router:
         flights, counts_tokens = self._flights, self._policy_counts_tokens
         hooks = counts_tokens or self._queues_count_tokens
         worker, done_there = None, 0  # a batch is one worker's: its load changes once
+        counted: list[Request] = []  # for the policy, in one call per worker as well
+        counted_on: WorkerId | None = None
         for request in requests:  # per sequence per step: builtins cost here (min, 5 %)
             flight = flights.get(request.id)
             if flight is None:
@@ -305,9 +307,15 @@ class Router:
                     done_there += done
             if hooks:
                 if counts_tokens:
-                    self._hook(self.policy.on_token, request, flight.worker, num_tokens, now)
+                    if flight.worker != counted_on:
+                        if counted:
+                            self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
+                        counted, counted_on = [], flight.worker
+                    counted.append(request)
                 if flight.released and flight.queue.counts_tokens:
                     self._hook(flight.queue.on_token, request, num_tokens)
+        if counted:
+            self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
         self._credit(worker, done_there)
 
     def finish(

@@ -23,7 +23,7 @@ policy has forgotten: the backends call them from failure paths too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from router.cluster import ClusterView
@@ -65,6 +65,14 @@ class GlobalPolicy:
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
         pass
+
+    def on_tokens(
+        self, requests: Sequence[Request], worker: WorkerId, num_tokens: int, now: float
+    ) -> None:
+        """`on_token` for each of a batch on one worker (a simulated engine's step or run):
+        a policy charging per token may override it to write each account once."""
+        for request in requests:
+            self.on_token(request, worker, num_tokens, now)
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         pass
@@ -115,6 +123,12 @@ class LocalPolicy:
     def on_token(self, request: Request, num_tokens: int) -> None:
         """`num_tokens` output tokens of a started request. Must not raise for a request or
         client the discipline does not know (it may have been rebuilt under running requests)."""
+
+    def on_tokens(self, requests: Sequence[Request], num_tokens: int) -> None:
+        """`on_token` for each of a batch (an engine's step or run); may be overridden to
+        write each account once."""
+        for request in requests:
+            self.on_token(request, num_tokens)
 
     @property
     def counts_tokens(self) -> bool:

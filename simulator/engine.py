@@ -492,9 +492,9 @@ class Engine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 listener.on_first_token(seq, now)
-            if self._local_counts_tokens:
-                local.on_token(seq.req, 1)
             sampled.append(seq)
+        if sampled and self._local_counts_tokens:
+            local.on_tokens([seq.req for seq in sampled], 1)
         if sampled and self._listener_counts_tokens:
             listener.on_tokens(sampled, 1, now)
         self._tokens_computed += computed_delta
@@ -558,8 +558,8 @@ class Engine:
             need = (computed + bs - 1) // bs - len(table.hashed) - table.num_anonymous
             if need > 0:
                 blocks.allocate(table, need)
-            if self._local_counts_tokens:
-                self.local.on_token(seq.req, steps)
+        if self._local_counts_tokens:
+            self.local.on_tokens([seq.req for seq in seqs], steps)
         if settled:
             self.listener.on_tokens_settled(seqs, settled, now)  # type: ignore[attr-defined]
         if num_steps and self._listener_counts_tokens:

@@ -481,6 +481,64 @@ class TestCostFunctions:
 # ------------------------------------ item E: the bounds on random workloads, both placements
 
 
+class TestBatchedTokens:
+    """A simulated engine hands tokens over per batch (`on_tokens`): the accounts must hold
+    exactly (==, not approximately) what one hook per request leaves, in every charge mode."""
+
+    PARAMS = [
+        {},
+        {"cost": "profiled"},  # a charge that depends on each request's own progress
+        {"charge_output": "predicted"},
+        {"w_out": 3.7, "cost": "profiled", "charge_output": "predicted"},
+    ]
+
+    def requests(self) -> list[Request]:
+        rng = random.Random(7)
+        return [
+            make_req(i, [i], f"c{i % 3}", tail=rng.randrange(1, 300), weight=rng.choice([1, 3]))
+            for i in range(12)
+        ]
+
+    def steps(self) -> list[tuple[list[int], int]]:
+        """(indices into the batch, tokens each) for a run of steps; members leave and join."""
+        rng = random.Random(11)
+        return [(sorted(rng.sample(range(12), rng.randrange(1, 12))), rng.choice([1, 1, 5, 33]))
+                for _ in range(40)]  # fmt: skip
+
+    @pytest.mark.parametrize("params", PARAMS)
+    @pytest.mark.parametrize("name", FAIR_LOCALS)
+    def test_local_disciplines(self, name: str, params: dict) -> None:
+        one, batched = (policies.local_policies.create(name, **params) for _ in range(2))
+        reqs = self.requests()
+        for q in (one, batched):
+            for r in reqs:
+                q.push(r)
+            drain(q)
+        for members, n in self.steps():
+            for i in members:
+                one.on_token(reqs[i], n)
+            batched.on_tokens([reqs[i] for i in members], n)
+        assert accounts(one) == accounts(batched)
+
+    @pytest.mark.parametrize("params", PARAMS)
+    def test_d2lpm(self, params: dict) -> None:
+        one, batched = (policies.global_policies.create("d2lpm", **params) for _ in range(2))
+        reqs = self.requests()
+        stranger = make_req(99, [99], "c0")  # never sent: charges nothing, batched or not
+        for policy in (one, batched):
+            view = make_view(0, 0)
+            for r in reqs:
+                policy.on_dispatch(r, r.id % 2, view)
+        for members, n in self.steps():
+            for worker in (0, 1):
+                batch = [reqs[i] for i in members if reqs[i].id % 2 == worker] + [stranger]
+                for r in batch:
+                    one.on_token(r, worker, n, 0.0)
+                batched.on_tokens(batch, worker, n, 0.0)
+        assert dict(one.deficits) == dict(batched.deficits)
+        assert one.deficits.take() == pytest.approx(batched.deficits.take())  # what replicas get
+
+
 def random_trace(seed: int, num_clients: int, max_in: int, max_out: int, burst: int) -> Trace:
     """Clients that each send more than one worker serves, at different rates and sizes, and
     optionally one that queues `burst` requests at once first (more than any scan limit).
