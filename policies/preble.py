@@ -377,9 +377,10 @@ class PrebleE2(GlobalPolicy):
         bound = loads + prefill
         best, best_w = np.inf, -1
         for k in np.argsort(bound, kind="stable").tolist():
-            if bound[k] > best:
-                break
             w = workers[k]
+            # Equal bounds come in id order: past the best's own id, none of them can win.
+            if bound[k] > best or (bound[k] == best and w > best_w):
+                break
             missed = request.num_blocks - matched.get(w, 0)
             load, own = float(loads[k]), float(prefill[k])
             evict = self._eviction_cost(view, view.workers[w], missed, cost, (load, own, best))
