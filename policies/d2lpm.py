@@ -137,9 +137,7 @@ class DistributedDLPM(GlobalPolicy):
         # Hooks come from failure paths too: a request this policy did not send is ignored.
         sent = self._sent
         mine = [r for r in requests if (s := sent.get(r.id)) is not None and s.worker == worker]
-        self.meter.charge_tokens(
-            mine, num_tokens, self.deficits, lambda r: (r.client, worker), -1.0
-        )  # fmt: skip
+        self.meter.charge_tokens(mine, num_tokens, self.deficits, lambda r: (r.client, worker), -1)
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         if self._forget(request, worker) is not None:

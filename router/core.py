@@ -292,7 +292,7 @@ class Router:
         worker, done_there = None, 0  # a batch is one worker's: its load changes once
         counted: list[Request] = []  # for the policy, in one call per worker as well
         counted_on: WorkerId | None = None
-        for request in requests:  # per sequence per step: builtins cost here (min, 5 %)
+        for request in requests:  # per sequence per step: plain arithmetic (a min() was 5 %)
             flight = flights.get(request.id)
             if flight is None:
                 continue

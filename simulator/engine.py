@@ -225,7 +225,8 @@ class Engine:
             self._tell()
 
     def _apply_ended(self, now: float) -> bool:
-        """`sync` but for telling the listener; True if it should be told."""
+        """Apply every planned step that has ended by `now`. True if the listener has yet to
+        hear of it (progress in sum mid-run tells it itself)."""
         run = self._run
         if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
             return False
