@@ -20,6 +20,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from router.proxy.app import RUNNER_OPTIONS, ProxySettings, create_app
+from router.proxy.bench_proxy import free_port, free_ports
 from router.proxy.live import LiveCluster
 from router.proxy.load import LoadResult
 from router.proxy.prompts import PromptEncoder
@@ -90,12 +91,6 @@ def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 120.0) -> None:
 
 
 # ------------------------------------------------------------ processes to hurt on purpose
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_healthy(url: str, timeout: float = 60.0) -> None:
@@ -191,12 +186,12 @@ def ray_head(temp_dir: Path) -> Iterator[RayHead]:
     told to stop, and anything left in its session is killed by pid. Never `ray stop`, which
     stops every Ray cluster on the host."""
     cli = str(Path(sys.executable).with_name("ray"))
-    port = free_port()
+    port, dashboard, agent, metrics = free_ports(4)
     argv = [
         cli, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
         f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=false",
-        "--disable-usage-stats", f"--dashboard-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+        "--disable-usage-stats", f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={agent}", f"--metrics-export-port={metrics}",
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     temp_dir.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from tests.live_helpers import (
     emulated_processes,
     emulated_workers,
     free_port,
+    free_ports,
     process_args,
     proxy,
     ray_head,
@@ -316,7 +317,7 @@ class TestRayHeadKilled:
 
     def _run(self, tmp_path: Path, temp: Path) -> None:
         with ray_head(temp) as head:
-            port, first = free_port(), free_port()
+            port, first = free_ports(2)
             while first + 1 == port or _listening(first + 1):
                 first = free_port()
             config = {

@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.proxy.bench_proxy import free_port, wait_healthy
+from router.proxy.bench_proxy import free_ports, wait_healthy
 from router.proxy.metrics import ClientLabels, RouterMetrics
 from router.proxy.openai_request import Tenant
 from router.proxy.serve import settings_of, validate_config
@@ -54,7 +54,7 @@ class Servers:
 def servers():
     scratch = Path(tempfile.mkdtemp(prefix="fairway-hostile-"))
     model = tokenizer_dir()
-    worker_port, gateway_port, keyed_port = free_port(), free_port(), free_port()
+    worker_port, gateway_port, keyed_port = free_ports(3)
     worker = f"http://127.0.0.1:{worker_port}"
     common = (
         f"model: {model}\npolicy: {{name: round_robin}}\nhealth_interval: 0.2\n"

@@ -39,6 +39,7 @@ from tests.live_helpers import (
     emulated_processes,
     emulated_workers,
     free_port,
+    free_ports,
     proxy,
     run,
     tokenizer_dir,
@@ -288,7 +289,7 @@ async def _worker_of(base: str, prompt: str) -> str:
 async def fairway_serve(tmp_path: Path, worker_urls: list[str], routers: int, **extra):
     """`fairway serve --routers N` in front of `worker_urls`, as a user starts it; stopped by
     SIGTERM (its replicas and its Redis with it). Yields (base URL, own URLs, process, log)."""
-    port, own = free_port(), [free_port() for _ in range(routers)]
+    port, *own = free_ports(1 + routers)
     config = {
         "model": str(tokenizer_dir()),
         "port": port,

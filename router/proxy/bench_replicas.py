@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-from router.proxy.bench_proxy import free_port, process, throughput, wait_healthy
+from router.proxy.bench_proxy import free_port, free_ports, process, throughput, wait_healthy
 from router.proxy.prompts import PromptEncoder
 from router.proxy.replicas import REPLICA_HEADER
 from router.records import RequestRecord
@@ -65,8 +65,7 @@ class Setup:
 @contextlib.contextmanager
 def fairway(scratch: Path, model: Path, workers: list[str], setup: Setup, policy: str, window: int):
     """`fairway serve` with `setup.routers` replicas (its own Redis); yields its URL."""
-    port = free_port()
-    own = [free_port() for _ in range(setup.routers)] if setup.routers > 1 else []
+    port, *own = free_ports(1 + setup.routers) if setup.routers > 1 else free_ports(1)
     config = {
         "model": str(model),
         "port": port,
