@@ -301,9 +301,6 @@ class SimCluster:
         waiting, used = len(engine.waiting), engine.kv_used_blocks
         for router in self.routers:
             router.report(engine.id, waiting=waiting, kv_used_blocks=used)
-        self._note_due(engine)
-
-    def _note_due(self, engine: Engine) -> None:
         end = self._due_at(engine)
         if end is not None:
             heapq.heappush(self._due, (end, engine.id))

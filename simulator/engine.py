@@ -513,8 +513,8 @@ class Engine:
         run.pending += num_steps
         self.event_time = run.ends[run.applied - 1]
         seqs, residues, bs = run.seqs, run.residues, self.config.block_size
-        # Steps in sum always count from the run's start: the only catch-up before its end
-        # (an abort) cuts the run to end at the next step.
+        # Steps in sum always count from the run's start: a catch-up before its end (an abort,
+        # an arrival at a queue that counts tokens) cuts the run to end at the next step.
         assert seqs is not None and residues is not None
         # Sequence i, at c = q * bs + r tokens when planned, holds q + 1 blocks (step 1's
         # allocated) and after `pending` steps needs q + ceil((r + pending) / bs): floor((r +
@@ -526,7 +526,7 @@ class Engine:
         self._tokens_computed += tokens
         self.tokens_processed += tokens
         self.num_steps += num_steps
-        used = self.blocks.num_used + run.pending_blocks
+        used = self.kv_used_blocks
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         self._on_progress(self, tokens, used, run.ends[run.applied])  # type: ignore[misc]

@@ -276,9 +276,9 @@ def replay_live(
     async def go() -> None:
         for name, args, kw, _ in sim_calls:
             if name == "report":
-                wid, reported = args[0], dict(kw)
-                if "waiting" in reported:
-                    live.workers[wid].reported = {"waiting": reported["waiting"]}
+                wid = args[0]
+                waiting = dict(kw)["waiting"]
+                live.workers[wid].reported = {"waiting": waiting}
             elif name == "route":
                 request, now = args[0], args[1]
                 clock.now = now
