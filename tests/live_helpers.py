@@ -20,9 +20,9 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from router.proxy.app import RUNNER_OPTIONS, ProxySettings, create_app
-from router.proxy.bench_proxy import free_port, free_ports
 from router.proxy.live import LiveCluster
 from router.proxy.load import LoadResult
+from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.serve import ClusterConfig, build_cluster, ensure_tiny_model
 from workers import emulated

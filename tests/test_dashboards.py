@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dashboards import grafana
-from router.proxy.bench_proxy import free_port
+from router.proxy.ports import free_port
 from tests.live_helpers import client, emulated_workers, proxy, run
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"

@@ -32,7 +32,6 @@ from tests.live_helpers import (
     assert_every_request_ended,
     emulated_processes,
     emulated_workers,
-    free_port,
     free_ports,
     process_args,
     proxy,
@@ -317,9 +316,7 @@ class TestRayHeadKilled:
 
     def _run(self, tmp_path: Path, temp: Path) -> None:
         with ray_head(temp) as head:
-            port, first = free_ports(2)
-            while first + 1 == port or _listening(first + 1):
-                first = free_port()
+            first, _, port = free_ports(3, consecutive=True)
             config = {
                 "workers": {"backend": "emulated", "count": 2, "first_port": first,
                             "ray_address": head.address},
@@ -393,16 +390,6 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _listening(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.5).close()
-    except OSError:
-        return False
-    return True
-
-
 def _emulated_on(ports: tuple[int, ...]) -> list[int]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -422,7 +409,13 @@ class TestRealVLLM:
         if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
             pytest.skip("no .venv-vllm or tiny model: run `make test`")
         scratch = Path(tempfile.mkdtemp(prefix="fw-vllm-", dir="/tmp"))  # short: ipc paths
-        config = ClusterConfig(workers={"backend": "vllm", "count": 2, "first_port": free_port()})
+        config = ClusterConfig(
+            workers={
+                "backend": "vllm",
+                "count": 2,
+                "first_port": free_ports(2, consecutive=True)[0],
+            }
+        )
         pool = WorkerPool(server_specs(config, MODEL, scratch), scratch=scratch)
         try:
             pool.start()

@@ -52,7 +52,7 @@ def test_a_trace_the_model_cannot_hold_is_refused_before_sending(tmp_path) -> No
 
 
 def test_an_endpoint_that_is_not_there_is_a_clear_error(tmp_path) -> None:
-    from router.proxy.bench_proxy import free_port
+    from router.proxy.ports import free_port
 
     trace = Trace([Request(0, 0.0, 100, 8)], 16)
     with pytest.raises(ValueError, match="no model list at /v1/models"):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from router.proxy.bench_proxy import free_port, process, wait_healthy
+from router.proxy.bench_proxy import process, wait_healthy
 from router.proxy.bench_replicas import (
     BLOCK_SIZE,
     FAST,
@@ -36,6 +36,7 @@ from router.proxy.bench_replicas import (
     replay,
     workers_per_document,
 )
+from router.proxy.ports import free_port
 from router.proxy.prompts import PromptEncoder
 from workers import emulated
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from router.cli import main
-from router.proxy.bench_proxy import free_port, wait_healthy
+from router.proxy.bench_proxy import wait_healthy
+from router.proxy.ports import free_port
 from router.proxy.serve import VLLM_PYTHON
 from simulator.cost_model import FittedCost, Measurement, StepShape
 from tests.live_helpers import tokenizer_dir

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.proxy.app import ProxySettings, create_app
+from router.proxy.ports import free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
 from tests.live_helpers import client, run, serving
@@ -28,7 +29,9 @@ def vllm_pool():
     if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
         pytest.skip("no .venv-vllm or tiny model: run `make test`")
     scratch = Path(tempfile.mkdtemp(prefix="fairway-vllm-"))
-    config = ClusterConfig(workers={"backend": "vllm", "count": 2, "first_port": 18100})
+    config = ClusterConfig(
+        workers={"backend": "vllm", "count": 2, "first_port": free_ports(2, consecutive=True)[0]}
+    )
     pool = WorkerPool(server_specs(config, MODEL, scratch), scratch=scratch)
     pool.start()
     yield pool

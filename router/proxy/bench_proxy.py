@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,24 +23,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from router.proxy.ports import free_port
 from router.tables import format_table
 from workers import emulated
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free loopback ports. Held open together while chosen: ports asked for one
-    at a time may repeat (a test's Ray head once got one port for two of its components)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def wait_healthy(url: str, timeout: float = 60.0) -> None:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import aiohttp
 
-from router.proxy.bench_proxy import free_port, free_ports, process, throughput, wait_healthy
+from router.proxy.bench_proxy import process, throughput, wait_healthy
+from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.replicas import REPLICA_HEADER
 from router.records import RequestRecord

@@ -29,8 +29,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from router.proxy.bench_proxy import free_port
 from router.proxy.load import LoadSpec, Outcome, run_load
+from router.proxy.ports import free_ports
 from router.tables import format_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,9 +194,8 @@ def run_soak_bench(
 ) -> int:
     sample = sample or max(5.0, duration / 20)
     scratch = Path(tempfile.mkdtemp(prefix="fairway-soak-"))
-    port, first_port = free_port(), free_port()
-    while port in range(first_port, first_port + workers):
-        port = free_port()
+    *worker_ports, port = free_ports(workers + 1, consecutive=True)
+    first_port = worker_ports[0]
     config = {
         "workers": {"backend": "emulated", "count": workers, "first_port": first_port},
         "policy": {"name": policy},

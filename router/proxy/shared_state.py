@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
@@ -41,6 +40,7 @@ from aiohttp import web
 
 from router.core import Router
 from router.ledger import Ledger
+from router.proxy.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def redis_server(scratch: Path, timeout: float = 10.0) -> Iterator[str]:
         )
     scratch.mkdir(parents=True, exist_ok=True)
     for _ in range(3):  # a free port can be taken between the check and the bind
-        port = _free_port()
+        port = free_port()
         argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                 "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
                 "--dir", str(scratch), "--logfile", str(scratch / "redis.log")]  # fmt: skip
@@ -293,12 +293,6 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------- helpers

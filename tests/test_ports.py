@@ -1,0 +1,42 @@
+"""Ports chosen for servers that another process starts later: never from the kernel's
+ephemeral range, where any outgoing connection may take them first (a CI run failed on it)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from router.proxy.ports import RAY_WORKER_PORTS, ephemeral_ports, free_ports, quiet_ports
+
+
+def _overlap(a: range, b: range) -> bool:
+    return max(a.start, b.start) < min(a.stop, b.stop)
+
+
+def test_quiet_ports_avoid_ephemeral_and_ray_worker_ports() -> None:
+    quiet = quiet_ports()
+    assert len(quiet) > 1000
+    assert not _overlap(quiet, ephemeral_ports())
+    assert not _overlap(quiet, RAY_WORKER_PORTS)
+
+
+def test_ports_are_distinct_free_and_in_a_row_when_asked() -> None:
+    for _ in range(100):
+        ports = free_ports(5)
+        assert len(set(ports)) == 5
+        assert all(p in quiet_ports() for p in ports)
+        first, *rest = free_ports(4, consecutive=True)
+        assert rest == [first + 1, first + 2, first + 3]
+
+
+def test_a_port_in_use_is_never_chosen() -> None:
+    first = free_ports(4, consecutive=True)[0]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first + 1))
+        held.listen()
+        four = range(first, first + 4)
+        for _ in range(20):
+            assert sorted(free_ports(3, pool=four)) == [first, first + 2, first + 3]
+        with pytest.raises(RuntimeError, match="no 2 free ports"):
+            free_ports(2, consecutive=True, pool=range(first, first + 3))
