@@ -83,21 +83,20 @@ class DistributedDLPM(GlobalPolicy):
     def progress_read(self, request: Request, view: ClusterView) -> set[WorkerId]:
         """Deficits move as requests decode (output is charged per token): those of the
         holders, one of which may be chosen, and of the shortest queue, the fallback."""
-        matched = self._match(request, view)
-        enough = self.cache_threshold * request.num_blocks
-        return {w for w, m in matched.items() if m > enough} | {view.least(shortest_queue).id}
+        return set(self._holders(request, view)) | {view.least(shortest_queue).id}
 
-    def _match(self, request: Request, view: ClusterView) -> dict[WorkerId, int]:
-        """Blocks matched per healthy worker; kept from `progress_read` for `route`."""
+    def _holders(self, request: Request, view: ClusterView) -> dict[WorkerId, int]:
+        """Blocks matched per healthy worker holding more than `cache_threshold` of the
+        prompt; kept from `progress_read` for `route`."""
         if self._last_match[0] != request.id:
-            self._last_match = (request.id, healthy_matches(request, view))
+            enough = math.floor(self.cache_threshold * request.num_blocks)  # m > x: m > floor(x)
+            self._last_match = (request.id, healthy_matches(request, view, more_than=enough))
         return self._last_match[1]
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        matched = self._match(request, view)
+        matched = self._holders(request, view)
         self._last_match = (-1, {})
-        enough = self.cache_threshold * request.num_blocks
-        holders = [w for w in matched if matched[w] > enough]
+        holders = list(matched)
         if is_imbalanced(view, *self.balance):
             holders = []
         for w in holders:
@@ -110,7 +109,7 @@ class DistributedDLPM(GlobalPolicy):
             self._matched[request.id] = matched[target]
             return Decision(target, "holds prefix, client in credit: shortest queue")
         target = view.least(shortest_queue).id
-        self._matched[request.id] = matched.get(target, 0)
+        self._matched[request.id] = view.index.match_of(request.block_hashes, target)
         return Decision(target, "no holder in credit (or imbalanced): shortest queue")
 
     def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:

@@ -39,7 +39,7 @@ class DispatchQueue:
 
         def cached_blocks(r: Request) -> int:
             if r.id not in matched:
-                matched[r.id] = held.match(r.block_hashes).get(self.worker, 0)
+                matched[r.id] = held.match_of(r.block_hashes, self.worker)
             return matched[r.id]
 
         while self.window is None or self.in_flight < self.window:

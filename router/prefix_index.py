@@ -26,7 +26,7 @@ The clock is passed in as `now`; the index never reads one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from router.request import BlockHash
 
@@ -71,27 +71,66 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- queries
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, int]:
-        """Matched prefix length in blocks for every worker holding at least one block of it.
+    def match(self, hashes: Sequence[BlockHash], more_than: int = 0) -> dict[WorkerId, int]:
+        """Matched prefix length in blocks for every worker holding more than `more_than`
+        blocks of it (by default: at least one).
 
-        One walk from the root: a worker's match ends where it stops holding the path.
+        One walk from the root: a worker's match ends where it stops holding the path. Since a
+        worker's holdings are a rooted subtree, a node's holders are exactly the workers that
+        match at least down to it; nodes ending at or above `more_than` are not read.
         """
         matched: dict[WorkerId, int] = {}
         node, pos, n = self.root, 0, len(hashes)
-        active: set[WorkerId] | None = None  # None: every worker still possible
         while pos < n:
             child = node.children.get(hashes[pos])
             if child is None:
                 break
             common = _common_prefix(child.key, hashes, pos)
-            holders = child.workers.keys() if active is None else active & child.workers.keys()
-            for w in holders:
-                matched[w] = pos + common
-            active = set(holders)
-            if common < len(child.key) or not active:
+            end = pos + common
+            if end > more_than:
+                for w in child.workers:
+                    matched[w] = end
+            if common < len(child.key):
                 break
-            node, pos = child, pos + common
+            node, pos = child, end
         return matched
+
+    def match_of(self, hashes: Sequence[BlockHash], worker: WorkerId) -> int:
+        """Blocks of the prefix `hashes` that `worker` holds: `match(hashes).get(worker, 0)`
+        without reading the other holders."""
+        node, pos, n = self.root, 0, len(hashes)
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None or worker not in child.workers:
+                break
+            common = _common_prefix(child.key, hashes, pos)
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
+    def longest_match(
+        self, hashes: Sequence[BlockHash], eligible: Callable[[WorkerId], bool]
+    ) -> tuple[int, list[WorkerId]]:
+        """The longest prefix of `hashes` an `eligible` worker holds, in blocks, and every
+        eligible worker holding that much: the deepest node with an eligible holder. Reads one
+        holder per node on the way down (any eligible one will do) and the holders of that
+        node, where `match` reads every holder of every node."""
+        deepest, length = None, 0
+        node, pos, n = self.root, 0, len(hashes)
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None or not any(eligible(w) for w in child.workers):
+                break
+            common = _common_prefix(child.key, hashes, pos)
+            deepest, length = child, pos + common
+            if common < len(child.key):
+                break
+            node, pos = child, length
+        if deepest is None:
+            return 0, []
+        return length, [w for w in deepest.workers if eligible(w)]
 
     def num_blocks(self, worker: WorkerId) -> int:
         return self._num_blocks.get(worker, 0)

@@ -72,7 +72,18 @@ class TestMatchAgainstOracle:
                 oracle.insert(prompt, w)
             index.check_integrity()
             probe = random_prompt(rng, trunks)
-            assert index.match(probe) == oracle.match(probe), f"step {step}"
+            expected = oracle.match(probe)
+            assert index.match(probe) == expected, f"step {step}"
+            k = rng.randint(0, len(probe))
+            assert index.match(probe, more_than=k) == {w: m for w, m in expected.items() if m > k}
+            assert [index.match_of(probe, w) for w in range(4)] == [
+                expected.get(w, 0) for w in range(4)
+            ]
+            eligible = set(rng.sample(range(4), rng.randint(0, 4)))
+            longest = max((expected.get(w, 0) for w in eligible), default=0)
+            holders = [w for w in eligible if longest and expected.get(w) == longest]
+            length, found = index.longest_match(probe, eligible.__contains__)
+            assert (length, sorted(found)) == (longest, sorted(holders)), f"step {step}"
             w = rng.randrange(4)
             assert index.touch(probe, w, now=step + 0.5) == oracle.match(probe).get(w, 0)
             index.check_integrity()
