@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,72 +50,77 @@ class CostEstimates(Protocol):
 OrderKey = Callable[["ClusterView", WorkerState], tuple]
 
 
-class WorkerOrder:
-    """The healthy workers sorted by a key, kept sorted across decisions: only the workers
-    marked changed since the last read are re-keyed, so reading the first or last costs
-    O(changed x log W) instead of a pass over the fleet."""
+class _KeyedWorkers:
+    """The healthy workers' keys under one key function, re-computed only for the workers
+    marked changed since the last read (the orders below keep them arranged)."""
 
-    __slots__ = ("key", "pending", "sorted", "_keys")
+    __slots__ = ("key", "pending", "_keys")
 
     def __init__(self, key: OrderKey, workers: dict[WorkerId, WorkerState]) -> None:
         self.key = key
         self.pending: set[WorkerId] = set(workers)
-        self.sorted: SortedList = SortedList()
         self._keys: dict[WorkerId, tuple] = {}
+
+    def _rekeyed(self, view: ClusterView) -> Iterator[tuple[tuple | None, tuple | None]]:
+        """The old and new key (None: not healthy) of each pending worker whose key moved."""
+        if not self.pending:
+            return
+        workers, keys = view.workers, self._keys
+        for wid in self.pending:
+            state = workers.get(wid)
+            new = self.key(view, state) if state is not None and state.healthy else None
+            old = keys.get(wid)
+            if new == old:
+                continue  # most changes move nothing this order reads (ids, queues)
+            if new is None:
+                del keys[wid]
+            else:
+                keys[wid] = new
+            yield old, new
+        self.pending.clear()
+
+
+class WorkerOrder(_KeyedWorkers):
+    """The healthy workers sorted by a key, kept sorted across decisions: reading the first
+    or last costs O(changed x log W) instead of a pass over the fleet."""
+
+    __slots__ = ("sorted",)
+
+    def __init__(self, key: OrderKey, workers: dict[WorkerId, WorkerState]) -> None:
+        super().__init__(key, workers)
+        self.sorted: SortedList = SortedList()
 
     def refresh(self, view: ClusterView) -> SortedList:
-        if self.pending:
-            workers, keys, ordered = view.workers, self._keys, self.sorted
-            for wid in self.pending:
-                state = workers.get(wid)
-                new = self.key(view, state) if state is not None and state.healthy else None
-                old = keys.get(wid)
-                if new == old:
-                    continue  # most changes move nothing this order reads (ids, queues)
-                if old is not None:
-                    ordered.remove(old)
-                if new is None:
-                    del keys[wid]
-                else:
-                    keys[wid] = new
-                    ordered.add(new)
-            self.pending.clear()
-        return self.sorted
+        ordered = self.sorted
+        for old, new in self._rekeyed(view):
+            if old is not None:
+                ordered.remove(old)
+            if new is not None:
+                ordered.add(new)
+        return ordered
 
 
-class LeastFirst:
-    """The healthy workers by a key when only the least is read (least_load's order): a heap
-    whose stale entries are dropped as they surface. A re-key is one C-level push where a
-    sorted list takes a Python remove and add: at 512 workers least_load re-keys ~20 workers
-    per request, as their decode progress is applied."""
+class LeastFirst(_KeyedWorkers):
+    """A key only ever asked for its least worker (least_load's): a heap whose stale entries
+    are dropped as they surface. A re-key is one C-level push where a sorted list takes a
+    Python remove and add: at 512 workers least_load re-keys ~20 workers per request, as
+    their decode progress is applied."""
 
-    __slots__ = ("key", "pending", "heap", "_keys")
+    __slots__ = ("heap",)
 
     def __init__(self, key: OrderKey, workers: dict[WorkerId, WorkerState]) -> None:
-        self.key = key
-        self.pending: set[WorkerId] = set(workers)
+        super().__init__(key, workers)
         self.heap: list[tuple] = []
-        self._keys: dict[WorkerId, tuple] = {}
 
     def refresh(self, view: ClusterView) -> list[tuple]:
         """The heap, its first entry the least key (an empty list: no healthy worker)."""
         keys, heap = self._keys, self.heap
-        if self.pending:
-            workers = view.workers
-            for wid in self.pending:
-                state = workers.get(wid)
-                new = self.key(view, state) if state is not None and state.healthy else None
-                if new == keys.get(wid):
-                    continue
-                if new is None:
-                    del keys[wid]
-                else:
-                    keys[wid] = new
-                    heapq.heappush(heap, new)
-            self.pending.clear()
-            if len(heap) > 4 * len(keys) + 64:  # stale entries below the top: start afresh
-                heap[:] = keys.values()
-                heapq.heapify(heap)
+        for _, new in self._rekeyed(view):
+            if new is not None:
+                heapq.heappush(heap, new)
+        if len(heap) > 4 * len(keys) + 64:  # mostly stale entries below the top: start afresh
+            heap[:] = keys.values()
+            heapq.heapify(heap)
         while heap and keys.get(heap[0][-1]) != heap[0]:
             heapq.heappop(heap)
         return heap
