@@ -66,7 +66,7 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        return self.num_blocks - self._num_empty - len(self._free_cached)  # a call per catch-up
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -287,9 +287,15 @@ class SimCluster:
         """Apply the engine steps that have ended by `now`: only engines with one due (see
         `_lazy`), found in a heap, so routing costs the same whatever the fleet's size."""
         due, engines = self._due, self.engines
+        if not self._lazy:
+            # Every engine with a step ended is due here, so a stale entry (its run replanned,
+            # or a duplicate) syncs one with nothing left to apply: cheaper than spotting it.
+            while due and due[0][0] <= now:
+                engines[heapq.heappop(due)[1]].sync(now)
+            return
         while due and due[0][0] <= now:
             end, wid = heapq.heappop(due)
-            if self._due_at(engines[wid]) == end:  # else a stale entry: the run was replanned
+            if engines[wid].run_end == end:  # else stale: syncing would apply steps mid-run
                 engines[wid].sync(now)
 
     def _due_at(self, engine: Engine) -> float | None:
