@@ -142,13 +142,17 @@ def fleet_scaling(
     method: str = "squeeze",
     limit: int | None = None,
     tile_seconds: float = 120.0,
-    min_cpu_seconds: float = 0.0,
+    rounds: int = 3,
+    min_round_cpu: float = 1.0,
 ) -> list[dict[str, object]]:
     """Simulated requests per CPU second as the fleet grows, the request rate scaled with it
-    so that each worker's load stays the same (the Mooncake conversation trace). Each size is
-    run until its runs took `min_cpu_seconds` of CPU (at least once), and its rate is theirs
-    together: the 8-worker tile is a third of a second, which one stall of a shared machine
-    made 5x slower in wall time (this bench once printed 754 req/s for 3,482 the run before).
+    so that each worker's load stays the same (the Mooncake conversation trace).
+
+    The sizes take turns, `rounds` times (8, 64, 512, 8, 64, 512, ...), each turn run until
+    it took `min_round_cpu` of CPU (at least once); a size's rate is the median of its turns,
+    and the ratio the median of the rounds' ratios. A stall of this shared machine then slows
+    one turn of each size rather than every run of one: run size after size, one table
+    printed round robin's 512-worker speed at 1.05x its 8-worker speed, the run before 0.76x.
 
     "squeeze": the whole trace, its time compressed by W / 8. The hour squeezed into a minute
     on 512 workers leaves each engine 23 requests and smaller batches, so it simulates more
@@ -166,24 +170,33 @@ def fleet_scaling(
             return scale_rate(trace, workers / sizes[0])
         return tile(window(trace, 0.0, tile_seconds), workers // sizes[0])
 
+    def turn(policy: str, workers: int) -> tuple[float, float]:
+        """Requests per CPU second over runs taking `min_round_cpu`, and steps per request."""
+        spent, done = 0.0, 0
+        while done == 0 or spent < min_round_cpu:
+            trace = trace_for(workers)
+            started = time.process_time()
+            result = simulate(trace, cost, SimConfig(num_workers=workers, policy=policy))
+            spent += time.process_time() - started
+            done += len(trace)
+        return done / spent, sum(w.steps for w in result.workers) / len(trace)
+
     cost = roofline("llama-3-8b", "a100-80g")
+    first, last = sizes[0], sizes[-1]
     rows = []
     for policy in ("round_robin", "least_load", "vtc", "lpm", "d2lpm", "preble"):
+        rates: dict[int, list[float]] = {w: [] for w in sizes}
+        steps: dict[int, float] = {}
+        for _ in range(rounds):
+            for workers in sizes:
+                rate, steps[workers] = turn(policy, workers)
+                rates[workers].append(rate)
         row: dict[str, object] = {"policy": policy}
-        rates, steps = {}, {}
         for workers in sizes:
-            spent, done, runs = 0.0, 0, 0
-            while runs == 0 or (spent < min_cpu_seconds and runs < 20):
-                trace = trace_for(workers)
-                started = time.process_time()
-                result = simulate(trace, cost, SimConfig(num_workers=workers, policy=policy))
-                spent += time.process_time() - started
-                done, runs = done + len(trace), runs + 1
-            rates[workers] = done / spent
-            steps[workers] = sum(w.steps for w in result.workers) / len(trace)
-            row[f"{workers} workers req/s"] = rates[workers]
-        first, last = sizes[0], sizes[-1]
-        row[f"{last} / {first}"] = rates[last] / rates[first]
+            row[f"{workers} workers req/s"] = statistics.median(rates[workers])
+        ratios = [b / a for a, b in zip(rates[first], rates[last], strict=True)]
+        row[f"{last} / {first}"] = statistics.median(ratios)
+        row[f"{last} / {first} range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
         row[f"steps per request, {first} -> {last}"] = f"{steps[first]:.0f} -> {steps[last]:.0f}"
         rows.append(row)
     return rows
@@ -341,15 +354,15 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
     print(format_table(_profile_areas(path)))
 
-    seconds, least = (30.0, 0.0) if quick else (120.0, 3.0)
+    seconds, rounds = (30.0, 1) if quick else (120.0, 3)
     print("\nFleet size (Mooncake conversation, rate scaled with the workers; simulated requests")
-    print(f"per CPU second, over runs taking {least:.0f} s of CPU or more in all, at least one)")
+    print(f"per CPU second, the sizes taking {rounds} turns of 1 s of CPU or more; medians)")
     print("squeezed: the whole trace, time compressed by workers / 8:")
     print(format_table(fleet_scaling(path, method="squeeze", limit=3000 if quick else None,
-                                     min_cpu_seconds=least)))  # fmt: skip
+                                     rounds=rounds)))  # fmt: skip
     print(f"tiled: its first {seconds:.0f} s, workers / 8 copies side by side (--tile):")
     print(format_table(fleet_scaling(path, method="tile", tile_seconds=seconds,
-                                     min_cpu_seconds=least)))  # fmt: skip
+                                     rounds=rounds)))  # fmt: skip
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
     print(format_table(decision_times(500 if quick else 2000)))
