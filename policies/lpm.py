@@ -83,7 +83,7 @@ class LongestPrefixMatch(GlobalPolicy):
 
         # The longest match first, then the shorter queue: found in two passes so that a prefix
         # every worker holds (a shared system prompt) costs no per-worker key.
-        longest, holders = view.index.longest_match(request.block_hashes, view.is_healthy)
+        longest, holders = view.index.longest_match(request.block_hashes, view.healthy_set())
         if longest and longest > self.cache_threshold * request.num_blocks:
             return Decision(shortest_queue_among(view, set(holders)), "longest prefix match")
         return Decision(view.least(smallest_cache).id, "low match: smallest cache")

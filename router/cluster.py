@@ -147,6 +147,7 @@ class ClusterView:
     tracked: bool = False
     _orders: dict[OrderKey, WorkerOrder | LeastFirst] = field(default_factory=dict, repr=False)
     _healthy_ids: list[WorkerId] | None = field(default=None, repr=False)
+    _healthy_set: frozenset[WorkerId] | None = field(default=None, repr=False)
 
     def healthy_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]
@@ -162,13 +163,23 @@ class ClusterView:
             self._healthy_ids = ids
         return ids
 
+    def healthy_set(self) -> frozenset[WorkerId]:
+        """The healthy workers' ids as a set, kept as `healthy_ids` is: `w in` it costs no
+        Python call, where `is_healthy(w)` per holder of a shared prefix does."""
+        if self._healthy_set is not None:
+            return self._healthy_set
+        ids = frozenset(self.healthy_ids())
+        if self.tracked:
+            self._healthy_set = ids
+        return ids
+
     def is_healthy(self, wid: WorkerId) -> bool:
         state = self.workers.get(wid)
         return state is not None and state.healthy
 
     def roster_changed(self) -> None:
         """A worker joined or left, or went down or came back (a tracked view's owner calls it)."""
-        self._healthy_ids = None
+        self._healthy_ids = self._healthy_set = None
 
     def routable_workers(self) -> list[WorkerState]:
         """The healthy workers; a policy's `route` starts here, so none means an error."""

@@ -26,7 +26,7 @@ The clock is passed in as `now`; the index never reads one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 
 from router.request import BlockHash
 
@@ -111,7 +111,7 @@ class PrefixIndex:
         return pos
 
     def longest_match(
-        self, hashes: Sequence[BlockHash], eligible: Callable[[WorkerId], bool]
+        self, hashes: Sequence[BlockHash], eligible: Container[WorkerId]
     ) -> tuple[int, list[WorkerId]]:
         """The longest prefix of `hashes` an `eligible` worker holds, in blocks, and every
         eligible worker holding that much: the deepest node with an eligible holder. Reads one
@@ -121,7 +121,12 @@ class PrefixIndex:
         node, pos, n = self.root, 0, len(hashes)
         while pos < n:
             child = node.children.get(hashes[pos])
-            if child is None or not any(eligible(w) for w in child.workers):
+            if child is None:
+                break
+            for w in child.workers:  # a loop, not any(): a generator per node costs more
+                if w in eligible:
+                    break
+            else:
                 break
             common = _common_prefix(child.key, hashes, pos)
             deepest, length = child, pos + common
@@ -130,7 +135,7 @@ class PrefixIndex:
             node, pos = child, length
         if deepest is None:
             return 0, []
-        return length, [w for w in deepest.workers if eligible(w)]
+        return length, [w for w in deepest.workers if w in eligible]
 
     def num_blocks(self, worker: WorkerId) -> int:
         return self._num_blocks.get(worker, 0)

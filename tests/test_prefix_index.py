@@ -82,7 +82,7 @@ class TestMatchAgainstOracle:
             eligible = set(rng.sample(range(4), rng.randint(0, 4)))
             longest = max((expected.get(w, 0) for w in eligible), default=0)
             holders = [w for w in eligible if longest and expected.get(w) == longest]
-            length, found = index.longest_match(probe, eligible.__contains__)
+            length, found = index.longest_match(probe, eligible)
             assert (length, sorted(found)) == (longest, sorted(holders)), f"step {step}"
             w = rng.randrange(4)
             assert index.touch(probe, w, now=step + 0.5) == oracle.match(probe).get(w, 0)

@@ -33,6 +33,7 @@ def assert_orders_agree(view: ClusterView, least_only: bool) -> None:
         assert view.most(key).id == plain.most(key).id, key.__name__
         assert list(view.ordered(key)) == plain.ordered(key), key.__name__
     assert view.healthy_ids() == plain.healthy_ids()  # kept until the roster changes
+    assert view.healthy_set() == set(plain.healthy_ids())
     candidates = {w for w in view.workers if w % 3 == 0 and view.workers[w].healthy}
     if candidates:
         assert shortest_queue_among(view, candidates) == shortest_queue_among(plain, candidates)
