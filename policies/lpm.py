@@ -34,11 +34,9 @@ def smallest_cache(view: ClusterView, worker: WorkerState) -> tuple[int, int, in
 def healthy_matches(request: Request, view: ClusterView, more_than: int = 0) -> dict[WorkerId, int]:
     """Blocks of `request`'s prefix each healthy worker holds (those holding more than
     `more_than`)."""
-    workers = view.workers  # view.is_healthy, inlined: a call per holder costs 45 % more
+    healthy = view.healthy_set()  # not view.is_healthy: a call per holder costs 45 % more
     return {
-        w: m
-        for w, m in view.index.match(request.block_hashes, more_than).items()
-        if (state := workers.get(w)) is not None and state.healthy
+        w: m for w, m in view.index.match(request.block_hashes, more_than).items() if w in healthy
     }
 
 
