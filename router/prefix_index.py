@@ -77,7 +77,8 @@ class PrefixIndex:
 
         One walk from the root: a worker's match ends where it stops holding the path. Since a
         worker's holdings are a rooted subtree, a node's holders are exactly the workers that
-        match at least down to it; nodes ending at or above `more_than` are not read.
+        match at least down to it; the holders of nodes ending within the first `more_than` blocks
+        are not read.
         """
         matched: dict[WorkerId, int] = {}
         node, pos, n = self.root, 0, len(hashes)
