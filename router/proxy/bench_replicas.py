@@ -66,7 +66,8 @@ class Setup:
 @contextlib.contextmanager
 def fairway(scratch: Path, model: Path, workers: list[str], setup: Setup, policy: str, window: int):
     """`fairway serve` with `setup.routers` replicas (its own Redis); yields its URL."""
-    port, *own = free_ports(1 + setup.routers) if setup.routers > 1 else free_ports(1)
+    # One router needs no own port (no replicas behind it): just the serving one.
+    port, *own = free_ports(setup.routers + 1 if setup.routers > 1 else 1)
     config = {
         "model": str(model),
         "port": port,
