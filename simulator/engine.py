@@ -231,14 +231,16 @@ class Engine:
         if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
             return False
         done = bisect.bisect_right(run.ends, now, lo=run.applied)
-        if run.seqs is not None and done < len(run.ends) and self._on_progress is not None:
+        if run.applied == 0 and run.seqs is None:
+            self._apply_first_step(run)
+        if done > run.applied and done < len(run.ends) and self._on_progress is not None:
             # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
+            if run.seqs is None:
+                self._decode_in_sum_from_here(run)
             self._progress_decode_steps(run, done - run.applied)
             if self.config.check_invariants:
                 self.check_integrity(between_steps=True)
             return False
-        if run.applied == 0 and run.seqs is None:
-            self._apply_first_step(run)
         if done > run.applied:
             self._apply_decode_steps(run, done - run.applied)
         self._after_steps(run)
@@ -350,20 +352,35 @@ class Engine:
             self.check_integrity()
 
         durations, decoding = None, None
-        # One token each (budget spent = batch size) and none of them a prompt's last token.
-        if len(batch) == cfg.max_num_batched_tokens - budget and (
-            stays_blocked or not self.waiting
-        ):
-            context = 0
-            for seq, _ in batch:
-                # Not a prompt's last token, nor a recomputation that the budget cut to one.
-                if not seq.num_output or seq.num_computed + 1 != seq.prompt_len + seq.num_output:
-                    break
-                context += seq.num_computed + 1
+        # Step 1 leaves every sequence decoding (each samples a token), and nothing waiting can
+        # join step 2: the steps up to the first finish are known now. Step 1 may prefill if
+        # nothing waits at all, or waits only for a sequence slot; one that waits for memory
+        # could fit once step 1 caches its prompt blocks.
+        if stays_blocked or not self.waiting:
+            decodes, context = len(batch) == cfg.max_num_batched_tokens - budget, 0
+            for seq, num_new in batch:
+                computed = seq.num_computed + num_new
+                if computed != seq.prompt_len + seq.num_output:
+                    break  # a prefill chunk short of the prompt's end: it samples nothing
+                # A prompt's last token, or a recomputation, is a prefill (first token, blocks
+                # to cache), though only one token long.
+                decodes = decodes and num_new == 1 and seq.num_output > 0
+                context += computed + 1  # what step 2 reads
             else:
-                num_steps = self._plan_decode_run(batch, free)
-                durations = self.cost.decode_step_times(len(batch), context, num_steps)
-                decoding = [seq for seq, _ in batch]
+                if decodes:
+                    num_steps = self._plan_decode_run(batch, free)
+                    durations = self.cost.decode_step_times(
+                        len(batch), context - len(batch), num_steps
+                    )
+                    decoding = [seq for seq, _ in batch]
+                elif (
+                    stopped_by != "memory"
+                    and len(batch) == len(self.running)  # step 2 has budget for the rest
+                    and len(batch) <= cfg.max_num_batched_tokens
+                ):
+                    num_steps = self._plan_decode_run(batch)
+                    durations = [self.cost.step_time(self._shape(batch))]
+                    durations += self.cost.decode_step_times(len(batch), context, num_steps - 1)
         if durations is None:
             durations = [self.cost.step_time(self._shape(batch))]
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
@@ -436,8 +453,9 @@ class Engine:
         return budget, None
 
     def _plan_decode_run(self, batch: list[tuple[Seq, int]], free: int | None = None) -> int:
-        """How many decode steps can run with this batch before something must change, taking
-        at most `free` new blocks (default: every free block)."""
+        """How many steps, step 1 then decode steps, can run with this batch before something
+        must change, taking at most `free` new blocks (default: every free block) beyond step
+        1's, which are allocated."""
         if not self.config.fast_forward:
             return 1
         limit = min(seq.output_len - seq.num_output for seq, _ in batch)
@@ -448,14 +466,12 @@ class Engine:
         if len(batch) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
         blocks_for = self.blocks.blocks_for
+        after_step_1 = [seq.num_computed + num_new for seq, num_new in batch]
 
         def extra_blocks(steps: int) -> int:  # blocks needed beyond step 1's, for `steps` steps
-            return sum(
-                blocks_for(s.num_computed + steps) - blocks_for(s.num_computed + 1)
-                for s, _ in batch
-            )
+            return sum(blocks_for(c + steps - 1) - blocks_for(c) for c in after_step_1)
 
-        lo, hi = 1, limit  # step 1 is already allocated; find the last step count that fits
+        lo, hi = 1, limit  # find the last step count that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if extra_blocks(mid) <= free:
@@ -502,6 +518,19 @@ class Engine:
         self.tokens_processed += computed_delta
         run.applied = 1
         self.num_steps += 1
+
+    def _decode_in_sum_from_here(self, run: _Run) -> None:
+        """A run whose step 1 prefilled, that step applied: each sequence takes the blocks of
+        the step in progress, as step 1 of a decode run planned now would, so that the steps
+        from here on can be applied in sum."""
+        blocks, bs = self.blocks, self.config.block_size
+        seqs = [seq for seq, _ in run.batch]
+        for seq in seqs:
+            need = (seq.num_computed + bs) // bs - len(seq.table)
+            if need > 0:
+                blocks.allocate(seq.table, need)
+        run.seqs = seqs
+        run.residues = sorted(seq.num_computed % bs for seq in seqs)
 
     def _progress_decode_steps(self, run: _Run, num_steps: int) -> None:
         """Apply `num_steps` steps of a decode run that does not end with them, in sum: the

@@ -130,6 +130,40 @@ class TestFastForward:
             ]
 
 
+class TestPrefillThenDecodeRun:
+    """A step that ends every prompt it prefills runs on into the decode steps after it, as
+    one event, when nothing waits to join them; the times are step-by-step's."""
+
+    def records_and_events(self, reqs: list[Request], fast_forward: bool, **engine: object):
+        records, result = run(reqs, fast_forward=fast_forward, **engine)
+        return records, result.workers[0]
+
+    def test_a_lone_request_is_one_event(self) -> None:
+        reqs = [req(0, 0.0, list(range(1000)), 50)]
+        fast, worker = self.records_and_events(reqs, True)
+        slow, by_step = self.records_and_events(reqs, False)
+        assert fast == slow
+        assert worker.steps == by_step.steps == 50
+        assert (worker.events, by_step.events) == (1, 50)
+
+    def test_a_prompt_chunked_over_steps_runs_on_from_its_last_chunk(self) -> None:
+        reqs = [req(0, 0.0, list(range(5000)), 30)]
+        fast, worker = self.records_and_events(reqs, True, max_num_batched_tokens=1024)
+        slow, _ = self.records_and_events(reqs, False, max_num_batched_tokens=1024)
+        assert fast == slow
+        assert worker.steps == 4 + 30 and worker.events == 4 + 1
+
+    def test_prefilled_prefix_lets_the_waiting_request_in_at_step_2(self) -> None:
+        # b waits for memory while a prefills; a's prompt blocks, cached once step 1 ends,
+        # are b's prefix, so b fits at step 2: a's prefill must be a step of its own.
+        shared = list(range(96))  # 6 blocks
+        a, b = req(0, 0.0, shared + [1] * 8, 20), req(1, 0.0, shared + [2] * 8, 20)
+        fast, _ = self.records_and_events([a, b], True, num_kv_blocks=10, max_num_seqs=4)
+        slow, _ = self.records_and_events([a, b], False, num_kv_blocks=10, max_num_seqs=4)
+        assert fast == slow
+        assert fast[1].cached_tokens == 6 * BS
+
+
 class TestFastForwardLazySync(TestFastForward):
     policy, local = "lpm", "fcfs"
 
