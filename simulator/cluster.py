@@ -138,6 +138,7 @@ class SimCluster:
         self.defers_tokens = len(self.routers) == 1 and not counting_policy and not counting_queues
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
+        self._last_due: list[float | None] = [None] * config.num_workers  # its newest entry
         for i in range(config.num_workers):
             # Precise: every replica subscribes to every engine's KV events.
             indexers = [
@@ -308,7 +309,8 @@ class SimCluster:
         for router in self.routers:
             router.report(engine.id, waiting=waiting, kv_used_blocks=used)
         end = self._due_at(engine)
-        if end is not None:
+        if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
+            self._last_due[engine.id] = end
             heapq.heappush(self._due, (end, engine.id))
 
     def dispatch(self, req: Request) -> None:
@@ -358,6 +360,7 @@ class SimCluster:
         """Decode steps applied in sum mid-run (one router): its load and KV use moved."""
         self.router.work_done_on(engine.id, num_tokens, kv_used_blocks)
         if not self._lazy:  # lazily synced, an engine is due at its run's end, noted already
+            self._last_due[engine.id] = next_step_end
             heapq.heappush(self._due, (next_step_end, engine.id))
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
