@@ -116,6 +116,9 @@ class ServiceMeter:
         if predict_window < 1:
             raise ValueError(f"predict_window: must be at least 1, got {predict_window}")
         self.cost = cost
+        # `tokens` runs per request per engine catch-up in a simulation: with the linear cost
+        # it computes LinearCost.output's product itself, the same arithmetic without a call.
+        self._w_out = cost.w_out if type(cost) is LinearCost else None
         self.is_predicted = charge_output == "predicted"
         self.predict_window = predict_window
         self.predicted: dict[str, float] = {}  # client -> predicted output length
@@ -140,7 +143,11 @@ class ServiceMeter:
         if started is None:
             return 0.0
         started.num_output += num_tokens
-        due = self.cost.output(started.num_input, started.num_output)
+        w_out = self._w_out
+        if w_out is not None:
+            due = w_out * started.num_output
+        else:
+            due = self.cost.output(started.num_input, started.num_output)
         if due <= started.charged_output:
             return 0.0  # still within what the prediction charged
         charge, started.charged_output = due - started.charged_output, due
