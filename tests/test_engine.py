@@ -84,6 +84,7 @@ class TestFastForward:
     decision) and for those that do not (their engines are synced only at run ends)."""
 
     policy, local = "least_load", None
+    sim: dict[str, object] = {}  # more of the cluster's configuration
     saves_events = True
 
     def both(self, trace: Trace, **kw: object):
@@ -91,7 +92,7 @@ class TestFastForward:
         for ff in (True, False):
             t = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
             cfg = EngineConfig(fast_forward=ff, check_invariants=True, **kw)  # type: ignore
-            config = SimConfig(3, self.policy, local_policy=self.local, engine=cfg)
+            config = SimConfig(3, self.policy, local_policy=self.local, engine=cfg, **self.sim)  # type: ignore[arg-type]
             out.append(simulate(t, COST, config))
         return out
 
@@ -197,6 +198,21 @@ class TestFastForwardVTC(TestFastForward):
 
     policy, local = "vtc", None
     saves_events = False
+
+
+class TestFastForwardPreciseIndex(TestFastForward):
+    """The index hears the engines' KV events (blocks a prefill stored, blocks a decode step
+    evicted) at their step's end plus the delay, also for steps applied after the fact."""
+
+    policy, local = "lpm", "fcfs"
+    sim = {"index": "precise", "kv_event_delay": 0.05}
+
+
+class TestFastForwardRouterPlacement(TestFastForward):
+    """D²LPM's queues in the router, each worker a FCFS engine with a window in flight."""
+
+    policy, local = "d2lpm", None
+    sim = {"placement": "router"}
 
 
 class TestFastForwardRoundRobin(TestFastForward):
