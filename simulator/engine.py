@@ -12,9 +12,10 @@ A sequence whose every known token has been computed samples one new token at th
 Speed: once every sequence in the batch decodes and nothing waiting can be admitted, the next
 steps are fully determined, so one SimPy event covers all of them up to the first finish or
 block shortage (`_plan_decode_run`); a step that ends every prompt it prefills is the first step
-of such a run when nothing waits at all, or waits only for a sequence slot. An arrival ends such a run at the next step boundary, and `sync(now)`
-applies exactly the steps that have ended, so anything that looks at the engine mid-run (the
-router building its view) sees what step-by-step simulation would show.
+of such a run when nothing waits at all, or waits only for a sequence slot. An arrival ends
+such a run at the next step boundary, and `sync(now)` applies exactly the steps that have
+ended, so anything that looks at the engine mid-run (the router building its view) sees what
+step-by-step simulation would show.
 """
 
 from __future__ import annotations

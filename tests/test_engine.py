@@ -93,7 +93,11 @@ class TestFastForward:
             t = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
             cfg = EngineConfig(fast_forward=ff, check_invariants=True, **kw)  # type: ignore
             config = SimConfig(
-                3, self.policy, local_policy=self.local, engine=cfg, **self.sim  # type: ignore[arg-type]
+                3,
+                self.policy,
+                local_policy=self.local,
+                engine=cfg,
+                **self.sim,  # type: ignore[arg-type]
             )
             out.append(simulate(t, COST, config))
         return out
