@@ -274,12 +274,7 @@ class Router:
         part-way through a decode run, with its KV use (as `report` would take it) since
         nothing else moves. `tokens_many(..., credited=True)` settles the tokens on their
         requests later, without counting them on the worker again."""
-        state = self.view.workers.get(wid)  # _credit's, inlined: once per engine catch-up
-        if state is not None:
-            state.tokens_in_flight -= num_tokens
-            if kv_used_blocks is not None:
-                state.kv_used_blocks = kv_used_blocks
-            self.view.changed(wid)
+        self._credit(wid, num_tokens, kv_used_blocks)
 
     def tokens_many(
         self, requests: Iterable[Request], num_tokens: int, now: float, credited: bool = False

@@ -557,7 +557,7 @@ class Engine:
         self._tokens_computed += tokens
         self.tokens_processed += tokens
         self.num_steps += num_steps
-        used = self.blocks.num_used + run.pending_blocks  # kv_used_blocks, inlined: hot
+        used = self.kv_used_blocks
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         self._on_progress(self, tokens, used, run.ends[run.applied])  # type: ignore[misc]
