@@ -16,14 +16,19 @@ SYSTEM_STAMP := build/.system-deps-stamp
 SOAK_SECONDS ?= 600
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast bench lint format clean serve
+.PHONY: demo test test-fast bench lint format clean serve native
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The simulator's hot modules compiled by mypyc into build/native, rebuilt when their source
+# changes; until then (or with FAIRWAY_PURE=1) they run as plain Python (router/native.py).
+native: $(STAMP)
+	$(PY) -c "from router.native import main; raise SystemExit(main())"
+
+demo: native
 	$(VENV)/bin/fairway demo
 
 $(VLLM_STAMP):
@@ -48,13 +53,13 @@ $(SYSTEM_STAMP): Makefile
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium redis-server; }
 	mkdir -p build && touch $(SYSTEM_STAMP)
 
-test: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP) lint
+test: native $(TINY_MODEL) $(SYSTEM_STAMP) lint
 	$(PY) -m pytest
 
-test-fast: $(STAMP)
+test-fast: native
 	$(PY) -m pytest -m "not slow"
 
-bench: $(STAMP) $(TINY_MODEL) $(SYSTEM_STAMP)
+bench: native $(TINY_MODEL) $(SYSTEM_STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check sglang-router==0.3.2
 	$(VENV)/bin/fairway bench
 	$(VENV)/bin/fairway bench-proxy

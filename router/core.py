@@ -447,7 +447,7 @@ class Router:
             state.tokens_in_flight -= tokens
             if kv_used_blocks is not None:
                 state.kv_used_blocks = kv_used_blocks
-            self.view.changed(wid)
+            self.view.changed(state.id)
 
     def _hook(self, hook: Callable[..., object], *args: object) -> None:
         """Run a policy hook; live, one that raises must not take the request down with it."""

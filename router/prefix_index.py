@@ -379,6 +379,7 @@ class PrefixIndex:
             assert set(order) == held, f"worker {w}: LRU order out of step with holdings"
             for node, i in order.items():
                 parent = node.parent
+                assert parent is not None, "the root is in no LRU order"
                 assert parent is self.root or order[parent] > i, "an ancestor before its child"
 
 

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import json
+import os
 import pstats
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from router import native
 from router.cluster import ClusterView, WorkerState
 from router.prefix_index import PrefixIndex
 from router.request import Request
@@ -49,6 +54,39 @@ def _replay(
         trace.requests = trace.requests[:limit]
     config = SimConfig(num_workers=8, policy=policy, engine=EngineConfig(fast_forward=fast_forward))
     return simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
+
+
+def _in_subprocess(code: str, pure: bool) -> object:
+    """What `code` prints (JSON), run in a fresh interpreter: compiled, or plain Python."""
+    env = {k: v for k, v in os.environ.items() if k != "FAIRWAY_PURE"}
+    if pure:
+        env["FAIRWAY_PURE"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def compiled_vs_pure(path: Path, rounds: int) -> list[dict[str, object]]:
+    """The whole replay's speed compiled (router.native) and as plain Python, in turns."""
+    code = (
+        "import json; from pathlib import Path; from simulator.bench import _replay\n"
+        f"s = _replay(Path({str(path)!r})).summary\n"
+        "print(json.dumps(s['completed'] / s['wall_seconds']))"
+    )
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for pure in (False, True):
+            rates[pure].append(float(_in_subprocess(code, pure)))  # type: ignore[arg-type]
+    compiled, pure = statistics.median(rates[False]), statistics.median(rates[True])
+    return [
+        {
+            "compiled req / wall s": compiled,
+            "plain Python req / wall s": pure,
+            "speed-up": compiled / pure,
+            "rounds": rounds,
+        }
+    ]
 
 
 def _profile_areas(path: Path) -> list[dict[str, object]]:
@@ -303,7 +341,9 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
         return 2
     repeats = 1 if quick else 3
 
+    built = "compiled" if native.native_root() is not None else "plain Python"
     print(f"Mooncake conversation replay: {path}, 8 workers, least_load, llama-3-8b on A100-80G")
+    print(f"(hot modules {built}; every table below but the profile runs so)")
     rates, result = [], None
     for _ in range(repeats):
         result = _replay(path)
@@ -351,8 +391,19 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
         )
     )
 
-    print("\nWhere the time goes (cProfile, own time by area; profiling inflates call costs):")
-    print(format_table(_profile_areas(path)))
+    print("\nCompiled (mypyc, router/native.py) against plain Python, whole replay, in turns:")
+    if native.native_root() is None:
+        print("(no compiled build in use: `make bench` builds it; FAIRWAY_PURE unset)")
+    else:
+        print(format_table(compiled_vs_pure(path, 1 if quick else 3)))
+
+    print("\nWhere the time goes (cProfile over plain Python, own time by area; profiling")
+    print("inflates call costs):")
+    code = (
+        "import json; from pathlib import Path; from simulator.bench import _profile_areas\n"
+        f"print(json.dumps(_profile_areas(Path({str(path)!r}))))"
+    )
+    print(format_table(_in_subprocess(code, pure=True)))  # type: ignore[arg-type]
 
     seconds, rounds = (30.0, 1) if quick else (120.0, 3)
     print("\nFleet size (Mooncake conversation, rate scaled with the workers; simulated requests")

@@ -15,9 +15,10 @@ error against that worker.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -169,7 +170,13 @@ class FittedCost(StepCost):
     KV entries read, least squares with non-negative coefficients over a worker's measurements.
     `request_overhead` (fitted too) is what a whole request costs beyond its steps."""
 
-    COEFFICIENTS = ("overhead", "per_token", "per_pair", "per_kv_token", "request_overhead")
+    COEFFICIENTS: ClassVar[tuple[str, ...]] = (
+        "overhead",
+        "per_token",
+        "per_pair",
+        "per_kv_token",
+        "request_overhead",
+    )
 
     def __init__(self, coefficients: dict[str, float], kv_capacity_tokens: int, name: str) -> None:
         missing = [c for c in self.COEFFICIENTS if c not in coefficients]
@@ -210,7 +217,7 @@ class FittedCost(StepCost):
         return cls(dict(zip(cls.COEFFICIENTS, _nonnegative_lstsq(x, y), strict=True)),
                    kv_capacity_tokens, name)  # fmt: skip
 
-    def save(self, path: Path, measurements: list[Measurement] = ()) -> None:
+    def save(self, path: Path, measurements: Sequence[Measurement] = ()) -> None:
         path.write_text(
             json.dumps(
                 {
@@ -318,10 +325,10 @@ class RooflineCost(StepCost):
                 compute, memory = flops + ctx * pair, weights + ctx * kv
                 times.append(overhead + (compute if compute > memory else memory) + comm)
             return times
-        ctx = context_tokens + num_seqs * np.arange(num_steps, dtype=np.float64)
-        compute = flops + ctx * self._sec_per_pair
-        memory = self._weights_sec + ctx * self._sec_per_kv_token
-        return (self._overhead + np.maximum(compute, memory) + comm).tolist()
+        contexts = context_tokens + num_seqs * np.arange(num_steps, dtype=np.float64)
+        computes = flops + contexts * self._sec_per_pair
+        memories = self._weights_sec + contexts * self._sec_per_kv_token
+        return (self._overhead + np.maximum(computes, memories) + comm).tolist()
 
 
 def roofline(model: str, gpu: str, tp: int | None = None) -> RooflineCost:

@@ -638,15 +638,16 @@ class Engine:
         assert len(self.local) == len(self.waiting), "local queue and waiting set disagree"
         run = self._run
         in_sum = set(run.seqs or ()) if run is not None and run.pending else set()
+        pending, pending_blocks = (run.pending, run.pending_blocks) if run is not None else (0, 0)
         owed = 0
         for seq in self.running:
             need = self.blocks.blocks_for(seq.num_computed)
             held = len(seq.table)
             if seq in in_sum:  # decode steps applied in sum: it holds step 1's blocks only
                 assert held == self.blocks.blocks_for(seq.num_computed + 1), seq.req.id
-                owed += self.blocks.blocks_for(seq.num_computed + run.pending) - held
+                owed += self.blocks.blocks_for(seq.num_computed + pending) - held
                 continue
             # Between steps a sequence holds exactly its computed tokens' blocks (the planning
             # loop relies on it); once planned, also those of the step about to run.
             assert held == need if between_steps else held >= need, f"request {seq.req.id}"
-        assert owed == (run.pending_blocks if in_sum else 0), "blocks owed to steps in sum"
+        assert owed == (pending_blocks if in_sum else 0), "blocks owed to steps in sum"

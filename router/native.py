@@ -1,0 +1,116 @@
+"""Compiled builds (mypyc) of the modules a simulation spends its time in.
+
+The same source, compiled to C by mypyc: the engine, its block manager and cost model, the
+cluster view, the dispatch queues and the prefix index. `make` builds them into build/native
+(`router.native.main`), and the `router` and `simulator` packages put that folder first
+on their import path only while it was built from the very source on disk, for this Python:
+edit a module and it runs as plain Python until the next build, never stale. Set FAIRWAY_PURE=1
+to run it all as plain Python (cProfile sees no frames inside compiled code).
+
+A compiled class accepts no attribute it does not declare and no interpreted subclass, which
+is why the policies, the router core and the simulator's driver (which tests and users extend)
+stay interpreted.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "build" / "native"
+MODULES = (
+    "router/cluster.py",
+    "router/dispatch.py",
+    "router/prefix_index.py",
+    "simulator/block_manager.py",
+    "simulator/cost_model.py",
+    "simulator/engine.py",
+)
+STAMP = "sources.json"
+
+
+def fingerprint(root: Path = ROOT) -> dict[str, object]:
+    """What a build must match to be used: the interpreter and every compiled source."""
+    sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in MODULES}
+    return {"python": sys.implementation.cache_tag, "sources": sources}
+
+
+@functools.cache
+def native_root() -> Path | None:
+    """build/native if it holds a build of the source on disk for this Python (and
+    FAIRWAY_PURE is not set); else None."""
+    if os.environ.get("FAIRWAY_PURE") or not up_to_date():
+        return None
+    return NATIVE
+
+
+def up_to_date(root: Path = ROOT, native: Path = NATIVE) -> bool:
+    """Whether `native` holds a build of the sources under `root` for this Python."""
+    try:
+        return json.loads((native / STAMP).read_text()) == fingerprint(root)
+    except (OSError, ValueError):
+        return False  # not built, or not run from a source checkout
+
+
+def prefer_native(package_path: list[str], package: str) -> None:
+    """Called by a package's __init__: look for its modules in the build first."""
+    root = native_root()
+    if root is None:
+        return
+    if str(root) not in sys.path:
+        sys.path.append(str(root))  # mypyc's shared library is a top-level module
+    package_path.insert(0, str(root / package))
+
+
+def is_native(module: object) -> bool:
+    """Whether an imported module is the compiled one."""
+    return str(getattr(module, "__file__", "")).endswith((".so", ".pyd"))
+
+
+def build() -> Path:
+    """Compile MODULES into build/native, replacing any earlier build by renames: a process
+    importing meanwhile finds the old build, the new one or none (and runs plain Python), never
+    half of one."""
+    from mypyc.build import mypycify
+    from setuptools import Distribution
+
+    NATIVE.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="native-", dir=NATIVE.parent))
+    cwd = Path.cwd()
+    os.chdir(ROOT)  # mypyc names modules by their paths from here
+    try:
+        extensions = mypycify(
+            [*MODULES, "--ignore-missing-imports"], opt_level="3", target_dir=str(work / "c")
+        )
+        dist = Distribution({"name": "fairway-native", "ext_modules": extensions})
+        command = dist.get_command_obj("build_ext")
+        command.build_lib = str(work / "lib")  # type: ignore[attr-defined]
+        command.build_temp = str(work / "obj")  # type: ignore[attr-defined]
+        dist.run_command("build_ext")
+    finally:
+        os.chdir(cwd)
+    built = work / "lib"
+    (built / STAMP).write_text(json.dumps(fingerprint(), indent=1) + "\n")
+    old = NATIVE.with_name("native-old")
+    shutil.rmtree(old, ignore_errors=True)
+    if NATIVE.exists():
+        NATIVE.rename(old)
+    built.rename(NATIVE)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return NATIVE
+
+
+def main() -> int:
+    if up_to_date():
+        print(f"{NATIVE}: up to date")
+        return 0
+    print(f"compiling {len(MODULES)} modules with mypyc into {build()}")
+    return 0

@@ -1,0 +1,86 @@
+"""The compiled build of the hot modules (router/native.py): in use under `make test`, used only
+while it matches the source, and giving the same simulation as plain Python to the last bit."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router import native
+
+# Records of small runs that between them take every compiled path: the policies' reads of the
+# view and index, fast-forwarded decode runs, preemptions (a small KV cache), the precise
+# index's delayed events, the router's own queues, chunked prefill.
+RUNS = """
+import dataclasses, json, sys
+from simulator.cluster import SimConfig, simulate
+from simulator.cost_model import roofline
+from simulator.engine import EngineConfig
+from traces.generators import shared_prefix
+
+trace = shared_prefix(num_requests=240, num_tenants=4, rate=40.0, seed=5)
+cost = roofline("llama-3-8b", "a100-80g")
+small = EngineConfig(num_kv_blocks=900, max_num_batched_tokens=512)
+configs = [
+    SimConfig(num_workers=4, policy=p, engine=small)
+    for p in ("least_load", "lpm", "d2lpm", "vtc", "preble")
+] + [
+    SimConfig(num_workers=4, policy="lpm", index="precise", kv_event_delay=0.05),
+    SimConfig(num_workers=4, policy="d2lpm", placement="router"),
+]
+out = [[dataclasses.astuple(r) for r in simulate(trace, cost, c).records] for c in configs]
+json.dump(out, sys.stdout)
+"""
+
+
+def run_records(pure: bool) -> list:
+    env = {k: v for k, v in os.environ.items() if k != "FAIRWAY_PURE"}
+    if pure:
+        env["FAIRWAY_PURE"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", RUNS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_make_built_what_the_tests_run() -> None:
+    if os.environ.get("FAIRWAY_PURE"):
+        pytest.skip("FAIRWAY_PURE is set: plain Python asked for")
+    assert native.native_root() is not None, (
+        "build/native is missing or older than the source: `make test` rebuilds it"
+    )
+    for path in native.MODULES:
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert native.is_native(module), module.__file__
+
+
+def test_compiled_and_plain_python_simulate_the_same() -> None:
+    if native.native_root() is None:
+        pytest.skip("no compiled build to compare")
+    compiled, pure = run_records(pure=False), run_records(pure=True)
+    assert len(compiled) == len(pure) == 7
+    for a, b in zip(compiled, pure, strict=True):
+        assert len(a) == 240
+        assert a == b  # 0 == 0.0: a compiled float field may hold what Python kept as an int
+
+
+def test_a_build_is_used_only_for_the_source_it_was_built_from(tmp_path: Path) -> None:
+    root, built = tmp_path / "src", tmp_path / "native"
+    for path in native.MODULES:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(native.ROOT / path, root / path)
+    built.mkdir()
+    assert not native.up_to_date(root, built), "no build yet"
+    (built / native.STAMP).write_text(json.dumps(native.fingerprint(root)))
+    assert native.up_to_date(root, built)
+    edited = root / native.MODULES[-1]
+    edited.write_text(edited.read_text() + "\n# an edit\n")
+    assert not native.up_to_date(root, built), "an edited source runs as plain Python"
