@@ -94,6 +94,9 @@ def build() -> Path:
         command.build_lib = str(work / "lib")  # type: ignore[attr-defined]
         command.build_temp = str(work / "obj")  # type: ignore[attr-defined]
         dist.run_command("build_ext")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # a failed build leaves no half-built folder
+        raise
     finally:
         os.chdir(cwd)
     built = work / "lib"
