@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
@@ -36,6 +38,7 @@ from router.request import Request
 log = logging.getLogger(__name__)
 
 
+@mypyc_attr(native_class=False)  # compiled, a class may not extend a builtin exception
 class NoHealthyWorker(RuntimeError):
     """Nothing to route to: every worker (not excluded) is down."""
 

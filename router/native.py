@@ -1,15 +1,14 @@
 """Compiled builds (mypyc) of the modules a simulation spends its time in.
 
 The same source, compiled to C by mypyc: the engine, its block manager and cost model, the
-cluster view, the dispatch queues and the prefix index. `make` builds them into build/native
-(`router.native.main`), and the `router` and `simulator` packages put that folder first
-on their import path only while it was built from the very source on disk, for this Python:
-edit a module and it runs as plain Python until the next build, never stale. Set FAIRWAY_PURE=1
-to run it all as plain Python (cProfile sees no frames inside compiled code).
+cluster view, the dispatch queues, the prefix index and the router core. `make` builds them into
+build/native (`router.native.main`), and the `router` and `simulator` packages put that folder
+first on their import path only while it was built from the very source on disk, for this
+Python: edit a module and it runs as plain Python until the next build, never stale. Set
+FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no frames inside compiled code).
 
 A compiled class accepts no attribute it does not declare and no interpreted subclass, which
-is why the policies, the router core and the simulator's driver (which tests and users extend)
-stay interpreted.
+is why the policies and the simulator's driver (which tests and users extend) stay interpreted.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "build" / "native"
 MODULES = (
     "router/cluster.py",
+    "router/core.py",
     "router/dispatch.py",
     "router/prefix_index.py",
     "simulator/block_manager.py",

@@ -200,44 +200,70 @@ class Recorder:
     """The calls a driver makes on its Router and what the Router answered."""
 
     calls: list[tuple] = field(default_factory=list)
-    routes: list[tuple] = field(default_factory=list)
 
-    def attach(self, r: Router) -> None:
-        route, finish = r.route, r.finish
-        first, report = r.first_token, r.report
-        down, up = r.worker_down, r.worker_up
+    def attach(self, driver: SimCluster | LiveCluster) -> None:
+        """Put a recording stand-in between `driver` and its router."""
+        recording = RecordingRouter(driver.router, self)
+        driver.router = recording
+        if isinstance(driver, SimCluster):
+            driver.routers[0] = recording
 
-        def rec(name, fn, answer=None):
-            def call(*args, **kw):
-                out = fn(*args, **kw)
-                if name in ("route", "finish") and len(args) == 3 and not args[2]:
-                    args = args[:2]  # no exclusions, no reported hit: however it is said
-                self.calls.append(
-                    (name, args, tuple(sorted(kw.items())), answer(out) if answer else None)
-                )
-                return out
 
-            return call
+class RecordingRouter:
+    """A Router's stand-in that records the calls a driver makes (the Router itself may be
+    compiled, and a compiled instance takes no wrappers in place of its methods)."""
 
-        r.route = rec(
-            "route", route, lambda o: (o.decision, o.hit_blocks, [x.id for x in o.released])
-        )
-        r.finish = rec("finish", finish, lambda o: [x.id for x in o])
-        r.first_token = rec("first_token", first)
-        tokens_many = r.tokens_many  # Router.tokens comes through here too
+    def __init__(self, router: Router, recorder: Recorder) -> None:
+        self._router, self._calls = router, recorder.calls
 
-        def tokens_each(requests, num_tokens, now, credited=False):  # an event per request
-            requests = list(requests)
-            tokens_many(requests, num_tokens, now, credited=credited)
-            kw = (("credited", True),) if credited else ()
-            self.calls.extend(("tokens", (q, num_tokens, now), kw, None) for q in requests)
+    def __getattr__(self, name: str):
+        return getattr(self._router, name)
 
-        r.tokens_many = tokens_each
+    def _record(self, name, args, kw=(), answer=None) -> None:
+        if name in ("route", "finish") and len(args) == 3 and not args[2]:
+            args = args[:2]  # no exclusions, no reported hit: however it is said
+        self._calls.append((name, args, tuple(sorted(dict(kw).items())), answer))
+
+    def route(self, *args, **kw):
+        o = self._router.route(*args, **kw)
+        self._record("route", args, kw, (o.decision, o.hit_blocks, [x.id for x in o.released]))
+        return o
+
+    def finish(self, *args, **kw):
+        o = self._router.finish(*args, **kw)
+        self._record("finish", args, kw, [x.id for x in o])
+        return o
+
+    def worker_down(self, *args, **kw):
+        o = self._router.worker_down(*args, **kw)
+        self._record("worker_down", args, kw, [x.id for x in o])
+        return o
+
+    def first_token(self, *args, **kw):
+        self._router.first_token(*args, **kw)
+        self._record("first_token", args, kw)
+
+    def report(self, *args, **kw):
+        self._router.report(*args, **kw)
+        self._record("report", args, kw)
+
+    def worker_up(self, *args, **kw):
+        self._router.worker_up(*args, **kw)
+        self._record("worker_up", args, kw)
+
+    def work_done_on(self, *args, **kw):
         # A simulated engine's decode progress in sum, settled on requests later (credited).
-        r.work_done_on = rec("work_done_on", r.work_done_on)
-        r.report = rec("report", report)
-        r.worker_down = rec("worker_down", down, lambda o: [x.id for x in o])
-        r.worker_up = rec("worker_up", up)
+        self._router.work_done_on(*args, **kw)
+        self._record("work_done_on", args, kw)
+
+    def tokens(self, request, num_tokens, now):
+        self.tokens_many((request,), num_tokens, now)
+
+    def tokens_many(self, requests, num_tokens, now, credited=False):  # an event per request
+        requests = list(requests)
+        self._router.tokens_many(requests, num_tokens, now, credited=credited)
+        kw = (("credited", True),) if credited else ()
+        self._calls.extend(("tokens", (q, num_tokens, now), kw, None) for q in requests)
 
 
 class FakeClock:
@@ -268,7 +294,7 @@ def replay_live(
         live.add_worker("http://127.0.0.1:1")
     for state in live.view.workers.values():
         state.kv_capacity_blocks = config.engine.num_kv_blocks
-    recorder.attach(live.router)
+    recorder.attach(live)
     requests = {r.id: r for r in trace.requests}
     futures: dict[int, asyncio.Future] = {}
     where: dict[int, object] = {}
@@ -342,7 +368,7 @@ def test_simulator_and_proxy_drivers_make_the_same_decisions(name: str) -> None:
     cost = roofline("llama-3-8b", "a100-80g")
     cluster = SimCluster(trace, cost, config)
     sim_recorder = Recorder()
-    sim_recorder.attach(cluster.router)
+    sim_recorder.attach(cluster)
     cluster.run()
     sim_calls = sim_recorder.calls
     assert any(c[0] == "worker_down" and c[3] for c in sim_calls), "the outage withdrew requests"
