@@ -1,6 +1,10 @@
 """Routing policies and queue disciplines. Importing this package registers them all."""
 
-from policies import baselines, d2lpm, dlpm, fcfs, lcf, lpm, preble, vtc  # noqa: F401  (registration)
-from router.registry import global_policies, local_policies
+from router.native import prefer_native
+
+prefer_native(__path__, __name__)  # before the policies import what is compiled of theirs
+
+from policies import baselines, d2lpm, dlpm, fcfs, lcf, lpm, preble, vtc  # noqa: E402, F401
+from router.registry import global_policies, local_policies  # noqa: E402
 
 __all__ = ["global_policies", "local_policies"]

@@ -67,7 +67,7 @@ class DistributedDLPM(GlobalPolicy):
         self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
         self.cache_threshold = cache_threshold
         self.balance = (balance_abs_threshold, balance_rel_threshold)
-        self.deficits: dict[tuple[str, WorkerId], float] = Ledger()  # shared by router replicas
+        self.deficits = Ledger()  # (client, worker) -> deficit; shared by router replicas
         self.active: dict[WorkerId, dict[str, int]] = {}  # worker -> client -> outstanding
         self._matched: dict[int, int] = {}  # request id -> blocks matched on the chosen worker
         self._sent: dict[int, _Sent] = {}  # request id -> its dispatch, while outstanding

@@ -52,7 +52,7 @@ class DeficitLongestPrefixMatch(LocalPolicy):
             raise ValueError(f"quantum: must be positive, got {quantum}")
         self.quantum, self.max_scan = quantum, max_scan
         self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
-        self.deficits: dict[str, float] = Ledger()  # shared by router replicas
+        self.deficits = Ledger()  # client -> deficit; shared by router replicas
         self.waiting = ClientQueues()
 
     def push(self, request: Request) -> None:

@@ -40,7 +40,7 @@ class VirtualTokenCounter(LocalPolicy):
         predict_window: int = 5,
     ) -> None:
         self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
-        self.counters: dict[str, float] = Ledger()  # shared by router replicas
+        self.counters = Ledger()  # client -> counter; shared by router replicas
         self.waiting = ClientQueues()
         self._last_departed = 0.0  # counter of the client whose queue emptied last
 

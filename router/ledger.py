@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 
 
-class Ledger(dict):
+class Ledger(dict[Hashable, float]):
     """A dict of floats that records, per key, the sum of the changes made since `take`."""
 
     __slots__ = ("_pending", "local")
