@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from policies.service_cost import client_of, make_meter
 from router.ledger import Ledger
+from router.request import Request
 from simulator.cluster import SimCluster, SimConfig
 from simulator.cost_model import roofline
 from traces.generators import flood
@@ -24,6 +26,19 @@ def test_ledger_records_changes_and_converges_in_any_order() -> None:
     b.apply(sent_a)
     assert a["x"] == b["x"] == 10.0
     assert a.take() == {} and b.take() == {}, "applied changes are not re-sent"
+
+
+def test_a_meters_batch_charges_reach_the_other_replicas() -> None:
+    """The service meter (compiled, see router/native.py) writes a batch's charges into the
+    ledger through its own item assignment, so each is recorded for the other replicas."""
+    meter, ledger = make_meter(w_in=1.0, w_out=2.0), Ledger()
+    a, b = Request(1, 0.0, 100, 10, [], client="a"), Request(2, 0.0, 100, 10, [], client="b")
+    for r in (a, b):
+        ledger[r.client] = ledger.get(r.client, 0.0) - meter.start(r, 40)
+    ledger.take()
+    meter.charge_tokens([a, b, a], 3, ledger, client_of, -1)  # a twice: one write of both
+    assert dict(ledger) == {"a": -40.0 - 12.0, "b": -40.0 - 6.0}
+    assert ledger.take() == {"a": -12.0, "b": -6.0}
 
 
 def test_a_lift_made_at_two_replicas_counts_once() -> None:
