@@ -37,12 +37,17 @@ MODULES = (
     "simulator/engine.py",
 )
 STAMP = "sources.json"
+# mypyc's shared library is a top-level module, so its folder goes on sys.path; a folder of its
+# own, since build/native's package folders there would shadow the real packages (an import
+# finds a namespace package on sys.path before the editable install's finder looks).
+SHARED = "shared"
+LAYOUT = 2  # of build/native: a build of another layout is not used
 
 
 def fingerprint(root: Path = ROOT) -> dict[str, object]:
     """What a build must match to be used: the interpreter and every compiled source."""
     sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in MODULES}
-    return {"python": sys.implementation.cache_tag, "sources": sources}
+    return {"python": sys.implementation.cache_tag, "layout": LAYOUT, "sources": sources}
 
 
 @functools.cache
@@ -67,8 +72,8 @@ def prefer_native(package_path: list[str], package: str) -> None:
     root = native_root()
     if root is None:
         return
-    if str(root) not in sys.path:
-        sys.path.append(str(root))  # mypyc's shared library is a top-level module
+    if str(root / SHARED) not in sys.path:
+        sys.path.append(str(root / SHARED))
     package_path.insert(0, str(root / package))
 
 
@@ -103,6 +108,9 @@ def build() -> Path:
     finally:
         os.chdir(cwd)
     built = work / "lib"
+    (built / SHARED).mkdir()
+    for library in built.glob("*__mypyc*"):
+        library.rename(built / SHARED / library.name)
     (built / STAMP).write_text(json.dumps(fingerprint(), indent=1) + "\n")
     old = NATIVE.with_name("native-old")
     shutil.rmtree(old, ignore_errors=True)

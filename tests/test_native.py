@@ -84,3 +84,36 @@ def test_a_build_is_used_only_for_the_source_it_was_built_from(tmp_path: Path) -
     edited = root / native.MODULES[-1]
     edited.write_text(edited.read_text() + "\n# an edit\n")
     assert not native.up_to_date(root, built), "an edited source runs as plain Python"
+
+
+def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path) -> None:
+    """`fairway` (what `make demo` runs) imports the project through the editable install's
+    finder, with no checkout on sys.path: the build's folders must not stand in for the
+    packages (a folder on sys.path is found first, as a namespace package)."""
+    if native.native_root() is None:
+        pytest.skip("no compiled build in use")
+    if sys.version_info < (3, 11):
+        pytest.skip("python -P (no script folder on sys.path) is 3.11's")
+    fairway = Path(sys.executable).with_name("fairway")
+    if not fairway.exists():
+        pytest.skip("not installed as a command here")
+    done = subprocess.run(
+        [str(fairway), "policies"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "d2lpm" in done.stdout and "least_load" in done.stdout
+    code = (
+        "import json, policies, simulator, simulator.engine, policies.service_cost\n"
+        "from router import native\n"
+        "print(json.dumps([hasattr(policies, 'global_policies'), simulator.__file__,\n"
+        "    native.is_native(simulator.engine), native.is_native(policies.service_cost)]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    registered, simulator_init, engine_compiled, meter_compiled = json.loads(done.stdout)
+    assert registered, "policies/__init__ did not run: a namespace package stood in for it"
+    assert simulator_init == str(native.ROOT / "simulator" / "__init__.py")
+    assert engine_compiled and meter_compiled
