@@ -426,7 +426,14 @@ class TestRealVLLM:
                 async with proxy(urls, "round_robin", first_byte_timeout=30.0) as (base, cluster):
 
                     async def fault() -> None:
-                        await asyncio.sleep(2.0)
+                        # Mid-load on any machine: once a fifth of the requests are routed (a
+                        # fixed 2 s let a fast machine answer all 80 before the kill).
+                        deadline = time.monotonic() + 60.0
+                        while (
+                            sum(cluster.router.routed.values()) < spec.num_requests // 5
+                            and time.monotonic() < deadline
+                        ):
+                            await asyncio.sleep(0.02)
                         await asyncio.to_thread(pool.kill, 0)
 
                     result = await under_load(base, fault, spec)
