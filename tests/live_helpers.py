@@ -93,6 +93,15 @@ def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 120.0) -> None:
 # ------------------------------------------------------------ processes to hurt on purpose
 
 
+async def eventually(condition, tries: int = 250) -> bool:
+    """Poll `condition` every 20 ms, at most `tries` times; its last value."""
+    for _ in range(tries):
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return condition()
+
+
 async def wait_healthy(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:

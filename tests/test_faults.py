@@ -32,6 +32,7 @@ from tests.live_helpers import (
     assert_every_request_ended,
     emulated_processes,
     emulated_workers,
+    eventually,
     free_ports,
     process_args,
     proxy,
@@ -428,12 +429,8 @@ class TestRealVLLM:
                     async def fault() -> None:
                         # Mid-load on any machine: once a fifth of the requests are routed (a
                         # fixed 2 s let a fast machine answer all 80 before the kill).
-                        deadline = time.monotonic() + 60.0
-                        while (
-                            sum(cluster.router.routed.values()) < spec.num_requests // 5
-                            and time.monotonic() < deadline
-                        ):
-                            await asyncio.sleep(0.02)
+                        fifth = spec.num_requests // 5
+                        await eventually(lambda: sum(cluster.router.routed.values()) >= fifth, 3000)
                         await asyncio.to_thread(pool.kill, 0)
 
                     result = await under_load(base, fault, spec)

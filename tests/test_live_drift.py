@@ -23,7 +23,16 @@ from aiohttp import web
 from router.drift import DriftGuard
 from router.proxy.live import LiveCluster
 from router.request import hash_token_blocks
-from tests.live_helpers import BLOCK, client, emulated_workers, proxy, run, serving, tokenizer_dir
+from tests.live_helpers import (
+    BLOCK,
+    client,
+    emulated_workers,
+    eventually,
+    proxy,
+    run,
+    serving,
+    tokenizer_dir,
+)
 from workers import emulated
 
 
@@ -405,15 +414,6 @@ async def short_then_long_blocks_256(
     assert metric(text, 'fairway_index_level_changes_total{level="approximate"}') == 2
     assert metric(text, 'fairway_index_level_changes_total{level="load"}') == 1
     assert metric(text, 'fairway_index_level_changes_total{level="precise"}') == 0
-
-
-async def eventually(condition, tries: int = 250) -> bool:
-    """Poll `condition` every 20 ms, at most `tries` times; its last value."""
-    for _ in range(tries):
-        if condition():
-            return True
-        await asyncio.sleep(0.02)
-    return condition()
 
 
 def test_a_worker_added_after_a_fallback_is_heard_by_the_precise_index() -> None:

@@ -209,6 +209,23 @@ class Recorder:
             driver.routers[0] = recording
 
 
+def _ids(requests) -> list[int]:
+    return [r.id for r in requests]
+
+
+def _recorded(name: str, answer=None):
+    """A stand-in method: the Router's own call, then the call and its answer recorded."""
+
+    def call(self, *args, **kw):
+        out = getattr(self._router, name)(*args, **kw)
+        if name in ("route", "finish") and len(args) == 3 and not args[2]:
+            args = args[:2]  # no exclusions, no reported hit: however it is said
+        self._calls.append((name, args, tuple(sorted(kw.items())), answer(out) if answer else None))
+        return out
+
+    return call
+
+
 class RecordingRouter:
     """A Router's stand-in that records the calls a driver makes (the Router itself may be
     compiled, and a compiled instance takes no wrappers in place of its methods)."""
@@ -219,44 +236,16 @@ class RecordingRouter:
     def __getattr__(self, name: str):
         return getattr(self._router, name)
 
-    def _record(self, name, args, kw=(), answer=None) -> None:
-        if name in ("route", "finish") and len(args) == 3 and not args[2]:
-            args = args[:2]  # no exclusions, no reported hit: however it is said
-        self._calls.append((name, args, tuple(sorted(dict(kw).items())), answer))
+    route = _recorded("route", lambda o: (o.decision, o.hit_blocks, _ids(o.released)))
+    finish = _recorded("finish", _ids)
+    worker_down = _recorded("worker_down", _ids)
+    first_token = _recorded("first_token")
+    report = _recorded("report")
+    worker_up = _recorded("worker_up")
+    # A simulated engine's decode progress in sum, settled on requests later (credited).
+    work_done_on = _recorded("work_done_on")
 
-    def route(self, *args, **kw):
-        o = self._router.route(*args, **kw)
-        self._record("route", args, kw, (o.decision, o.hit_blocks, [x.id for x in o.released]))
-        return o
-
-    def finish(self, *args, **kw):
-        o = self._router.finish(*args, **kw)
-        self._record("finish", args, kw, [x.id for x in o])
-        return o
-
-    def worker_down(self, *args, **kw):
-        o = self._router.worker_down(*args, **kw)
-        self._record("worker_down", args, kw, [x.id for x in o])
-        return o
-
-    def first_token(self, *args, **kw):
-        self._router.first_token(*args, **kw)
-        self._record("first_token", args, kw)
-
-    def report(self, *args, **kw):
-        self._router.report(*args, **kw)
-        self._record("report", args, kw)
-
-    def worker_up(self, *args, **kw):
-        self._router.worker_up(*args, **kw)
-        self._record("worker_up", args, kw)
-
-    def work_done_on(self, *args, **kw):
-        # A simulated engine's decode progress in sum, settled on requests later (credited).
-        self._router.work_done_on(*args, **kw)
-        self._record("work_done_on", args, kw)
-
-    def tokens(self, request, num_tokens, now):
+    def tokens(self, request, num_tokens, now):  # Router.tokens's own call would miss the stand-in
         self.tokens_many((request,), num_tokens, now)
 
     def tokens_many(self, requests, num_tokens, now, credited=False):  # an event per request
