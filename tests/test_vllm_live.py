@@ -10,9 +10,12 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.proxy.app import ProxySettings, create_app
+from router.proxy.monitor import REPORTED, kv_cache_blocks
 from router.proxy.ports import free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
@@ -75,6 +78,44 @@ def test_openai_client_plain_and_streaming(vllm_pool) -> None:
             )
             chunks = [x async for x in stream]
             assert chunks[-1].usage.completion_tokens == 4
+
+    run(go)
+
+
+def test_the_proxy_keeps_what_each_servers_whole_metrics_page_says(vllm_pool) -> None:
+    """The monitor parses only the families it reads from a real server's page (600 lines):
+    its gauges and the KV capacity it takes are what the whole page gives."""
+
+    async def whole_page(session: aiohttp.ClientSession, url: str) -> tuple[dict, int]:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        gauges: dict[str, float] = {}
+        capacity = 0
+        for family in text_string_to_metric_families(text):
+            if family.name == "vllm:cache_config_info":
+                blocks, size = kv_cache_blocks(family.samples) or (0, 0)
+                capacity = blocks * size // BLOCK
+            elif family.name in REPORTED:
+                names = (family.name, family.name + "_total")  # a counter's value, not _created
+                gauges[REPORTED[family.name]] = sum(
+                    s.value for s in family.samples if s.name in names
+                )
+        return gauges, capacity
+
+    async def go() -> None:
+        cluster, app = live_proxy(vllm_pool, "round_robin")
+        async with serving(app) as base, aiohttp.ClientSession() as session:
+            oa = client(base, timeout=60)
+            for i in range(2):  # one to each server: their prefix counters move
+                await oa.completions.create(model="tiny", prompt=f"{i} hello " * 40, max_tokens=4)
+            for worker in cluster.workers.values():
+                for _ in range(40):  # the next scrape, at most 20 s away (every 0.5 s)
+                    gauges, capacity = await whole_page(session, worker.url)
+                    if worker.reported == gauges:
+                        break
+                    await asyncio.sleep(0.5)
+                assert worker.reported == gauges and gauges["prefix_queries"] > 0
+                assert cluster.view.workers[worker.id].kv_capacity_blocks == capacity > 0
 
     run(go)
 

