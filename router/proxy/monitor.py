@@ -100,9 +100,9 @@ class Monitor:
     async def check_all(self, spread: float = 0.0) -> None:
         """One round: KV-event subscriptions, then every worker's health and gauges. With
         `spread`, the checks start `CHECKS_AT_ONCE` at a time, evenly over that many seconds,
-        and the round lasts as long. Checks started together answer together, and handling
-        256 answers held the event loop (every stream waiting) for 250 ms in one piece
-        (measured: `make bench`); spread one by one, each check cost twice the CPU."""
+        and the round lasts as long. Checks started together answer together: handling 256
+        answers held the event loop (every stream waiting) for about 100 ms in one piece
+        (`fairway bench-proxy`); started one by one, each check cost twice the CPU."""
         workers = list(self.cluster.workers.values())
         for wid in [wid for wid in self._subscribed if wid not in self.cluster.workers]:
             self._subscribed.pop(wid).cancel()  # removed: stop listening for its events
