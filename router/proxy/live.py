@@ -162,8 +162,6 @@ class LiveCluster:
         (or fails with WorkerDown). It exists from the moment the request is queued: a queue
         pumped by another task in between must find it.
         """
-        for worker in self.workers.values():
-            self._report(worker)
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         now = self.clock()
         self._collector.tick(now)
@@ -238,8 +236,9 @@ class LiveCluster:
             released = more
         self._publish(worker)
 
-    def _report(self, worker: LiveWorker) -> None:
-        """Hand the worker's last scraped gauges to the router."""
+    def report_gauges(self, worker: LiveWorker) -> None:
+        """Hand the worker's gauges, as just scraped into `worker.reported`, to the router:
+        once a scrape, not before every decision (a pass over the fleet per request)."""
         state = self.view.workers.get(worker.id)
         if state is None or not worker.reported:
             return

@@ -172,6 +172,7 @@ class Monitor:
                 if sample.name in (family.name, family.name + "_total"):
                     values[key] = values.get(key, 0.0) + sample.value
         worker.reported.update(values)
+        self.cluster.report_gauges(worker)
         queries = values.get("prefix_queries")
         if queries:
             rate = values.get("prefix_hits", 0.0) / queries
