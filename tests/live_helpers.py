@@ -90,9 +90,6 @@ def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 120.0) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), timeout))
 
 
-# ------------------------------------------------------------ processes to hurt on purpose
-
-
 async def eventually(condition, tries: int = 250) -> bool:
     """Poll `condition` every 20 ms, at most `tries` times; its last value."""
     for _ in range(tries):
@@ -100,6 +97,9 @@ async def eventually(condition, tries: int = 250) -> bool:
             return True
         await asyncio.sleep(0.02)
     return condition()
+
+
+# ------------------------------------------------------------ processes to hurt on purpose
 
 
 async def wait_healthy(url: str, timeout: float = 60.0) -> None:

@@ -22,9 +22,35 @@ from pathlib import Path
 
 import aiohttp
 
+import policies
 from router.proxy.bench_proxy import ROOT, process, wait_healthy
+from router.proxy.live import LiveCluster
+from router.proxy.monitor import Monitor, sample_loop_lag, wanted_families
 from router.proxy.ports import free_port
+from router.request import Request
 from router.tables import format_table
+
+
+def cluster_of(
+    num_workers: int, base: str = "http://127.0.0.1:1", policy: str = "round_robin",
+    block_size: int = 16,
+) -> LiveCluster:  # fmt: skip
+    """The proxy's LiveCluster over `num_workers` addresses `base`/w<i>, every request let
+    through at once (no window)."""
+    cluster = LiveCluster(
+        policies.global_policies.create(policy),
+        lambda: policies.local_policies.create("fcfs"),
+        block_size=block_size,
+        window=1 << 20,
+    )
+    for i in range(num_workers):
+        cluster.add_worker(f"{base}/w{i}")
+    return cluster
+
+
+def distinct_request(i: int, client: str) -> Request:
+    """Request `i`: a 512-token prompt of two blocks shared with no other request."""
+    return Request(i, 0.0, 512, 16, list(range(32 * i, 32 * i + 32)), client=client)
 
 
 @contextlib.contextmanager
@@ -64,17 +90,7 @@ async def monitor_rounds(
     """The proxy's health-and-gauges rounds against `num_workers` workers, as `fairway serve`
     runs them (spread over its 1 s interval): CPU per worker per round, and the longest the
     event loop was held meanwhile (what a stream would wait)."""
-    import policies
-    from router.proxy.live import LiveCluster
-    from router.proxy.monitor import Monitor, sample_loop_lag
-
-    cluster = LiveCluster(
-        policies.global_policies.create("round_robin"),
-        lambda: policies.local_policies.create("fcfs"),
-        block_size=128,  # the tiny model's, as its page says
-    )
-    for i in range(num_workers):
-        cluster.add_worker(f"{base}/w{i}")
+    cluster = cluster_of(num_workers, base, block_size=128)  # the tiny model's, as its page says
     lags: list[float] = []
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -105,8 +121,6 @@ def parse_costs(text: str, repeats: int = 20) -> dict[str, float]:
     """Parsing one page whole (as the monitor did) against its wanted families only, ms."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from router.proxy.monitor import wanted_families
-
     def timed(parse) -> float:
         start = time.perf_counter()
         for _ in range(repeats):
@@ -121,26 +135,14 @@ def live_route_scaling(
 ) -> list[dict[str, object]]:
     """The proxy's bookkeeping per request (LiveCluster.route, then release) as the fleet
     grows, without HTTP: what must stay flat in the worker count."""
-    import policies
-    from router.proxy.live import LiveCluster
-    from router.request import Request
 
     async def per_request(num_workers: int, policy: str) -> float:
-        cluster = LiveCluster(
-            policies.global_policies.create(policy),
-            lambda: policies.local_policies.create("fcfs"),
-            block_size=16,
-            window=1 << 20,
-        )
-        for i in range(num_workers):
-            worker = cluster.add_worker(f"http://127.0.0.1:1/w{i}")
+        cluster = cluster_of(num_workers, policy=policy)
+        for worker in cluster.workers.values():
             worker.reported = {"waiting": 0.0, "running": 1.0, "kv_usage": 0.1}
             cluster.report_gauges(worker)
         warm = 2 * num_workers  # each worker's metric series are made on first use
-        batch = [
-            Request(i, 0.0, 512, 16, list(range(32 * i, 32 * i + 32)), client=f"c{i % 4}")
-            for i in range(warm + requests)
-        ]
+        batch = [distinct_request(i, f"c{i % 4}") for i in range(warm + requests)]
         for i, request in enumerate(batch):
             if i == warm:
                 start = time.process_time()
@@ -157,22 +159,11 @@ def live_route_scaling(
 def metrics_render_scaling(sizes: tuple[int, ...] = (256, 1024)) -> list[dict[str, object]]:
     """The proxy's own /metrics page at fleet sizes (its series after three requests a worker):
     how long rendering it takes, and how long it holds the event loop on it and beside it."""
-    import policies
-    from router.proxy.live import LiveCluster
-    from router.proxy.monitor import sample_loop_lag
-    from router.request import Request
 
     async def measure(num_workers: int) -> dict[str, object]:
-        cluster = LiveCluster(
-            policies.global_policies.create("round_robin"),
-            lambda: policies.local_policies.create("fcfs"),
-            block_size=16,
-            window=1 << 20,
-        )
-        for i in range(num_workers):
-            cluster.add_worker(f"http://127.0.0.1:1/w{i}")
+        cluster = cluster_of(num_workers)
         for i in range(3 * num_workers):
-            request = Request(i, 0.0, 512, 16, list(range(32 * i, 32 * i + 32)), client="c")
+            request = distinct_request(i, "c")
             worker, _, _ = cluster.route(request)
             cluster.tokens(worker, request, 16)
             cluster.release(worker, request, 16)
