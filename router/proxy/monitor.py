@@ -111,7 +111,7 @@ class Monitor:
                 self._subscribed[w.id] = asyncio.create_task(self._subscribe(w))
         groups = [workers[i : i + CHECKS_AT_ONCE] for i in range(0, len(workers), CHECKS_AT_ONCE)]
         checks = []
-        for group in groups or [[]]:
+        for group in groups or [[]]:  # no worker yet: the round still lasts `spread`
             checks += [asyncio.create_task(self.check(w)) for w in group]
             if spread:
                 await self._pause(spread / max(len(groups), 1))
