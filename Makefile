@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The simulator's hot modules compiled by mypyc into build/native, rebuilt when their source
-# changes; until then (or with FAIRWAY_PURE=1) they run as plain Python (router/native.py).
+# changes; until then (or with FAIRWAY_PURE=1) they run as plain Python (router/runtime/native.py).
 native: $(STAMP)
-	$(PY) -c "from router.native import main; raise SystemExit(main())"
+	$(PY) -c "from router.runtime.native import main; raise SystemExit(main())"
 
 demo: native
 	$(VENV)/bin/fairway demo

@@ -22,8 +22,8 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dashboards.tables import format_table  # noqa: E402
 from router.records import RequestRecord  # noqa: E402
-from router.tables import format_table  # noqa: E402
 from simulator.fairness import service_curves  # noqa: E402
 from simulator.results import summarize  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Routing policies and queue disciplines. Importing this package registers them all."""
 
-from router.native import prefer_native
+from router.runtime.native import prefer_native
 
 prefer_native(__path__, __name__)  # before the policies import what is compiled of theirs
 

@@ -38,7 +38,7 @@ class WorkerState:
 
 
 class CostEstimates(Protocol):
-    """Time estimates policies may use (Preble's prefill-time terms); see simulator.cost_model."""
+    """Time estimates policies may use (Preble's prefill-time terms); see router.cost_model."""
 
     def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float: ...
 

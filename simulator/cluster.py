@@ -28,11 +28,11 @@ from tqdm import tqdm
 
 import policies
 from router.core import Router
+from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
 from router.policy import GlobalPolicy, LocalPolicy
 from router.records import RequestRecord
 from router.request import BlockHash, Request
-from simulator.cost_model import CostModel
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.results import WorkerRecord, summarize
 from traces.schema import Trace

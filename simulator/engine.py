@@ -27,10 +27,10 @@ from typing import Protocol
 
 import simpy
 
+from router.cost_model import CostModel, StepShape
 from router.policy import LocalPolicy
 from router.request import Request
 from simulator.block_manager import BlockManager, BlockTable, KVEventSink
-from simulator.cost_model import CostModel, StepShape
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,13 +19,16 @@ import aiohttp
 from aiohttp import web
 from openai import AsyncOpenAI
 
-from router.proxy.app import RUNNER_OPTIONS, ProxySettings, create_app
+from router.proxy.app import RUNNER_OPTIONS, create_app
+from router.proxy.bench.load import LoadResult
+from router.proxy.fleet.config import ClusterConfig
+from router.proxy.fleet.serve import build_cluster
 from router.proxy.live import LiveCluster
-from router.proxy.load import LoadResult
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
-from router.proxy.serve import ClusterConfig, build_cluster, ensure_tiny_model
+from router.proxy.settings import ProxySettings
 from workers import emulated
+from workers.launch import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "build" / "tiny-tokenizer"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.proxy.capture import TRACE_FILE, TraceCapture, recorded_parts
+from router.cost_model import roofline
+from router.proxy.capture import TraceCapture
 from router.request import Request, hash_token_blocks
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import roofline
 from traces.loaders import load_trace
+from traces.recording import TRACE_FILE, recorded_parts
 
 
 def request(i: int, tokens: list[int], client: str = "a") -> Request:

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.cost_model import roofline
 from router.records import RequestRecord
 from router.request import Request
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from simulator.fairness import jain_while_backlogged, max_service_gap, service_curves
 from simulator.results import summarize
@@ -146,7 +146,7 @@ class TestJainWhileBacklogged:
         assert jain_while_backlogged(service_curves(recs, step=0.5)) is None
 
     def test_vtc_is_fairer_than_fcfs_under_a_flood(self) -> None:
-        from simulator.experiments import WORKLOADS
+        from simulator.bench.experiments import WORKLOADS
 
         jain = {}
         for policy in ("least_load", "lpm", "vtc"):

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 import policies
 from router.cluster import ClusterView, WorkerState
+from router.cost_model import roofline
 from router.policy import LocalPolicy
 from router.prefix_index import PrefixIndex
 from router.request import Request
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
 from traces.schema import Trace

@@ -28,11 +28,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.proxy.bench_proxy import wait_healthy
+from router.proxy.fleet.config import validate_config
+from router.proxy.fleet.serve import settings_of
 from router.proxy.metrics import ClientLabels, RouterMetrics
-from router.proxy.openai_request import Tenant
 from router.proxy.ports import free_ports
-from router.proxy.serve import settings_of, validate_config
+from router.proxy.settings import Tenant
+from router.runtime.processes import wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
 from workers import emulated
 

@@ -28,10 +28,10 @@ import yaml
 
 from router.core import Router
 from router.ledger import Ledger
-from router.proxy.load import LoadSpec, Outcome, request_body, send
-from router.proxy.replicas import REPLICA_HEADER
-from router.proxy.serve import SHUTDOWN_GRACE
-from router.proxy.shared_state import SharedState, decode_key, encode_key, redis_server
+from router.proxy.bench.load import LoadSpec, Outcome, request_body, send
+from router.proxy.fleet.replicas import REPLICA_HEADER
+from router.proxy.fleet.serve import SHUTDOWN_GRACE
+from router.proxy.fleet.shared_state import SharedState, decode_key, encode_key, redis_server
 from tests.live_helpers import (
     BLOCK,
     ROOT,
@@ -85,14 +85,14 @@ class TestConfig:
         ],
     )
     def test_errors_name_the_field(self, raw, field) -> None:
-        from router.proxy.serve import validate_config
+        from router.proxy.fleet.config import validate_config
 
         with pytest.raises(ValueError, match=rf"{field}: "):
             validate_config(raw)
 
     def test_replica_ports_default_to_the_ports_after_port(self) -> None:
-        from router.proxy.replicas import replica_ports
-        from router.proxy.serve import validate_config
+        from router.proxy.fleet.config import validate_config
+        from router.proxy.fleet.replicas import replica_ports
 
         config = validate_config({"routers": 3, "port": 9000, "router_sync": 0.5})
         assert replica_ports(config) == [9001, 9002, 9003]
@@ -100,7 +100,7 @@ class TestConfig:
 
 class TestSupervisor:
     def test_restarts_a_replica_that_dies_and_gives_up_on_one_that_cannot_start(self) -> None:
-        from router.proxy.replicas import ReplicaSpec, Supervisor
+        from router.proxy.fleet.replicas import ReplicaSpec, Supervisor
 
         spec = ReplicaSpec(0, {}, "", [], "redis://127.0.0.1:9/0", "p", 9, os.getpid())
         dying = Supervisor([spec], poll=0.05, argv=[sys.executable, "-c", "raise SystemExit(3)"])
@@ -230,7 +230,8 @@ class TestSharedCounters:
 
 
 def _router() -> Router:
-    from router.proxy.serve import ClusterConfig, build_cluster
+    from router.proxy.fleet.config import ClusterConfig
+    from router.proxy.fleet.serve import build_cluster
 
     cluster = build_cluster(ClusterConfig(policy={"name": "vtc"}, block_size=BLOCK))
     cluster.add_worker("http://127.0.0.1:9")
@@ -454,8 +455,9 @@ class TestServeReplicas:
 
 
 async def load_with_a_kill(base: str, spec: LoadSpec, victim_pid: int) -> list[tuple[Outcome, str]]:
-    """Closed-loop load (router.proxy.load's requests and judge); SIGKILL `victim_pid` once a third
-    of the requests have ended. Returns each outcome with the replica token that answered."""
+    """Closed-loop load (router.proxy.bench.load's requests and judge); SIGKILL `victim_pid`
+    once a third of the requests have ended. Returns each outcome with the replica token that
+    answered."""
     answered_by: dict[str, str] = {}
 
     async def on_end(session, ctx, params) -> None:

@@ -1,5 +1,6 @@
-"""The compiled build of the hot modules (router/native.py): in use under `make test`, used only
-while it matches the source, and giving the same simulation as plain Python to the last bit."""
+"""The compiled build of the hot modules (router/runtime/native.py): in use under `make test`,
+used only while it matches the source, and giving the same simulation as plain Python to the
+last bit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from router import native
+from router.runtime import native
 
 # Records of small runs that between them take every compiled path: the policies' reads of the
 # view and index, fast-forwarded decode runs, preemptions (a small KV cache), the precise
@@ -21,7 +22,7 @@ from router import native
 RUNS = """
 import dataclasses, json, sys
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import roofline
+from router.cost_model import roofline
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 

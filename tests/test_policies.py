@@ -6,9 +6,9 @@ import pytest
 
 import policies
 from router.cluster import ClusterView, WorkerState
+from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
-from simulator.cost_model import roofline
 
 BS = 16
 COST = roofline("llama-3-8b", "a100-80g")

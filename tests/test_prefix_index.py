@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from router.collector import CollectorPacing
 from router.prefix_index import PrefixIndex
+from router.runtime.collector import CollectorPacing
 
 
 class Oracle:
@@ -201,7 +201,7 @@ class TestTouch:
 
 
 class TestCollectorPacing:
-    """What keeps a large index out of the collector's walks (router.collector)."""
+    """What keeps a large index out of the collector's walks (router.runtime.collector)."""
 
     def test_freezes_on_schedule_and_hands_the_collector_back(self) -> None:
         before = gc.get_threshold()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from router.cli import main
-from simulator.cost_model import FittedCost, Measurement, StepShape, roofline
+from router.cost_model import FittedCost, Measurement, StepShape, roofline
 from tests.live_helpers import emulated_workers, run
 from workers.profiler import measure
 

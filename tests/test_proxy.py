@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.proxy.openai_request import Tenant
+from router.proxy.settings import Tenant
 from router.proxy.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
 

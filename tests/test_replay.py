@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dashboards.report import load_run
-from router.proxy.replay import prompt_tokens, replay
+from router.proxy.bench.replay import prompt_tokens, replay
 from router.request import Request
 from tests.live_helpers import emulated_workers, proxy, run
 from traces.generators import shared_prefix

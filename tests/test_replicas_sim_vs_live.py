@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from router.proxy.bench_proxy import process, wait_healthy
-from router.proxy.bench_replicas import (
+from router.proxy.bench.replicas import (
     BLOCK_SIZE,
     FAST,
     GPU,
@@ -38,6 +37,7 @@ from router.proxy.bench_replicas import (
 )
 from router.proxy.ports import free_port
 from router.proxy.prompts import PromptEncoder
+from router.runtime.processes import process, wait_healthy
 from workers import emulated
 
 pytestmark = [
@@ -60,7 +60,7 @@ ONE, NEVER, FAST_SYNC = Setup(1), Setup(2, 60.0), Setup(2, 0.02)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[Setup, list[Sent]]:
     """Each setup's live run on fresh documents, the workers started once for all."""
-    from router.proxy.serve import ensure_tiny_model
+    from workers.launch import ensure_tiny_model
 
     scratch = tmp_path_factory.mktemp("replicas-sim-vs-live")
     model = ensure_tiny_model(ROOT / "build" / "tiny-tokenizer", weights=False)

@@ -10,10 +10,10 @@ import pytest
 import policies
 from policies.fcfs import FCFS
 from router.core import Router
+from router.cost_model import roofline
 from router.proxy.live import LiveCluster, WorkerDown
 from router.request import Request
 from simulator.cluster import SimCluster, SimConfig
-from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from traces.generators import flood, shared_prefix
 

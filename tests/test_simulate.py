@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from router.cli import main
+from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from simulator.cluster import SimCluster, SimConfig, collector_for_a_run, simulate
-from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.loaders import load_trace
@@ -237,7 +237,7 @@ class TestIndexModes:
 
 def test_every_experiment_run_is_a_valid_configuration() -> None:
     import policies
-    from simulator.experiments import EXPERIMENTS, WORKLOADS
+    from simulator.bench.experiments import EXPERIMENTS, WORKLOADS
 
     for _, runs in EXPERIMENTS.values():  # each run's SimConfig validated itself on import
         for run in runs:
@@ -274,7 +274,7 @@ class TestRouterPlacement:
         assert peak == 2
 
     def test_a_narrow_window_keeps_vtc_fair_in_front_of_fcfs(self) -> None:
-        from simulator.experiments import WORKLOADS
+        from simulator.bench.experiments import WORKLOADS
 
         gaps = {}
         for window in (4, 256):

@@ -12,15 +12,22 @@ from pathlib import Path
 import pytest
 
 from router.cli import main
-from router.proxy.bench_proxy import wait_healthy
+from router.cost_model import FittedCost, Measurement, StepShape
 from router.proxy.ports import free_port
-from router.proxy.serve import VLLM_PYTHON
-from simulator.cost_model import FittedCost, Measurement, StepShape
+from router.runtime.processes import wait_healthy
 from tests.live_helpers import tokenizer_dir
 from workers import emulated
+from workers.bench.validate import (
+    ValidateConfig,
+    rate_for,
+    run_validate,
+    solo_work,
+    started,
+    workload,
+)
+from workers.bench.validate_report import build, markdown, ranking
+from workers.launch import VLLM_PYTHON
 from workers.profiler import Plan, decode_steps, fit
-from workers.validate import ValidateConfig, rate_for, run_validate, solo_work, started, workload
-from workers.validate_report import build, markdown, ranking
 
 MODEL = Path(__file__).resolve().parents[1] / "build" / "tiny-model"
 

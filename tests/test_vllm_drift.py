@@ -25,10 +25,12 @@ import zmq
 import zmq.asyncio
 
 from router.drift import DriftGuard
-from router.proxy.app import ProxySettings, create_app
+from router.proxy.app import create_app
+from router.proxy.fleet.config import ClusterConfig
+from router.proxy.fleet.serve import build_cluster
 from router.proxy.live import LiveCluster
 from router.proxy.prompts import PromptEncoder
-from router.proxy.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
+from router.proxy.settings import ProxySettings
 from tests.live_helpers import BLOCK, free_port, run, serving, wait_healthy
 from tests.test_live_drift import (
     Asker,
@@ -40,6 +42,7 @@ from tests.test_live_drift import (
     to_levels,
     until_precise_holds,
 )
+from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import ServerSpec, WorkerPool
 
 pytestmark = pytest.mark.slow

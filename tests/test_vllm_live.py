@@ -14,12 +14,15 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.proxy.app import ProxySettings, create_app
+from router.proxy.app import create_app
+from router.proxy.fleet.config import ClusterConfig
+from router.proxy.fleet.serve import build_cluster
 from router.proxy.monitor import REPORTED, kv_cache_blocks
 from router.proxy.ports import free_ports
 from router.proxy.prompts import PromptEncoder
-from router.proxy.serve import VLLM_PYTHON, ClusterConfig, build_cluster, server_specs
+from router.proxy.settings import ProxySettings
 from tests.live_helpers import client, run, serving
+from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
@@ -171,9 +174,9 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     """What measures the simulator against vLLM uses vLLM's API as it is: token-id prompts,
     ignore_eos, usage with cached tokens, the model card's length, the KV size in /metrics."""
     from dashboards.report import load_run
-    from router.proxy.replay import replay
+    from router.cost_model import FittedCost
+    from router.proxy.bench.replay import replay
     from simulator.cluster import SimConfig, simulate
-    from simulator.cost_model import FittedCost
     from traces.generators import shared_prefix
     from traces.transform import scale_time
     from workers.profiler import measure

@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from router.request import Request
+from traces.recording import TRACE_FILE, recorded_parts
 from traces.schema import (
     DEFAULT_BLOCK_SIZE,
     Trace,
@@ -82,8 +83,6 @@ def load_trace(path: str | Path, fmt: str = "auto", seed: int = 0, **options: ob
 
 def load_recording(folder: Path) -> Trace:
     """A proxy's record folder: its rotated trace parts and the current one, as one trace."""
-    from router.proxy.capture import TRACE_FILE, recorded_parts
-
     parts = []
     for part in [*recorded_parts(folder), folder / TRACE_FILE]:
         try:

@@ -35,12 +35,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from policies.fcfs import FCFS
-from router.proxy.app import ProxySettings
+from router.cost_model import roofline
 from router.proxy.errors import APIError
 from router.proxy.openai_request import build_request, parse_body
 from router.proxy.prompts import PromptEncoder
+from router.proxy.settings import ProxySettings
 from router.request import BlockHash, Request
-from simulator.cost_model import roofline
 from simulator.engine import Engine, EngineConfig, Seq
 
 

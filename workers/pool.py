@@ -12,7 +12,7 @@ Nothing outlives its owner:
     pool.stop(): through Ray, else the servers' pids on this host
 
 A Ray actor dies with its driver and its raylet; the server, in a session of its own, would not,
-so it runs under a guard (workers/guard.py) that asks the kernel for SIGTERM when the actor
+so it runs under a guard (router/runtime/guard.py) that asks the kernel for SIGTERM when the actor
 goes and then ends the server's whole process group: vLLM's engine core and workers are
 processes of their own, which outlive an API server ended alone. Without its GCS a Ray
 cluster is gone (Ray ends a driver about a minute later), so `watch` tells the owner within
@@ -27,7 +27,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -38,15 +37,9 @@ from pathlib import Path
 
 import ray
 
+from router.runtime.processes import guarded
+
 log = logging.getLogger(__name__)
-
-GUARD = Path(__file__).with_name("guard.py")
-
-
-def guarded(argv: list[str], owner: int | None = None) -> list[str]:
-    """`argv` run through workers/guard.py: the whole server (its process group) ends when
-    `owner` (this process) dies, is told to stop, or the server's front process exits."""
-    return [sys.executable, str(GUARD), str(owner or os.getpid()), "--", *argv]
 
 
 @dataclass(frozen=True)

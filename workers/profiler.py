@@ -1,5 +1,5 @@
 """`fairway profile`: time a running OpenAI-compatible server (vLLM, or the emulated one) and fit
-the simulator's step-cost model to it (`simulator.cost_model.FittedCost`).
+the simulator's step-cost model to it (`router.cost_model.FittedCost`).
 
 Prompts are random token ids, so nothing hits the prefix cache unless a measurement asks for it,
 and `ignore_eos` makes every answer as long as asked. Three kinds of measurement:
@@ -34,8 +34,8 @@ import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.cost_model import FittedCost, Measurement, StepShape, _nonnegative_lstsq
 from router.proxy.monitor import kv_cache_blocks
-from simulator.cost_model import FittedCost, Measurement, StepShape, _nonnegative_lstsq
 
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16)

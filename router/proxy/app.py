@@ -14,9 +14,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -27,15 +26,13 @@ from router.proxy.errors import APIError, bad_request, openai_errors, unavailabl
 from router.proxy.live import LiveCluster, LiveWorker, WorkerDown
 from router.proxy.monitor import Monitor
 from router.proxy.openai_request import (
-    BODY_TIMEOUT,
-    MAX_BODY_BYTES,
-    Tenant,
     header_limits,
     parse_body,
     parser_limits,
     read_request,
 )
 from router.proxy.prompts import PromptEncoder
+from router.proxy.settings import ProxySettings
 from router.proxy.sse import StreamAccount, client_wants_usage, with_usage_requested
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
@@ -58,9 +55,9 @@ HOP_BY_HOP = {
     "content-encoding",
 }
 CLUSTER = web.AppKey("cluster", LiveCluster)
-SETTINGS = web.AppKey("settings", object)
+SETTINGS = web.AppKey("settings", ProxySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-RECORDER = web.AppKey("recorder", object)
+RECORDER = web.AppKey("recorder", RecordWriter)
 CAPTURE = web.AppKey("capture", TraceCapture)
 # How the proxy's server must run: a client that hangs up cancels its handler, which closes the
 # upstream request, and vLLM aborts a request whose connection closed (aiohttp's default since
@@ -69,28 +66,6 @@ RUNNER_OPTIONS: dict[str, object] = {"handler_cancellation": True}
 STARTED = web.AppKey("started", float)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
-
-
-@dataclass(frozen=True)
-class ProxySettings:
-    model_name: str
-    max_model_len: int = 4096
-    default_max_tokens: int = 16
-    max_retries: int = 2
-    queue_timeout: float = 60.0  # waiting in the router's dispatch queue
-    connect_timeout: float = 5.0
-    first_byte_timeout: float = 60.0  # until the client's first byte: retried elsewhere after
-    stream_timeout: float = 30.0  # between two chunks of a stream, once it has begun
-    request_timeout: float = 600.0
-    admin_token: str | None = None
-    policy_name: str = "?"
-    health_interval: float = 1.0
-    record_dir: str | None = None  # requests.csv (fairway report) and trace.jsonl (replay)
-    max_body_bytes: int = MAX_BODY_BYTES  # larger bodies are refused (413) unread
-    body_timeout: float = BODY_TIMEOUT  # for the whole body to arrive (else 408)
-    client_labels: int = 20  # clients besides the tenants with metric labels of their own
-    trust_client_headers: bool = False  # X-Client-Id / X-Client-Weight set by a trusted gateway
-    tenants: Mapping[str, Tenant] = field(default_factory=dict)  # API key -> tenant; none: open
 
 
 class Forward:
@@ -118,7 +93,7 @@ class Forward:
 
     def __init__(self, app: web.Application, http: web.Request, body: dict, req: Request) -> None:
         self.cluster: LiveCluster = app[CLUSTER]
-        self.settings: ProxySettings = app[SETTINGS]  # type: ignore[assignment]
+        self.settings: ProxySettings = app[SETTINGS]
         self.session = app[SESSION]
         self.http, self.body, self.req = http, body, req
         self.upstream_body = with_usage_requested(body)
@@ -130,7 +105,7 @@ class Forward:
         self.first_byte_at: float | None = None
         self.admitted_at: float | None = None
         self.response: web.StreamResponse | None = None  # a stream the client is reading
-        self.recorder: RecordWriter | None = app.get(RECORDER)  # type: ignore[assignment]
+        self.recorder: RecordWriter | None = app.get(RECORDER)
         self.capture: TraceCapture | None = app.get(CAPTURE)
         self.t0 = app[STARTED]
         self._book_failed = False
@@ -456,7 +431,7 @@ def _usage(data: bytes) -> tuple[int, int | None]:
 
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
-    settings: ProxySettings = app[SETTINGS]  # type: ignore[assignment]
+    settings: ProxySettings = app[SETTINGS]
     try:
         body, req = await read_request(request, app[ENCODER], settings, chat, app[POOL])
     except APIError as e:  # rejected before routing: no worker was involved
@@ -491,7 +466,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    s: ProxySettings = request.app[SETTINGS]  # type: ignore[assignment]
+    s: ProxySettings = request.app[SETTINGS]
     card = {
         "id": s.model_name,
         "object": "model",
@@ -520,7 +495,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _check_admin(request: web.Request) -> None:
-    token = request.app[SETTINGS].admin_token  # type: ignore[attr-defined]
+    token = request.app[SETTINGS].admin_token
     if not token:
         raise APIError(403, "admin API disabled: no admin token configured", "permission_error")
     if request.headers.get("Authorization") != f"Bearer {token}":
@@ -532,7 +507,7 @@ async def admin_workers(request: web.Request) -> web.Response:
     try:
         _check_admin(request)
         if request.method == "POST":
-            s: ProxySettings = request.app[SETTINGS]  # type: ignore[assignment]
+            s: ProxySettings = request.app[SETTINGS]
             body = await parse_body(request, s.max_body_bytes, s.body_timeout)
             url = body.get("url")
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -607,7 +582,7 @@ def create_app(
             await watcher.stop()
             app[POOL].shutdown(wait=False, cancel_futures=True)
             if settings.record_dir:
-                app[RECORDER].close()  # type: ignore[attr-defined]
+                app[RECORDER].close()
                 app[CAPTURE].close()
 
     app.cleanup_ctx.append(session_ctx)

@@ -4,7 +4,7 @@ Each answered request becomes one line of `trace.jsonl` in the record folder: it
 since the proxy started), client, session where the caller named one, prompt length, output
 length (the tokens actually generated), the prompt's chained block hashes at the workers' block
 size, and the worker and policy that served it. Never prompt text: the hashes cannot be turned
-back into tokens, and a replay makes its own tokens from them (router/proxy/replay.py).
+back into tokens, and a replay makes its own tokens from them (router/proxy/bench/replay.py).
 
 Files rotate: past `max_file_bytes` the current file becomes `trace.N.jsonl` and only the newest
 `keep` of those stay, so a recording never takes more than (keep + 1) x max_file_bytes.
@@ -15,13 +15,10 @@ Files rotate: past `max_file_bytes` the current file becomes `trace.N.jsonl` and
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from router.request import Request
-
-TRACE_FILE = "trace.jsonl"
-_PART = re.compile(r"^trace\.(\d+)\.jsonl$")
+from traces.recording import PART, TRACE_FILE, names_in, recorded_parts
 
 
 class TraceCapture:
@@ -41,7 +38,7 @@ class TraceCapture:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.block_size, self.policy = block_size, policy
         self.max_file_bytes, self.keep = max_file_bytes, keep
-        self._next_part = max((int(m[1]) for m in map(_PART.match, _names(self.folder)) if m),
+        self._next_part = max((int(m[1]) for m in map(PART.match, names_in(self.folder)) if m),
                               default=0) + 1  # fmt: skip
         self._file = None
         self._size = 0
@@ -102,13 +99,3 @@ class TraceCapture:
         for old in parts[: len(parts) - self.keep]:
             old.unlink()
         self._open()
-
-
-def recorded_parts(folder: Path) -> list[Path]:
-    """The rotated parts of a recording, oldest first (the current trace.jsonl not included)."""
-    parts = [(int(m[1]), folder / m[0]) for m in map(_PART.match, _names(folder)) if m]
-    return [p for _, p in sorted(parts)]
-
-
-def _names(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir()] if folder.is_dir() else []

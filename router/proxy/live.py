@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router.cluster import CostEstimates
-from router.collector import CollectorPacing
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
@@ -28,6 +27,7 @@ from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.proxy.metrics import RouterMetrics
 from router.request import Request
+from router.runtime.collector import CollectorPacing
 
 log = logging.getLogger(__name__)
 LEVEL_CODES = {"precise": 2, "approximate": 1, "load": 0}

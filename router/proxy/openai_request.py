@@ -23,8 +23,6 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -32,33 +30,25 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from router.proxy.errors import APIError, bad_request
 from router.proxy.prompts import PromptEncoder, PromptError
+from router.proxy.settings import (
+    BODY_TIMEOUT,
+    MAX_BODY_BYTES,
+    MAX_CLIENT_ID,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    ProxySettings,
+    Tenant,
+)
 from router.request import Request
 
-if TYPE_CHECKING:
-    from router.proxy.app import ProxySettings
-
-# json.loads holds the GIL while it parses, worker thread or not: about 60 ms per MiB of JSON
-# numbers (token ids), 10 ms per MiB of text, measured. 1 MiB keeps the event loop under 100 ms.
-MAX_BODY_BYTES = 1024 * 1024
-BODY_TIMEOUT = 30.0  # seconds for the whole body to arrive
 MAX_HEADER_BYTES = 8190  # one header line (aiohttp's own default), answered in the OpenAI shape
 PARSER_LIMIT = 64 * 1024  # aiohttp's parser refuses (text/plain) only beyond this
 MAX_DEPTH = 64  # JSON nesting: tool schemas nest, prompts do not; far below the recursion limit
 MAX_CONTAINERS = 100_000  # '[' and '{' in a body, strings too (1024 prompts in a batch: 1025)
 INLINE_BYTES = 16 * 1024  # larger bodies are parsed and tokenized on the worker threads
-MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
-MAX_CLIENT_ID = 128
 MAX_N = 128  # choices per request (vLLM's default max_num_seqs on CPU)
 
 _request_ids = itertools.count()
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    """Who an API key belongs to (cluster.yaml `tenants`)."""
-
-    client: str
-    weight: float = 1.0
 
 
 # ----------------------------------------------------------------------------- HTTP layer

@@ -14,12 +14,13 @@ import tempfile
 from pathlib import Path
 
 from dashboards.report import load_run
-from router.proxy.bench_proxy import process, wait_healthy
-from router.proxy.replay import replay
-from router.proxy.serve import ClusterConfig, ensure_tiny_model, server_specs
-from router.tables import format_table
+from dashboards.tables import format_table
+from router.proxy.bench.replay import replay
+from router.proxy.fleet.config import ClusterConfig
+from router.runtime.processes import process, wait_healthy
 from simulator.cluster import SimConfig, simulate
 from traces.generators import shared_prefix
+from workers.launch import ensure_tiny_model, server_specs
 from workers.profiler import profile
 
 RATES = (4.0, 12.0)  # requests/s: light, and near what one CPU core serves

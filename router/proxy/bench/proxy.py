@@ -11,55 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
+from dashboards.tables import format_table
 from router.proxy.ports import free_port
-from router.tables import format_table
+from router.runtime.processes import process, wait_healthy
 from workers import emulated
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_healthy(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-            if r.status == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
-
-
-@contextlib.contextmanager
-def process(argv: list[str], core: int | None, log: Path, env: dict | None = None):
-    if core is not None and shutil.which("taskset"):
-        argv = ["taskset", "-c", str(core), *argv]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def ttfts(url: str, n: int, body: dict) -> np.ndarray:
@@ -94,7 +60,7 @@ async def throughput(url: str, seconds: float, concurrency: int, body: dict) -> 
 
 
 def run_proxy_bench(quick: bool = False) -> int:
-    from router.proxy.serve import ensure_tiny_model
+    from workers.launch import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / "build" / "tiny-tokenizer", weights=False)
     scratch = Path(tempfile.mkdtemp(prefix="fairway-bench-"))
@@ -183,9 +149,7 @@ def run_proxy_bench(quick: bool = False) -> int:
     if not _has_sglang_router():
         print("(sglang-router not installed: `pip install sglang-router` to compare)")
     shutil.rmtree(scratch, ignore_errors=True)
-    from router.proxy.bench_fleet import run_fleet_bench
-
-    return run_fleet_bench(quick)
+    return 0
 
 
 def _has_sglang_router() -> bool:

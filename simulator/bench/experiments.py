@@ -15,9 +15,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from router.tables import format_table, summary_row
+from dashboards.tables import format_table, summary_row
+from router.cost_model import roofline
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import roofline
 from traces.generators import agent_loops, flood, late_joiner, shared_prefix
 from traces.loaders import load_trace
 from traces.schema import Trace

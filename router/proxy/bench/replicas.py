@@ -1,7 +1,7 @@
 """`make bench` (replicas part): `fairway serve --routers N` against one router, same load.
 
 - Throughput: streams/s through 1, 2 and 4 replicas on one port, the proxy bench's closed
-  loop (router/proxy/bench_proxy.py: fixed concurrency, 16-token streams) for a fixed time.
+  loop (router/proxy/bench/proxy.py: fixed concurrency, 16-token streams) for a fixed time.
 - Locality: LPM's prefix hit rate (the workers' own cached-token counts) and how many workers
   each document ends on, when rounds of requests return to the same documents: a replica
   learns where another one placed a document only at the next sync.
@@ -30,20 +30,21 @@ from pathlib import Path
 
 import aiohttp
 
-from router.proxy.bench_proxy import process, throughput, wait_healthy
+from dashboards.tables import format_table
+from router.cost_model import CostModel, roofline
+from router.proxy.bench.proxy import throughput
+from router.proxy.fleet.replicas import REPLICA_HEADER
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
-from router.proxy.replicas import REPLICA_HEADER
 from router.records import RequestRecord
 from router.request import Request
-from router.tables import format_table
+from router.runtime.processes import process, wait_healthy
 from simulator.cluster import SimCluster, SimConfig, simulate
-from simulator.cost_model import CostModel, roofline
 from simulator.engine import EngineConfig
 from traces.schema import Trace, finish
 from workers import emulated
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # The emulated workers, as the simulator's replay models them too.
 WORKERS, PRESET, GPU, BLOCK_SIZE = 2, "llama-3-8b", "a100-80g", 128
 FAST, SLOW = 50.0, 2.0  # x wall time: the throughput and locality workers, the fairness ones
@@ -278,7 +279,7 @@ def workers_per_document(records: list[RequestRecord]) -> float:
 
 
 def run_replicas_bench(quick: bool = False) -> int:
-    from router.proxy.serve import ensure_tiny_model
+    from workers.launch import ensure_tiny_model
 
     if shutil.which("redis-server") is None:
         print("bench-replicas: needs redis-server (`make test` installs it)", file=sys.stderr)

@@ -14,7 +14,7 @@ Besides the shared port each replica listens on one of its own (`replica_ports`)
 The parent restarts a replica that dies (its connections are lost with it; the others' are
 not), and on SIGTERM or SIGINT stops them all (SIGTERM, the proxy's grace, then SIGKILL).
 Replicas and Redis die with the parent (PR_SET_PDEATHSIG: a replica asks for it itself,
-Redis through workers.pool's guard).
+Redis through router/runtime/guard.py).
 
 Across machines the same split would run each replica as a Ray actor behind a load balancer,
 with the store reachable by all; not built: one host's SO_REUSEPORT needs no balancer.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from router.proxy.serve import ClusterConfig
+    from router.proxy.fleet.config import ClusterConfig
 
 log = logging.getLogger("fairway.replicas")
 REPLICA_HEADER = "X-Fairway-Replica"  # <index>-<pid> of the replica that answered
@@ -69,7 +69,7 @@ def run_replicas(
     config: ClusterConfig, model_dir: Path, workers: list[tuple[str, str | None]], scratch: Path
 ) -> int:
     """Start Redis (unless configured), then keep `config.routers` replicas until stopped."""
-    from router.proxy.shared_state import forget, redis_server
+    from router.proxy.fleet.shared_state import forget, redis_server
 
     with contextlib.ExitStack() as stack:
         url = config.redis_url or stack.enter_context(redis_server(scratch / "redis"))
@@ -109,7 +109,7 @@ class Supervisor:
         self, specs: list[ReplicaSpec], poll: float = 0.2, argv: list[str] | None = None
     ) -> None:
         self.specs, self.poll = specs, poll
-        self.argv = argv or [sys.executable, "-m", "router.proxy.replicas"]
+        self.argv = argv or [sys.executable, "-m", "router.proxy.fleet.replicas"]
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
         self.failures: dict[int, int] = {}  # deaths in a row, each within 10 s of its start
@@ -139,7 +139,7 @@ class Supervisor:
 
     def _start(self, spec: ReplicaSpec) -> None:
         argv = self.argv  # no guard process: a replica asks for its death signal itself
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
@@ -178,7 +178,7 @@ class Supervisor:
                   i, proc.pid, code, lived, delay)  # fmt: skip
 
     def _stop_all(self) -> None:
-        from router.proxy.serve import SHUTDOWN_GRACE
+        from router.proxy.fleet.serve import SHUTDOWN_GRACE
 
         for proc in self.procs.values():
             _signal(proc, signal.SIGTERM)
@@ -205,9 +205,10 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     task that shares counters and routing decisions through Redis."""
     from router.proxy.app import CLUSTER, create_app
     from router.proxy.errors import APIError
+    from router.proxy.fleet.config import validate_config
+    from router.proxy.fleet.serve import build_cluster, settings_of
+    from router.proxy.fleet.shared_state import SHARED, shared_state_ctx
     from router.proxy.prompts import PromptEncoder
-    from router.proxy.serve import build_cluster, settings_of, validate_config
-    from router.proxy.shared_state import SHARED, shared_state_ctx
 
     config = validate_config(spec.config, source=f"replica {spec.index}")
     cluster = build_cluster(config)
@@ -243,7 +244,7 @@ async def serve_replica(spec: ReplicaSpec) -> None:
     """Serve the replica on the shared port (SO_REUSEPORT) and on its own port until SIGTERM /
     SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
     from router.proxy.app import RUNNER_OPTIONS
-    from router.proxy.serve import SHUTDOWN_GRACE
+    from router.proxy.fleet.serve import SHUTDOWN_GRACE
 
     app = build_replica_app(spec)
     host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port

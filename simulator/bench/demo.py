@@ -7,9 +7,9 @@ from pathlib import Path
 
 import policies
 from dashboards.report import load_run, write_report
-from router.tables import format_table, summary_row
+from dashboards.tables import format_table, summary_row
+from router.cost_model import roofline
 from simulator.cluster import SimConfig, simulate
-from simulator.cost_model import roofline
 from simulator.results import write_results
 from traces.loaders import load_trace
 from traces.transform import assign_tenants

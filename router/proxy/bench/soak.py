@@ -8,7 +8,8 @@ of requests, half streaming, a quarter chat, over several tenants, for `--durati
 Every `--sample` seconds it prints the proxy process's RSS (from /proc) and its event loop's
 lag (the proxy samples it itself: `fairway_event_loop_lag_seconds`, read from /metrics, p99 per
 interval from the histogram's buckets). At the end: requests, outcomes, and the number lost,
-judged byte by byte (router/proxy/load.py), which must be 0; the exit status says whether it was.
+judged byte by byte (router/proxy/bench/load.py), which must be 0; the exit status says
+whether it was.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from router.proxy.load import LoadSpec, Outcome, run_load
+from dashboards.tables import format_table
+from router.proxy.bench.load import LoadSpec, Outcome, run_load
 from router.proxy.ports import free_ports
-from router.tables import format_table
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LAG = "fairway_event_loop_lag_seconds"
 
 

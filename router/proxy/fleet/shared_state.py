@@ -41,6 +41,7 @@ from aiohttp import web
 from router.core import Router
 from router.ledger import Ledger
 from router.proxy.ports import free_port
+from router.runtime.processes import guarded
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,6 @@ def forget(url: str, prefix: str) -> int:
 def redis_server(scratch: Path, timeout: float = 10.0) -> Iterator[str]:
     """A redis-server of our own on a free loopback port, without persistence, dying with this
     process; yields its URL and stops exactly it."""
-    from workers.pool import guarded  # imports Ray: only where a server is started
 
     exe = shutil.which("redis-server")
     if exe is None:

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from router import native
+from dashboards.tables import format_table
 from router.cluster import ClusterView, WorkerState
+from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
-from router.tables import format_table
+from router.runtime import native
 from simulator.cluster import SimConfig, SimResult, simulate
-from simulator.cost_model import roofline
 from simulator.engine import EngineConfig
 from traces.loaders import load_trace
 
@@ -37,7 +37,7 @@ VIDUR_REQUESTS_PER_S = 460  # the reference the simulator issue measures against
 AREAS = {
     "simulator/engine.py": "engine (scheduling, stepping)",
     "simulator/block_manager.py": "KV block manager",
-    "simulator/cost_model.py": "cost model",
+    "router/cost_model.py": "cost model",
     "simulator/cluster.py": "router loop (view, dispatch)",
     "router/prefix_index.py": "prefix index",
     "router/": "router core (route, dispatch, load)",
@@ -68,9 +68,9 @@ def _in_subprocess(code: str, pure: bool) -> object:
 
 
 def compiled_vs_pure(path: Path, rounds: int) -> list[dict[str, object]]:
-    """The whole replay's speed compiled (router.native) and as plain Python, in turns."""
+    """The whole replay's speed compiled (router.runtime.native) and as plain Python, in turns."""
     code = (
-        "import json; from pathlib import Path; from simulator.bench import _replay\n"
+        "import json; from pathlib import Path; from simulator.bench.speed import _replay\n"
         f"s = _replay(Path({str(path)!r})).summary\n"
         "print(json.dumps(s['completed'] / s['wall_seconds']))"
     )
@@ -243,14 +243,14 @@ def fleet_scaling(
 def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
     """Router.route end to end (policy, index insert and eviction, hooks) against a 1M-block
     index on 16 workers, each request finished right after: the tail with the collector as it
-    is, and paced as the live proxy paces it (router.collector; freezing every second, not ten,
-    so that this run sees it). Per decision, wall time and the thread's CPU time (which a busy
+    is, and paced as the live proxy paces it (router.runtime.collector; freezing every second, not
+    ten, so that this run sees it). Per decision, wall time and the thread's CPU time (which a busy
     machine's scheduler does not inflate); per mode, the collector's passes and the longest."""
     import gc
 
     import policies
-    from router.collector import CollectorPacing
     from router.core import Router
+    from router.runtime.collector import CollectorPacing
 
     bs, num_workers, prompt_blocks = 16, 16, 8192 // 16
     rows = []
@@ -391,7 +391,9 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
         )
     )
 
-    print("\nCompiled (mypyc, router/native.py) against plain Python, whole replay, in turns:")
+    print(
+        "\nCompiled (mypyc, router/runtime/native.py) against plain Python, whole replay, in turns:"
+    )
     if native.native_root() is None:
         print("(no compiled build in use: `make bench` builds it; FAIRWAY_PURE unset)")
     else:
@@ -400,7 +402,7 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print("\nWhere the time goes (cProfile over plain Python, own time by area; profiling")
     print("inflates call costs):")
     code = (
-        "import json; from pathlib import Path; from simulator.bench import _profile_areas\n"
+        "import json; from pathlib import Path; from simulator.bench.speed import _profile_areas\n"
         f"print(json.dumps(_profile_areas(Path({str(path)!r}))))"
     )
     print(format_table(_in_subprocess(code, pure=True)))  # type: ignore[arg-type]

@@ -1,0 +1,222 @@
+"""Arguments several commands share: a trace to load and a simulated cluster to run it on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from router.registry import call_with_params
+
+
+def key_values(items: Sequence[str], what: str) -> dict[str, object]:
+    """Parse `k=v` pairs; values are JSON when they parse as JSON, else strings."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"fairway: {what}: expected key=value, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _window(text: str) -> tuple[float, float | None]:
+    start, _, end = text.partition(":")
+    try:
+        return float(start or 0), (float(end) if end else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END seconds, got {text!r}") from None
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    from traces.loaders import FORMATS
+
+    g = p.add_argument_group("trace")
+    g.add_argument(
+        "--trace", required=True, help="trace file or folder, or gen:NAME for a built-in generator"
+    )
+    g.add_argument("--format", default="auto", choices=FORMATS)
+    g.add_argument(
+        "--gen",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="generator parameter (with --trace gen:NAME)",
+    )
+    g.add_argument("--limit", type=int, help="replay only the first N requests")
+    g.add_argument("--window", type=_window, help="keep arrivals in START:END seconds")
+    g.add_argument("--rate-scale", type=float, help="multiply the request rate by X")
+    g.add_argument("--time-scale", type=float, help="stretch timestamps by X")
+    g.add_argument(
+        "--tile",
+        type=int,
+        metavar="N",
+        help="N copies of the workload side by side, prompts and arrival phases their own: "
+        "N times the rate, for N times the workers",
+    )
+    g.add_argument("--tenants", type=int, help="assign N tenants to the requests")
+    g.add_argument("--tenant-skew", type=float, default=0.0, help="Zipf skew of --tenants")
+    g.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="send each session's next turn after the previous answer + think time",
+    )
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    import policies
+    from router.cost_model import GPUS, MODELS
+
+    g = p.add_argument_group("cluster")
+    g.add_argument("--policy", default="least_load", choices=policies.global_policies.names())
+    g.add_argument(
+        "--local-policy",
+        choices=policies.local_policies.names(),
+        help="queue discipline on each worker (default: the policy's own)",
+    )
+    g.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="global policy parameter, e.g. cache_threshold=0.5",
+    )
+    g.add_argument(
+        "--local-param",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="local discipline parameter, e.g. quantum=4096",
+    )
+    g.add_argument("--workers", type=int, default=8)
+    g.add_argument(
+        "--index",
+        choices=["approximate", "precise"],
+        default="approximate",
+        help="router's prefix index: updated on routing, or from the engines' KV events",
+    )
+    g.add_argument(
+        "--kv-event-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --index precise: how late KV events reach the router",
+    )
+    g.add_argument(
+        "--placement",
+        choices=["engine", "router"],
+        default="engine",
+        help="run the local discipline in each engine, or in the router's per-worker queue "
+        "in front of FCFS engines (as the live proxy does)",
+    )
+    g.add_argument(
+        "--dispatch-window",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --placement router: requests in flight per worker",
+    )
+    g.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router replicas behind a round-robin load balancer, each with its own index, "
+        "counters and queues",
+    )
+    g.add_argument(
+        "--router-sync",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --routers: how often replicas share counters and routing decisions "
+        "(0: at once, as one store)",
+    )
+    g.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
+    g.add_argument(
+        "--cost",
+        metavar="PROFILE",
+        help="a profile from `fairway profile` (a real worker's fitted step costs) instead of "
+        "the --model/--gpu roofline",
+    )
+    g.add_argument("--gpu", default="a100-80g", choices=sorted(GPUS))
+    g.add_argument("--tp", type=int, help="tensor-parallel GPUs per worker (default: model's)")
+    g.add_argument("--kv-blocks", type=int, help="KV blocks per worker (default: memory's)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument(
+        "--no-fast-forward",
+        action="store_true",
+        help="simulate every decode step as its own event (slow; for checking)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+
+
+def load_workload(args: argparse.Namespace):  # -> Trace
+    from traces import transform
+    from traces.generators import GENERATORS
+    from traces.loaders import load_trace
+
+    if args.trace.startswith("gen:"):
+        name = args.trace[4:]
+        if name not in GENERATORS:
+            raise SystemExit(f"fairway: unknown generator {name!r}; one of {sorted(GENERATORS)}")
+        params = key_values(args.gen, "--gen")
+        params.setdefault("seed", args.seed)
+        try:
+            trace = call_with_params(GENERATORS[name], params, f"generator {name!r}")
+        except ValueError as e:
+            raise SystemExit(f"fairway: {e}") from None
+    else:
+        trace = load_trace(args.trace, args.format, seed=args.seed)
+    if args.window:
+        trace = transform.window(trace, *args.window)
+    if args.limit:
+        trace = transform.limit(trace, args.limit)
+    if args.tile:
+        try:
+            trace = transform.tile(trace, args.tile)
+        except ValueError as e:
+            raise SystemExit(f"fairway: --tile: {e}") from None
+    if args.time_scale:
+        trace = transform.scale_time(trace, args.time_scale)
+    if args.rate_scale:
+        trace = transform.scale_rate(trace, args.rate_scale)
+    if args.tenants:
+        trace = transform.assign_tenants(trace, args.tenants, args.tenant_skew, args.seed)
+    return trace
+
+
+def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
+    from router.cost_model import FittedCost, roofline
+    from simulator.cluster import SimConfig, simulate
+    from simulator.engine import EngineConfig
+
+    cost = FittedCost.load(args.cost) if args.cost else roofline(args.model, args.gpu, args.tp)
+    config = SimConfig(
+        num_workers=args.workers,
+        policy=policy or args.policy,
+        local_policy=args.local_policy,
+        policy_params=key_values(args.param, "--param"),
+        local_params=key_values(args.local_param, "--local-param"),
+        engine=EngineConfig(
+            num_kv_blocks=args.kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            fast_forward=not args.no_fast_forward,
+        ),
+        closed_loop=args.closed_loop,
+        index=args.index,
+        kv_event_delay=args.kv_event_delay,
+        placement=args.placement,
+        window=args.dispatch_window,
+        routers=args.routers,
+        router_sync=args.router_sync,
+        seed=args.seed,
+        show_progress=sys.stderr.isatty() and len(trace) > 5000,
+    )
+    return simulate(trace, cost, config)

@@ -1,0 +1,153 @@
+"""Live commands: serve a fleet behind the proxy, replay a trace against it, profile a worker."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dashboards.tables import format_table, summary_row
+from router.cli.args import add_trace_args, load_workload
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The composition root of a live fleet: config, router, workers, then the proxy."""
+    import logging
+    import shutil
+    import tempfile
+
+    from router.proxy.fleet.config import ClusterConfig
+    from router.proxy.fleet.serve import build_cluster, run_proxy, shut_down
+    from workers.launch import model_dir_of, running_workers
+
+    config: ClusterConfig = serve_config(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cluster = build_cluster(config)  # first: a bad policy parameter fails before any work
+    model_dir = model_dir_of(config)
+    scratch = Path(tempfile.mkdtemp(prefix="fairway-"))
+    try:
+        with running_workers(config, model_dir, scratch, on_lost=shut_down) as workers:
+            if config.routers > 1:  # N proxy processes on one port
+                from router.proxy.fleet.replicas import run_replicas
+
+                return run_replicas(config, model_dir, workers, scratch)
+            for url, kv_events in workers:
+                cluster.add_worker(url, kv_events)
+            return run_proxy(config, cluster, model_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def serve_config(args: argparse.Namespace):  # -> ClusterConfig
+    """cluster.yaml (if given) with the command line's flags over it."""
+    from router.proxy.fleet.config import load_config, validate_config
+
+    overrides: dict[str, object] = {}
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.routers is not None:
+        overrides["routers"] = args.routers
+    if args.model:
+        overrides["model"] = args.model
+    workers: dict[str, object] = {}
+    if args.backend:
+        workers["backend"] = args.backend
+    if args.workers is not None:
+        workers["count"] = args.workers
+    if args.config:
+        config = load_config(args.config, **overrides)
+        if workers:
+            config = validate_config(
+                {
+                    **config.model_dump(),
+                    **overrides,
+                    "workers": {**config.workers.model_dump(), **workers},
+                }
+            )
+        return config
+    policy = {"name": args.policy or "lpm"}
+    if args.local_policy:
+        policy["local"] = args.local_policy
+    raw = {**overrides, "policy": policy, "workers": workers}
+    if args.precise:
+        raw["index_mode"] = "precise"
+    return validate_config(raw, source="command line")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.proxy.bench.replay import replay
+    from simulator.results import summarize, write_results
+    from traces.transform import InfiniteCache
+
+    trace = load_workload(args)
+    out = Path(args.out)
+    started = time.perf_counter()
+    result = asyncio.run(replay(trace, args.url, out, closed_loop=args.closed_loop))
+    bound = InfiniteCache(trace.block_size)
+    for req in sorted(trace.requests, key=lambda r: r.arrival):
+        bound.observe(req)
+    records = sorted(result.records, key=lambda r: r.id)
+    summary = summarize(
+        records, [], total=len(trace), cache_bound=bound.hit_rate,
+        simulated_seconds=max((r.finish for r in records), default=0.0),
+        wall_seconds=time.perf_counter() - started,
+        config={"live": True, "url": args.url, "trace": trace.source, "failures": result.failures},
+    )  # fmt: skip
+    write_results(out, summary, records)
+    print(format_table([summary_row(out.name, summary)]))
+    failed = ", ".join(f"{n} {reason}" for reason, n in sorted(result.failures.items()))
+    print(f"{len(records)} of {len(trace)} requests answered; failed: {failed or 'none'}")
+    print(f"wrote {out}/summary.json and requests.csv; `fairway report {out} SIM_RUN...`")
+    return 0 if not result.failures else 1
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from workers.profiler import profile
+
+    cost, measurements = profile(args.url, args.repeats)
+    cost.save(Path(args.out), measurements)
+    rows = [
+        {
+            "measured": "request, prefill" if m.request else "decode step",
+            "tokens": m.shape.num_tokens,
+            "KV read": m.shape.kv_read_tokens,
+            "measured ms": 1000 * m.seconds,
+            "fitted ms": 1000
+            * (cost.step_time(m.shape) + m.request * cost.coefficients["request_overhead"]),
+        }
+        for m in measurements
+    ]
+    print(format_table(rows))
+    terms = ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients.items())
+    print(f"\n{cost.name}: {terms} (seconds); KV {cost.kv_capacity_tokens:,} tokens")
+    print(f"wrote {args.out}; replay with `fairway simulate --cost {args.out} ...`")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start workers (through Ray) and the OpenAI proxy")
+    p.add_argument("--config", help="cluster.yaml (everything; flags below override it)")
+    p.add_argument("--backend", choices=["vllm", "emulated"])
+    p.add_argument("--workers", type=int)
+    p.add_argument("--model", help="model folder (default: build the tiny test model)")
+    p.add_argument("--policy")
+    p.add_argument("--local-policy")
+    p.add_argument("--port", type=int)
+    p.add_argument("--precise", action="store_true", help="index from vLLM KV events")
+    p.add_argument("--routers", type=int, help="proxy processes on the one port (replicas)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("replay", help="send a trace to a live endpoint and record the run")
+    add_trace_args(p)
+    p.add_argument("--url", required=True, help="the proxy (or one OpenAI-compatible server)")
+    p.add_argument("--out", required=True, help="folder for requests.csv (`fairway report` it)")
+    p.add_argument("--seed", type=int, default=0, help="for generators and tenant assignment")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("profile", help="fit the simulator's step costs to a running server")
+    p.add_argument("--url", required=True, help="an OpenAI-compatible vLLM (or emulated) server")
+    p.add_argument("--repeats", type=int, default=2, help="rounds of measurements")
+    p.add_argument("--out", required=True, help="profile JSON, for `simulate --cost`")
+    p.set_defaults(func=cmd_profile)

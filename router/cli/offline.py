@@ -1,0 +1,192 @@
+"""Offline commands: simulate a trace, compare policies, run the paper experiments, the demo,
+and list what the simulator knows (policies, models, generators)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dashboards.tables import format_table, summary_row
+from router.cli.args import add_sim_args, add_trace_args, key_values, load_workload, run_simulation
+from router.registry import call_with_params
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from simulator.results import write_results
+
+    trace = load_workload(args)
+    result = run_simulation(args, trace)
+    print(format_table([summary_row(args.policy, result.summary)]))
+    if args.out:
+        out = Path(args.out)
+        write_results(out, result.summary, result.records)
+        print(f"wrote {out / 'summary.json'} and {out / 'requests.csv'}")
+    return 0
+
+
+def _simulate_one(args: argparse.Namespace, policy: str, out: str) -> str:
+    """One policy of `fairway compare` (runs in a worker process or a Ray task)."""
+    from simulator.results import write_results
+
+    result = run_simulation(args, load_workload(args), policy=policy)
+    write_results(Path(out), result.summary, result.records)
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    import policies
+    from dashboards.report import load_run, write_report
+
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in policies.global_policies]
+    if unknown:
+        raise ValueError(
+            f"--policies: unknown {unknown}; one of {policies.global_policies.names()}"
+        )
+    out = Path(args.out)
+    dirs = [str(out / name) for name in names]
+    ray = _ray_if_wanted(args.ray_address)
+    if ray is not None:
+        task = ray.remote(_simulate_one)
+        ray.get([task.remote(args, n, d) for n, d in zip(names, dirs, strict=True)])
+    else:
+        with ProcessPoolExecutor(max_workers=min(len(names), args.jobs)) as pool:
+            list(pool.map(_simulate_one, [args] * len(names), names, dirs))
+    runs = [load_run(d) for d in dirs]
+    recording = Path(args.trace)
+    if (recording / "trace.jsonl").exists() and (recording / "requests.csv").exists():
+        runs.insert(0, load_run(recording))  # the proxy's own run beside what others would do
+    print(format_table([summary_row(r.name, r.summary) for r in runs]))
+    report = write_report(runs, out / "report.html", title=f"Policies on {args.trace}")
+    print(f"report: {report} (and {report.with_suffix('.md')})")
+    return 0
+
+
+def _ray_if_wanted(address: str | None):
+    """Ray when an address is given, or when a Ray cluster is already running here."""
+    import os
+
+    import ray
+
+    if address is None and not os.path.exists("/tmp/ray/ray_current_cluster"):
+        return None
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=address or "auto", log_to_driver=False)
+    return ray
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    import policies
+
+    for name in policies.global_policies.names():
+        factory = policies.global_policies.get(name)
+        doc = (factory.__doc__ or "").strip().splitlines()[0]
+        print(f"{name:14} {doc}  [local: {getattr(factory, 'default_local', 'fcfs')}]")
+    print("\nlocal disciplines: " + ", ".join(policies.local_policies.names()))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from router.cost_model import GPUS, MODELS
+
+    rows = [
+        {
+            "model": m.name,
+            "params (B)": m.num_params / 1e9,
+            "layers": m.num_layers,
+            "kv heads": m.num_kv_heads,
+            "KV/token (KiB)": m.kv_bytes_per_token / 1024,
+            "default tp": m.default_tp,
+        }
+        for m in MODELS.values()
+    ]
+    print(format_table(rows))
+    print()
+    gpus = [
+        {
+            "gpu": g.name,
+            "bf16 TFLOP/s": g.peak_flops / 1e12,
+            "HBM GB/s": g.hbm_bandwidth / 1e9,
+            "memory GB": g.memory_bytes / 1e9,
+            "link GB/s": g.link_bandwidth / 1e9,
+        }
+        for g in GPUS.values()
+    ]
+    print(format_table(gpus))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from traces.generators import GENERATORS
+    from traces.schema import write_native
+
+    params = key_values(args.set, "--set")
+    params.setdefault("seed", args.seed)
+    try:
+        trace = call_with_params(GENERATORS[args.name], params, f"generator {args.name!r}")
+    except ValueError as e:
+        raise SystemExit(f"fairway: {e}") from None
+    write_native(trace, Path(args.out))
+    print(f"wrote {len(trace)} requests ({len(trace.clients)} clients) to {args.out}")
+    return 0
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from simulator.bench.experiments import EXPERIMENTS, run_experiment
+
+    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        title, rows = run_experiment(name, seed=args.seed, out=Path(args.out) if args.out else None)
+        print(f"## {name}: {title}\n")
+        print(format_table(rows))
+        print()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from simulator.bench.demo import run_demo
+
+    return run_demo(workers=args.workers)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from simulator.bench.experiments import EXPERIMENTS
+    from traces.generators import GENERATORS
+
+    p = sub.add_parser("simulate", help="replay a trace on a simulated cluster")
+    add_trace_args(p)
+    add_sim_args(p)
+    p.add_argument("--out", help="write summary.json and requests.csv into this folder")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("compare", help="run several policies on one trace, then a report")
+    add_trace_args(p)
+    add_sim_args(p)
+    p.add_argument("--policies", required=True, help="comma-separated, e.g. lpm,preble,vtc")
+    p.add_argument("--out", required=True, help="folder for the runs and report.html")
+    p.add_argument("--jobs", type=int, default=2, help="parallel processes (without Ray)")
+    p.add_argument("--ray-address", help="run the policies as Ray tasks on this cluster")
+    p.set_defaults(func=cmd_compare)
+
+    sub.add_parser("policies", help="list routing policies").set_defaults(func=cmd_policies)
+
+    sub.add_parser("models", help="list model and GPU presets").set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="write a synthetic workload as a native trace")
+    p.add_argument("name", choices=sorted(GENERATORS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="K=V")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("experiment", help="run a published-behaviour scenario across policies")
+    p.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write each run's summary and the table into this folder")
+    p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("demo", help="compare the policies on the bundled sample trace")
+    p.add_argument("--workers", type=int, default=8)
+    p.set_defaults(func=cmd_demo)

@@ -1,0 +1,1 @@
+"""The `fairway` runtime: the compiled builds of the hot modules and the collector pacing."""

@@ -1,0 +1,2 @@
+"""Checks of the real-worker path: `fairway validate` and `bench-sim2real`. Product code never
+imports them."""
