@@ -7,11 +7,12 @@ import pytest
 import policies
 from router.cluster import ClusterView
 from router.request import Request
-from tests.test_policies import BS, COST, make_view  # one view builder for policy tests
+from tests import helpers
+from tests.helpers import BS, COST, make_view
 
 
 def make_req(i: int, blocks: list[int], tail: int = 8, out: int = 10) -> Request:
-    return Request(i, 0.0, len(blocks) * BS + tail, out, list(blocks))
+    return helpers.make_req(i, blocks, "default", tail, out)
 
 
 def prefix(g: int, n: int = 8) -> list[int]:

@@ -105,7 +105,7 @@ def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path)
     assert "d2lpm" in done.stdout and "least_load" in done.stdout
     code = (
         "import json, policies, simulator, simulator.engine, policies.service_cost\n"
-        "from router import native\n"
+        "from router.runtime import native\n"
         "print(json.dumps([hasattr(policies, 'global_policies'), simulator.__file__,\n"
         "    native.is_native(simulator.engine), native.is_native(policies.service_cost)]))"
     )

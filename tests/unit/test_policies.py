@@ -5,32 +5,8 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.cluster import ClusterView, WorkerState
-from router.cost_model import roofline
-from router.prefix_index import PrefixIndex
-from router.request import Request
-
-BS = 16
-COST = roofline("llama-3-8b", "a100-80g")
-
-
-def make_view(*outstanding: int, capacity: int = 10_000, now: float = 0.0) -> ClusterView:
-    workers = {
-        i: WorkerState(i, num_waiting=n, tokens_in_flight=100 * n, kv_capacity_blocks=capacity)
-        for i, n in enumerate(outstanding)
-    }
-    return ClusterView(now, workers, PrefixIndex(), BS, COST)
-
-
-def make_req(
-    i: int, blocks: list[int], client: str = "a", tail: int = 8, out: int = 10, weight: float = 1.0
-) -> Request:
-    return Request(i, 0.0, len(blocks) * BS + tail, out, list(blocks), client=client, weight=weight)
-
-
-def no_cache(_: Request) -> int:
-    return 0
-
+from router.cluster import ClusterView
+from tests.helpers import BS, make_req, make_view, no_cache
 
 # ----------------------------------------------------------------------------------- LPM
 

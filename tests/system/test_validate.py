@@ -29,7 +29,7 @@ from workers.bench.validate_report import build, markdown, ranking
 from workers.launch import VLLM_PYTHON
 from workers.profiler import Plan, decode_steps, fit
 
-MODEL = Path(__file__).resolve().parents[1] / "build" / "tiny-model"
+MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
 
 
 def cost(request_overhead: float = 0.0) -> FittedCost:

@@ -94,7 +94,7 @@ class TestAzure:
             load_trace(p)
 
     def test_public_files(self) -> None:
-        folder = Path(__file__).resolve().parents[2] / "shared/traces/azure2023"
+        folder = Path(__file__).resolve().parents[3] / "shared/traces/azure2023"
         if not folder.exists():
             pytest.skip("../shared/traces is not beside the checkout")
         assert len(load_trace(folder / "AzureLLMInferenceTrace_conv.csv")) == 19366
@@ -134,7 +134,7 @@ class TestServeGen:
             load_trace(tmp_path, start=0.0)
 
     def test_public_folder(self) -> None:
-        folder = Path(__file__).resolve().parents[2] / "shared/traces/servegen/language/m-small"
+        folder = Path(__file__).resolve().parents[3] / "shared/traces/servegen/language/m-small"
         if not folder.exists():
             pytest.skip("../shared/traces is not beside the checkout")
         trace = load_trace(folder, seed=0)

@@ -8,7 +8,7 @@ import pytest
 
 from router.proxy.fleet.config import load_config, validate_config
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "workers" / "cluster.example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "workers" / "cluster.example.yaml"
 
 
 def test_the_example_config_is_valid() -> None:

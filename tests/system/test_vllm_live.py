@@ -26,7 +26,7 @@ from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
-MODEL = Path(__file__).resolve().parents[1] / "build" / "tiny-model"
+MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
 BLOCK = 128
 
 
