@@ -54,9 +54,11 @@ $(SYSTEM_STAMP): Makefile
 	mkdir -p build && touch $(SYSTEM_STAMP)
 
 test: native $(TINY_MODEL) $(SYSTEM_STAMP) lint
-	$(PY) -m pytest
+	FAIRWAY_REQUIRE_NATIVE=1 $(PY) -m pytest
 
-test-fast: native
+# Unit, simulator and in-process proxy tests: no server, Redis, vLLM or compiler is started
+# (the compiled build is used if it matches the source, else plain Python).
+test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 bench: native $(TINY_MODEL) $(SYSTEM_STAMP)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from router.proxy.fleet.config import ClusterConfig, WorkersConfig
-from workers import emulated
+from workers import emulated, tiny_model
 from workers.pool import ServerSpec, WorkerPool
 
 log = logging.getLogger("fairway.serve")
@@ -23,12 +23,17 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def ensure_tiny_model(out: Path = DEFAULT_MODEL_DIR, weights: bool = True) -> Path:
-    """Build the tiny test model once (weights need torch: the vLLM venv's Python)."""
-    python = str(VLLM_PYTHON) if weights and VLLM_PYTHON.exists() else sys.executable
+    """Build the tiny test model once. The tokenizer alone needs only `tokenizers` and is built
+    in this process; weights need torch, so the vLLM venv's Python builds them."""
+    if tiny_model.is_built(out, tokenizer_only=not weights):
+        return out
+    if not weights:
+        tiny_model.build_tokenizer(out)
+        return out
+    python = str(VLLM_PYTHON) if VLLM_PYTHON.exists() else sys.executable
     # As a module from the project root: run as a script, its folder would come first on the
     # path, and a module there could shadow the standard library's for torch.
-    argv = [python, "-m", "workers.tiny_model", str(out)]
-    subprocess.run(argv + ([] if weights else ["--tokenizer-only"]), check=True, cwd=ROOT)
+    subprocess.run([python, "-m", "workers.tiny_model", str(out)], check=True, cwd=ROOT)
     return out
 
 

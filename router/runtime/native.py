@@ -41,29 +41,50 @@ STAMP = "sources.json"
 # own, since build/native's package folders there would shadow the real packages (an import
 # finds a namespace package on sys.path before the editable install's finder looks).
 SHARED = "shared"
-LAYOUT = 2  # of build/native: a build of another layout is not used
+LAYOUT = 3  # of build/native: a build of another layout is not used
 
 
 def fingerprint(root: Path = ROOT) -> dict[str, object]:
-    """What a build must match to be used: the interpreter and every compiled source."""
+    """What a build must match to be used: the interpreter and every compiled source's hash;
+    each source's size and modification time too, so that a check at import needs only stats."""
     sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in MODULES}
-    return {"python": sys.implementation.cache_tag, "layout": LAYOUT, "sources": sources}
+    return {
+        "python": sys.implementation.cache_tag,
+        "layout": LAYOUT,
+        "sources": sources,
+        "stats": {m: _stat(root / m) for m in MODULES},
+    }
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
 
 
 @functools.cache
 def native_root() -> Path | None:
     """build/native if it holds a build of the source on disk for this Python (and
-    FAIRWAY_PURE is not set); else None."""
+    FAIRWAY_PURE is not set); else None. Checked once per process."""
     if os.environ.get("FAIRWAY_PURE") or not up_to_date():
         return None
     return NATIVE
 
 
 def up_to_date(root: Path = ROOT, native: Path = NATIVE) -> bool:
-    """Whether `native` holds a build of the sources under `root` for this Python."""
+    """Whether `native` holds a build of the sources under `root` for this Python: a stat per
+    source, and a hash only of a source whose size or time moved (a checkout touches files
+    without changing them)."""
     try:
-        return json.loads((native / STAMP).read_text()) == fingerprint(root)
-    except (OSError, ValueError):
+        stamp = json.loads((native / STAMP).read_text())
+        if (stamp.get("python"), stamp.get("layout")) != (sys.implementation.cache_tag, LAYOUT):
+            return False
+        for m in MODULES:
+            path = root / m
+            if _stat(path) != stamp["stats"][m]:
+                if hashlib.sha256(path.read_bytes()).hexdigest() != stamp["sources"][m]:
+                    return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
         return False  # not built, or not run from a source checkout
 
 

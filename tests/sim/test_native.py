@@ -55,6 +55,8 @@ def run_records(pure: bool) -> list:
 def test_make_built_what_the_tests_run() -> None:
     if os.environ.get("FAIRWAY_PURE"):
         pytest.skip("FAIRWAY_PURE is set: plain Python asked for")
+    if not os.environ.get("FAIRWAY_REQUIRE_NATIVE"):
+        pytest.skip("only `make test` builds first (make test-fast runs what is there)")
     assert native.native_root() is not None, (
         "build/native is missing or older than the source: `make test` rebuilds it"
     )
@@ -63,6 +65,7 @@ def test_make_built_what_the_tests_run() -> None:
         assert native.is_native(module), module.__file__
 
 
+@pytest.mark.slow  # a process of its own
 def test_compiled_and_plain_python_simulate_the_same() -> None:
     if native.native_root() is None:
         pytest.skip("no compiled build to compare")
@@ -82,11 +85,19 @@ def test_a_build_is_used_only_for_the_source_it_was_built_from(tmp_path: Path) -
     assert not native.up_to_date(root, built), "no build yet"
     (built / native.STAMP).write_text(json.dumps(native.fingerprint(root)))
     assert native.up_to_date(root, built)
+    touched = root / native.MODULES[0]
+    os.utime(touched, ns=(0, touched.stat().st_mtime_ns + 10**9))
+    assert native.up_to_date(root, built), "a source touched but unchanged keeps the build"
     edited = root / native.MODULES[-1]
-    edited.write_text(edited.read_text() + "\n# an edit\n")
+    text = edited.read_text()
+    edited.write_text(text[:-2] + ("x" if text[-2] != "x" else "y") + text[-1])
+    os.utime(edited, ns=(0, edited.stat().st_mtime_ns + 2 * 10**9))  # coarse clocks: moved
+    assert not native.up_to_date(root, built), "an edit of the same size is seen"
+    edited.write_text(text + "\n# an edit\n")
     assert not native.up_to_date(root, built), "an edited source runs as plain Python"
 
 
+@pytest.mark.slow  # a process of its own
 def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path) -> None:
     """`fairway` (what `make demo` runs) imports the project through the editable install's
     finder, with no checkout on sys.path: the build's folders must not stand in for the

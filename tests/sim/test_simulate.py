@@ -119,6 +119,7 @@ class TestSimulateCommand:
         with pytest.raises(SystemExit, match="parameter 'num_tenants'='many'"):
             main(["simulate", "--trace", "gen:shared_prefix", "--gen", "num_tenants=many"])
 
+    @pytest.mark.slow  # runs the installed command as a process
     def test_console_script_lists(self) -> None:
         out = subprocess.run(
             [sys.executable, "-m", "router.cli", "policies"],
