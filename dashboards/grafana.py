@@ -32,60 +32,104 @@ def _quantiles(metric: str) -> tuple[tuple[str, str], ...]:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("Request rate by outcome",
-          (("sum by (status) (rate(fairway_requests_total[1m]))", "{{status}}"),), "reqps"),
-    Panel("Errors and retries",
-          (('sum(rate(fairway_requests_total{status!="ok"}[1m]))', "errors"),
-           ("sum(rate(fairway_retries_total[1m]))", "retries before first byte")), "reqps"),
-    Panel("Routing decisions",
-          (("sum by (decision) (rate(fairway_requests_total[1m]))", "{{decision}}"),), "reqps"),
+    Panel(
+        "Request rate by outcome",
+        (("sum by (status) (rate(fairway_requests_total[1m]))", "{{status}}"),),
+        "reqps",
+    ),
+    Panel(
+        "Errors and retries",
+        (
+            ('sum(rate(fairway_requests_total{status!="ok"}[1m]))', "errors"),
+            ("sum(rate(fairway_retries_total[1m]))", "retries before first byte"),
+        ),
+        "reqps",
+    ),
+    Panel(
+        "Routing decisions",
+        (("sum by (decision) (rate(fairway_requests_total[1m]))", "{{decision}}"),),
+        "reqps",
+    ),
     Panel("TTFT by client", _quantiles("fairway_ttft_seconds"), "s"),
     Panel("End-to-end latency by client", _quantiles("fairway_e2e_seconds"), "s"),
     Panel("Inter-token latency by client", _quantiles("fairway_inter_token_seconds"), "s"),
-    Panel("Router queue depth per worker",
-          (("fairway_router_queue_depth", "worker {{worker}}"),)),
+    Panel("Router queue depth per worker", (("fairway_router_queue_depth", "worker {{worker}}"),)),
     Panel("In flight per worker", (("fairway_worker_in_flight", "worker {{worker}}"),)),
-    Panel("Prefix hit rate: router estimate vs vLLM-reported",
-          (('sum by (worker) (rate(fairway_prefix_hit_tokens_estimated_total{mode="approximate"}'
-            '[1m])) / sum by (worker) (rate(fairway_prompt_tokens_total[1m]))',
-            "estimated, worker {{worker}}"),
-           ("fairway_worker_prefix_hit_rate_reported", "reported, worker {{worker}}"),
-           ("sum by (instance) (rate(vllm:prefix_cache_hits_total[1m])) / "
-            "sum by (instance) (rate(vllm:prefix_cache_queries_total[1m]))",
-            "vLLM {{instance}}")), "percentunit"),
-    Panel("Prefix hit tokens: predicted by the index vs reused by the worker",
-          (("sum by (worker) (rate(fairway_prefix_hit_tokens_predicted_total[1m]))",
-            "predicted, worker {{worker}}"),
-           ("sum by (worker) (rate(fairway_prefix_hit_tokens_actual_total[1m]))",
-            "actual, worker {{worker}}"),
-           ("fairway_index_level", "routing by (2 precise, 1 approximate, 0 load)")), "short"),
-    Panel("Service share per client (input + 2 x output tokens)",
-          (("sum by (client) (rate(fairway_client_service_tokens_total[1m])) / ignoring(client) "
-            "group_left sum(rate(fairway_client_service_tokens_total[1m]))", "{{client}}"),),
-          "percentunit"),
+    Panel(
+        "Prefix hit rate: router estimate vs vLLM-reported",
+        (
+            (
+                "sum by (worker) (rate("
+                'fairway_prefix_hit_tokens_estimated_total{mode="approximate"}[1m]))'
+                " / sum by (worker) (rate(fairway_prompt_tokens_total[1m]))",
+                "estimated, worker {{worker}}",
+            ),
+            ("fairway_worker_prefix_hit_rate_reported", "reported, worker {{worker}}"),
+            (
+                "sum by (instance) (rate(vllm:prefix_cache_hits_total[1m])) / "
+                "sum by (instance) (rate(vllm:prefix_cache_queries_total[1m]))",
+                "vLLM {{instance}}",
+            ),
+        ),
+        "percentunit",
+    ),
+    Panel(
+        "Prefix hit tokens: predicted by the index vs reused by the worker",
+        (
+            (
+                "sum by (worker) (rate(fairway_prefix_hit_tokens_predicted_total[1m]))",
+                "predicted, worker {{worker}}",
+            ),
+            (
+                "sum by (worker) (rate(fairway_prefix_hit_tokens_actual_total[1m]))",
+                "actual, worker {{worker}}",
+            ),
+            ("fairway_index_level", "routing by (2 precise, 1 approximate, 0 load)"),
+        ),
+        "short",
+    ),
+    Panel(
+        "Service share per client (input + 2 x output tokens)",
+        (
+            (
+                "sum by (client) (rate(fairway_client_service_tokens_total[1m]))"
+                " / ignoring(client) group_left"
+                " sum(rate(fairway_client_service_tokens_total[1m]))",
+                "{{client}}",
+            ),
+        ),
+        "percentunit",
+    ),
     Panel("Worker health", (("fairway_worker_healthy", "worker {{worker}}"),), "short", "stat"),
-    Panel("Index size (blocks) per worker",
-          (("fairway_index_blocks", "{{mode}} worker {{worker}}"),)),
-)  # fmt: skip
+    Panel(
+        "Index size (blocks) per worker", (("fairway_index_blocks", "{{mode}} worker {{worker}}"),)
+    ),
+)
 
 
 def dashboard(panels: tuple[Panel, ...] = PANELS) -> dict:
     out = []
     for i, p in enumerate(panels):
-        out.append({
-            "id": i + 1,
-            "type": p.kind,
-            "title": p.title,
-            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-            "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-            "targets": [
-                {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend,
-                 "datasource": {"type": "prometheus", "uid": "${datasource}"}}
-                for j, (expr, legend) in enumerate(p.exprs)
-            ],
-        })  # fmt: skip
+        out.append(
+            {
+                "id": i + 1,
+                "type": p.kind,
+                "title": p.title,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                "targets": [
+                    {
+                        "refId": chr(ord("A") + j),
+                        "expr": expr,
+                        "legendFormat": legend,
+                        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    }
+                    for j, (expr, legend) in enumerate(p.exprs)
+                ],
+            }
+        )
     return {
         "title": "Fairway router",
         "uid": "fairway-router",
@@ -105,13 +149,16 @@ def dashboard(panels: tuple[Panel, ...] = PANELS) -> dict:
                     "current": {},
                 }
             ]
-        },  # fmt: skip
+        },
         "panels": out,
     }
 
 
-def prometheus_config(proxy: str = "127.0.0.1:8000", workers: tuple[str, ...] = (
-        "127.0.0.1:8100", "127.0.0.1:8101"), interval: str = "5s") -> dict:  # fmt: skip
+def prometheus_config(
+    proxy: str = "127.0.0.1:8000",
+    workers: tuple[str, ...] = ("127.0.0.1:8100", "127.0.0.1:8101"),
+    interval: str = "5s",
+) -> dict:
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": ["fairway-alerts.yml"],

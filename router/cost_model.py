@@ -208,14 +208,22 @@ class FittedCost(StepCost):
             raise ValueError(f"profile: {len(measurements)} measurements cannot fit 5 terms")
         x = np.array(
             [
-                (1.0, m.shape.num_tokens, m.shape.attention_pairs, m.shape.kv_read_tokens,
-                 float(m.request))
+                (
+                    1.0,
+                    m.shape.num_tokens,
+                    m.shape.attention_pairs,
+                    m.shape.kv_read_tokens,
+                    float(m.request),
+                )
                 for m in measurements
             ]
-        )  # fmt: skip
+        )
         y = np.array([m.seconds for m in measurements])
-        return cls(dict(zip(cls.COEFFICIENTS, _nonnegative_lstsq(x, y), strict=True)),
-                   kv_capacity_tokens, name)  # fmt: skip
+        return cls(
+            dict(zip(cls.COEFFICIENTS, _nonnegative_lstsq(x, y), strict=True)),
+            kv_capacity_tokens,
+            name,
+        )
 
     def save(self, path: Path, measurements: Sequence[Measurement] = ()) -> None:
         path.write_text(

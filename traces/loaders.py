@@ -46,9 +46,11 @@ def detect_format(path: Path) -> str:
         if any(path.rglob("chunk-*-trace.csv")):
             return "servegen"
         raise TraceError(
-            path, None, "a folder, but neither a proxy recording (trace.jsonl) nor ServeGen "
-            "chunk-N-trace.csv files in it"
-        )  # fmt: skip
+            path,
+            None,
+            "a folder, but neither a proxy recording (trace.jsonl) nor ServeGen "
+            "chunk-N-trace.csv files in it",
+        )
     if not path.exists():
         raise TraceError(path, None, "no such file")
     with open(path, encoding="utf-8") as f:

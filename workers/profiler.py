@@ -113,8 +113,14 @@ class Profiler:
     def _body(self, prompt: int | list[int], max_tokens: int, stream: bool) -> dict:
         if isinstance(prompt, int):
             prompt = self._tokens(prompt)
-        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": stream, "temperature": 0}  # fmt: skip
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": stream,
+            "temperature": 0,
+        }
 
     async def prefill_seconds(self) -> tuple[float, float] | None:
         """vLLM's own prefill timing so far (sum of seconds, count of requests), from its
@@ -286,8 +292,9 @@ def fit(
         kept = [i for i in range(len(measurements)) if i not in drop]
         if len(kept) < len(FittedCost.COEFFICIENTS):
             break
-        cost = _weighted_fit([measurements[i] for i in kept], [predicted[i] for i in kept],
-                             capacity, name)  # fmt: skip
+        cost = _weighted_fit(
+            [measurements[i] for i in kept], [predicted[i] for i in kept], capacity, name
+        )
     return cost
 
 
@@ -301,9 +308,20 @@ def _weighted_fit(
     """Non-negative least squares of each measurement's error over its `scale`."""
     w = 1 / np.array(scale)
     y = np.array([m.seconds for m in measurements]) * w
-    x = np.array(
-        [(1.0, m.shape.num_tokens, m.shape.attention_pairs, m.shape.kv_read_tokens,
-          float(m.request)) for m in measurements]
-    ) * w[:, None]  # fmt: skip
+    x = (
+        np.array(
+            [
+                (
+                    1.0,
+                    m.shape.num_tokens,
+                    m.shape.attention_pairs,
+                    m.shape.kv_read_tokens,
+                    float(m.request),
+                )
+                for m in measurements
+            ]
+        )
+        * w[:, None]
+    )
     coef = _nonnegative_lstsq(x, y)
     return FittedCost(dict(zip(FittedCost.COEFFICIENTS, coef, strict=True)), capacity, name)

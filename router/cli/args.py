@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from router.registry import call_with_params
+from router.traits import IndexMode, Placement
 
 
 def key_values(items: Sequence[str], what: str) -> dict[str, object]:
@@ -95,8 +96,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=8)
     g.add_argument(
         "--index",
-        choices=["approximate", "precise"],
-        default="approximate",
+        choices=[mode.value for mode in IndexMode],
+        default=IndexMode.APPROXIMATE.value,
         help="router's prefix index: updated on routing, or from the engines' KV events",
     )
     g.add_argument(
@@ -108,8 +109,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--placement",
-        choices=["engine", "router"],
-        default="engine",
+        choices=[place.value for place in Placement],
+        default=Placement.ENGINE.value,
         help="run the local discipline in each engine, or in the router's per-worker queue "
         "in front of FCFS engines (as the live proxy does)",
     )

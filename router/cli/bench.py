@@ -105,8 +105,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=cmd_bench_proxy)
 
-    p = sub.add_parser("bench-replicas", help="fairway serve --routers 1, 2, 4: streams/s, "
-                       "hit rate and service gap against one router")  # fmt: skip
+    p = sub.add_parser(
+        "bench-replicas",
+        help="fairway serve --routers 1, 2, 4: streams/s, "
+        "hit rate and service gap against one router",
+    )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=cmd_bench_replicas)
 

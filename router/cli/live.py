@@ -90,11 +90,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         bound.observe(req)
     records = sorted(result.records, key=lambda r: r.id)
     summary = summarize(
-        records, [], total=len(trace), cache_bound=bound.hit_rate,
+        records,
+        [],
+        total=len(trace),
+        cache_bound=bound.hit_rate,
         simulated_seconds=max((r.finish for r in records), default=0.0),
         wall_seconds=time.perf_counter() - started,
         config={"live": True, "url": args.url, "trace": trace.source, "failures": result.failures},
-    )  # fmt: skip
+    )
     write_results(out, summary, records)
     print(format_table([summary_row(out.name, summary)]))
     failed = ", ".join(f"{n} {reason}" for reason, n in sorted(result.failures.items()))

@@ -38,8 +38,9 @@ class TraceCapture:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.block_size, self.policy = block_size, policy
         self.max_file_bytes, self.keep = max_file_bytes, keep
-        self._next_part = max((int(m[1]) for m in map(PART.match, names_in(self.folder)) if m),
-                              default=0) + 1  # fmt: skip
+        self._next_part = (
+            max((int(m[1]) for m in map(PART.match, names_in(self.folder)) if m), default=0) + 1
+        )
         self._file = None
         self._size = 0
         self._open()

@@ -191,8 +191,11 @@ class Monitor:
             log.warning(
                 "worker %s caches %d-token blocks, the router hashes %d-token ones: "
                 "predictions of its prefix hits are off (set block_size to %d)",
-                worker.id, size, ours, size,
-            )  # fmt: skip
+                worker.id,
+                size,
+                ours,
+                size,
+            )
         # The index counts blocks of the router's size; the worker's are another size.
         self.cluster.router.report(worker.id, kv_capacity_blocks=blocks * size // ours)
 

@@ -63,9 +63,11 @@ async def header_limits(request: web.Request, handler) -> web.StreamResponse:
     for name, value in request.raw_headers:
         if len(name) + len(value) > MAX_HEADER_BYTES:
             raise APIError.of_status(
-                431, f"header {name[:64].decode(errors='replace')} is longer than "
-                f"{MAX_HEADER_BYTES} bytes", code="header_too_large",
-            )  # fmt: skip
+                431,
+                f"header {name[:64].decode(errors='replace')} is longer than "
+                f"{MAX_HEADER_BYTES} bytes",
+                code="header_too_large",
+            )
     return await handler(request)
 
 
@@ -91,9 +93,11 @@ async def read_body(
                 chunks.append(chunk)
     except TimeoutError:
         error = APIError(
-            408, f"the request body did not arrive within {timeout:g} s", "timeout_error",
+            408,
+            f"the request body did not arrive within {timeout:g} s",
+            "timeout_error",
             code="body_timeout",
-        )  # fmt: skip
+        )
         error.close = True
         raise error from None
     except (ConnectionError, aiohttp.ClientError, HttpProcessingError):

@@ -159,7 +159,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                     1,
                     local_policy="dlpm",
                     local_params={"quantum": q},
-                )  # fmt: skip
+                )
                 for q in (256, 2048, 16384, 131072)
             ),
             _run("lpm", "documents_1w", "lpm", 1, local_policy="lpm"),
@@ -198,7 +198,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                     1,
                     local_policy="dlpm",
                     local_params={"quantum": q},
-                )  # fmt: skip
+                )
                 for q in (256, 2048, 16384, 131072)
             ),
             _run("4w least_load", "flood_4", "least_load", 4),
@@ -267,7 +267,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                 routers=n,
                 router_sync=sync,
                 **_replicas(n, extra),
-            )  # fmt: skip
+            )
             for kind, workload, policy, workers, extra in _REPLICA_WORKLOADS
             for n in (2, 4, 8)
             for sync in (0.0, 0.1, 1.0, 10.0)
@@ -288,7 +288,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                     8,
                     policy_params={"quantum": q},
                     local_params={"quantum": q},
-                )  # fmt: skip
+                )
                 for q in (2048, 8192, 32768)
             ),
         ],

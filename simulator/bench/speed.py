@@ -411,11 +411,13 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print("\nFleet size (Mooncake conversation, rate scaled with the workers; simulated requests")
     print(f"per CPU second, the sizes taking {rounds} turns of 1 s of CPU or more; medians)")
     print("squeezed: the whole trace, time compressed by workers / 8:")
-    print(format_table(fleet_scaling(path, method="squeeze", limit=3000 if quick else None,
-                                     rounds=rounds)))  # fmt: skip
+    print(
+        format_table(
+            fleet_scaling(path, method="squeeze", limit=3000 if quick else None, rounds=rounds)
+        )
+    )
     print(f"tiled: its first {seconds:.0f} s, workers / 8 copies side by side (--tile):")
-    print(format_table(fleet_scaling(path, method="tile", tile_seconds=seconds,
-                                     rounds=rounds)))  # fmt: skip
+    print(format_table(fleet_scaling(path, method="tile", tile_seconds=seconds, rounds=rounds)))
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
     print(format_table(decision_times(500 if quick else 2000)))

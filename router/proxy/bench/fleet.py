@@ -33,9 +33,11 @@ from router.runtime.processes import process, wait_healthy
 
 
 def cluster_of(
-    num_workers: int, base: str = "http://127.0.0.1:1", policy: str = "round_robin",
+    num_workers: int,
+    base: str = "http://127.0.0.1:1",
+    policy: str = "round_robin",
     block_size: int = 16,
-) -> LiveCluster:  # fmt: skip
+) -> LiveCluster:
     """The proxy's LiveCluster over `num_workers` addresses `base`/w<i>, every request let
     through at once (no window)."""
     cluster = LiveCluster(
@@ -204,9 +206,14 @@ def monitor_scaling(quick: bool = False) -> int:
     with vllm_servers(ValidateConfig(workers=1), model, scratch) as urls:
         body = {"model": "tiny", "prompt": "benchmark " * 50, "max_tokens": 8}
         for _ in range(3):  # a page with its histograms filled in
-            with urllib.request.urlopen(urllib.request.Request(
-                f"{urls[0]}/v1/completions", data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"}), timeout=120) as r:  # fmt: skip
+            with urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{urls[0]}/v1/completions",
+                    data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"},
+                ),
+                timeout=120,
+            ) as r:
                 r.read()
         with urllib.request.urlopen(f"{urls[0]}/metrics", timeout=10) as r:
             page = r.read()
@@ -215,8 +222,14 @@ def monitor_scaling(quick: bool = False) -> int:
     lines = text.count("\n")
     rows = []
     port = free_port()
-    argv = [sys.executable, "-m", "router.proxy.bench.fleet", "serve-pages",
-            str(scratch / "metrics.txt"), str(port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "router.proxy.bench.fleet",
+        "serve-pages",
+        str(scratch / "metrics.txt"),
+        str(port),
+    ]
     with process(argv, 1, scratch / "pages.log", {"PYTHONPATH": str(ROOT)}):
         base = f"http://127.0.0.1:{port}"
         wait_healthy(f"{base}/w0")

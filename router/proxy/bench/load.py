@@ -214,8 +214,9 @@ def _judge_stream(events: list[bytes], status: int, want: int | None) -> Outcome
     if error is not None:
         return Outcome("error", f"stream error {error.get('code')}", True, status, tokens)
     if not finished:
-        return Outcome("lost", f"[DONE] without a finish_reason after {tokens} events", True,
-                       status, tokens)  # fmt: skip
+        return Outcome(
+            "lost", f"[DONE] without a finish_reason after {tokens} events", True, status, tokens
+        )
     if usage is not None:
         tokens = usage
     if want is not None and (tokens > want or (usage is not None and tokens != want)):

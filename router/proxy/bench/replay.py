@@ -166,10 +166,17 @@ async def _one(
         return None
     details = usage.get("prompt_tokens_details") or {}
     return RequestRecord(
-        id=req.id, client=req.client, session=req.session,
+        id=req.id,
+        client=req.client,
+        session=req.session,
         worker=int(worker) if worker.lstrip("-").isdigit() else -1,
-        arrival=sent - t0, admitted=sent - t0, first_token=first - t0, finish=time.monotonic() - t0,
+        arrival=sent - t0,
+        admitted=sent - t0,
+        first_token=first - t0,
+        finish=time.monotonic() - t0,
         prompt_tokens=int(usage.get("prompt_tokens", req.prompt_len)),
         cached_tokens=int(details.get("cached_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens", 0)), preemptions=0, weight=req.weight,
-    )  # fmt: skip
+        output_tokens=int(usage.get("completion_tokens", 0)),
+        preemptions=0,
+        weight=req.weight,
+    )

@@ -108,14 +108,20 @@ def records_of(sent: list[Sent]) -> list[RequestRecord]:
 
 async def stream_one(session: aiohttp.ClientSession, url: str, sent: Sent, t0: float) -> None:
     """One streamed completion, timed at the client: fills in `sent`."""
-    body = {"model": "tiny", "prompt": sent.prompt, "max_tokens": sent.max_tokens,
-            "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": sent.prompt,
+        "max_tokens": sent.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     start = time.monotonic()
     sent.at = start - t0
     first, usage, done = None, None, False
-    async with session.post(f"{url}/v1/completions", json=body,
-                            headers={"X-Client-Id": sent.tenant}) as r:  # fmt: skip
+    async with session.post(
+        f"{url}/v1/completions", json=body, headers={"X-Client-Id": sent.tenant}
+    ) as r:
         if (replica := r.headers.get(REPLICA_HEADER)) is not None:
             sent.replica = int(replica.split("-", 1)[0])
         if r.status != 200:
@@ -138,11 +144,19 @@ async def stream_one(session: aiohttp.ClientSession, url: str, sent: Sent, t0: f
     end = time.monotonic()
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     sent.record = RequestRecord(
-        id=sent.tag, client=sent.tenant, session=None, worker=worker, arrival=start - t0,
-        admitted=first - t0, first_token=first - t0, finish=end - t0,
-        prompt_tokens=usage["prompt_tokens"], cached_tokens=cached,
-        output_tokens=usage["completion_tokens"], preemptions=0,
-    )  # fmt: skip
+        id=sent.tag,
+        client=sent.tenant,
+        session=None,
+        worker=worker,
+        arrival=start - t0,
+        admitted=first - t0,
+        first_token=first - t0,
+        finish=end - t0,
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=cached,
+        output_tokens=usage["completion_tokens"],
+        preemptions=0,
+    )
 
 
 def document_prompt(salt: str, d: int, i: int) -> str:
@@ -242,15 +256,26 @@ def replay(
     requests = []
     for k, s in enumerate(sent):
         ids = encoder.completion_prompts(s.prompt)[0]
-        requests.append(Request(id=k, arrival=s.at * speed, prompt_len=len(ids),
-                                output_len=s.max_tokens, block_hashes=encoder.block_hashes(ids),
-                                client=s.tenant))  # fmt: skip
+        requests.append(
+            Request(
+                id=k,
+                arrival=s.at * speed,
+                prompt_len=len(ids),
+                output_len=s.max_tokens,
+                block_hashes=encoder.block_hashes(ids),
+                client=s.tenant,
+            )
+        )
     trace = finish(Trace(requests, BLOCK_SIZE, source="bench-replicas"))
     config = SimConfig(
-        num_workers=WORKERS, policy=policy, placement="router", window=window,
-        routers=setup.routers, router_sync=setup.sync * speed,
+        num_workers=WORKERS,
+        policy=policy,
+        placement="router",
+        window=window,
+        routers=setup.routers,
+        router_sync=setup.sync * speed,
         engine=EngineConfig(fast_forward=False),  # as the emulated workers run it
-    )  # fmt: skip
+    )
     cost = roofline(PRESET, GPU)
     if live_split and setup.routers > 1:
         split = {k: s.replica for k, s in enumerate(sent) if s.replica is not None}
@@ -258,10 +283,16 @@ def replay(
     else:
         result = simulate(trace, cost, config)
     return [
-        replace(r, id=sent[r.id].tag, arrival=r.arrival / speed, admitted=r.first_token / speed,
-                first_token=r.first_token / speed, finish=r.finish / speed)
+        replace(
+            r,
+            id=sent[r.id].tag,
+            arrival=r.arrival / speed,
+            admitted=r.first_token / speed,
+            first_token=r.first_token / speed,
+            finish=r.finish / speed,
+        )
         for r in result.records
-    ]  # fmt: skip
+    ]
 
 
 def hit_rate(records: list[RequestRecord]) -> float:
@@ -299,8 +330,9 @@ def run_replicas_bench(quick: bool = False) -> int:
         for name, speed, out in (("fast", FAST, fast), ("slow", SLOW, slow)):
             for i in range(WORKERS):
                 port = free_port()
-                argv = emulated.command(port, model, block_size=BLOCK_SIZE, preset=PRESET,
-                                        gpu=GPU, speed=speed)  # fmt: skip
+                argv = emulated.command(
+                    port, model, block_size=BLOCK_SIZE, preset=PRESET, gpu=GPU, speed=speed
+                )
                 log = scratch / f"worker-{name}-{i}.log"
                 stack.enter_context(process(argv, None, log, {"PYTHONPATH": str(ROOT)}))
                 out.append(f"http://127.0.0.1:{port}")
@@ -315,8 +347,13 @@ def run_replicas_bench(quick: bool = False) -> int:
             throughput_rows.append({"routers": n, "streams/s": rate, "vs 1 router": rate / base})
 
         # The flood's rate: 1.5 x what the slow workers serve here (measured, not assumed).
-        probe = {"model": "tiny", "prompt": flood_prompt("probe", "flood", 0),
-                 "max_tokens": FLOOD_OUTPUT, "stream": True, "ignore_eos": True}  # fmt: skip
+        probe = {
+            "model": "tiny",
+            "prompt": flood_prompt("probe", "flood", 0),
+            "max_tokens": FLOOD_OUTPUT,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with fairway(scratch, model, slow, Setup(1), "vtc", window) as url:
             capacity = asyncio.run(throughput(url, 4.0, 4 * window, probe))
         flood_rate, calm_rate, num_calm = 1.5 * capacity, 0.05 * capacity, 4
@@ -330,15 +367,17 @@ def run_replicas_bench(quick: bool = False) -> int:
                 )
             hits, fair = records_of(sent_docs), records_of(sent_fair)
             calm = [r.ttft for r in fair if r.client != "flood"]
-            quality_rows.append({
-                "setup": setup.label,
-                "LPM hit rate": hit_rate(hits),
-                "workers per document": workers_per_document(hits),
-                "VTC max service gap": service_gap(fair),
-                "calm TTFT mean s": sum(calm) / max(1, len(calm)),
-                "window per replica": share,
-                "requests ok": len(hits) + len(fair),
-            })  # fmt: skip
+            quality_rows.append(
+                {
+                    "setup": setup.label,
+                    "LPM hit rate": hit_rate(hits),
+                    "workers per document": workers_per_document(hits),
+                    "VTC max service gap": service_gap(fair),
+                    "calm TTFT mean s": sum(calm) / max(1, len(calm)),
+                    "window per replica": share,
+                    "requests ok": len(hits) + len(fair),
+                }
+            )
             locality, fairness = compare_with_simulator(setup, encoder, sent_docs, sent_fair, share)
             sim_locality.append(locality)
             sim_fairness.append(fairness)

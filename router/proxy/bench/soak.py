@@ -113,8 +113,12 @@ def serving(config: dict, scratch: Path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield proc
     finally:
@@ -166,18 +170,22 @@ async def soak(
             interval = now.since(previous)
             previous = now
             p99, worst = interval.quantile(0.99), interval.worst()
-            rows.append({
-                "t s": round(time.monotonic() - started),
-                "requests": sum(counts.values()),
-                "ok": counts["ok"],
-                "errors": counts["error"],
-                "lost": counts["lost"] + counts["refused"],
-                "RSS MiB": rss_mib(pid),
-                "lag p99 ms": None if p99 is None else p99 * 1e3,
-                "lag max ms": None if worst is None else worst * 1e3,
-            })  # fmt: skip
-            print(format_table(rows).splitlines()[-1] if len(rows) > 1 else format_table(rows),
-                  flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "t s": round(time.monotonic() - started),
+                    "requests": sum(counts.values()),
+                    "ok": counts["ok"],
+                    "errors": counts["error"],
+                    "lost": counts["lost"] + counts["refused"],
+                    "RSS MiB": rss_mib(pid),
+                    "lag p99 ms": None if p99 is None else p99 * 1e3,
+                    "lag max ms": None if worst is None else worst * 1e3,
+                }
+            )
+            print(
+                format_table(rows).splitlines()[-1] if len(rows) > 1 else format_table(rows),
+                flush=True,
+            )
         result = load.result()
         whole = (await scrape_lag(session, base)).since(first)
     for outcome in lost:
@@ -226,17 +234,23 @@ def run_soak_bench(
     lost = counts["lost"] + counts["refused"]
     rss = [r["RSS MiB"] for r in rows if r["RSS MiB"] is not None]
     print()
-    print(format_table([{
-        "requests": total,
-        "per s": total / wall if wall else 0.0,
-        "ok": counts["ok"],
-        "clean errors": counts["error"],
-        "lost": lost,
-        "RSS start MiB": rss_start,
-        "RSS end MiB": rss[-1] if rss else None,
-        "RSS max MiB": max(rss) if rss else None,
-        "lag p99 ms": None if p99 is None else p99 * 1e3,
-    }]))  # fmt: skip
+    print(
+        format_table(
+            [
+                {
+                    "requests": total,
+                    "per s": total / wall if wall else 0.0,
+                    "ok": counts["ok"],
+                    "clean errors": counts["error"],
+                    "lost": lost,
+                    "RSS start MiB": rss_start,
+                    "RSS end MiB": rss[-1] if rss else None,
+                    "RSS max MiB": max(rss) if rss else None,
+                    "lag p99 ms": None if p99 is None else p99 * 1e3,
+                }
+            ]
+        )
+    )
     ok = lost == 0 and total > 0
     print(f"lost: {lost} (must be 0)" + ("" if ok else f"; proxy log: {scratch / 'serve.log'}"))
     if ok:

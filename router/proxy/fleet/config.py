@@ -27,6 +27,7 @@ from router.proxy.settings import (
     MAX_WEIGHT,
     MIN_WEIGHT,
 )
+from router.traits import IndexMode
 
 
 class Strict(BaseModel):
@@ -117,7 +118,7 @@ class ClusterConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     window: int = Field(8, ge=1, description="requests in flight per worker")
-    index_mode: Literal["approximate", "precise"] = "approximate"
+    index_mode: IndexMode = IndexMode.APPROXIMATE
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     max_retries: int = Field(2, ge=0)
     admin_token: str | None = None

@@ -168,14 +168,21 @@ class Supervisor:
         lived = time.monotonic() - self.started[i]
         self.failures[i] = self.failures.get(i, 0) + 1 if lived < 10 else 1
         if self.failures[i] > self.max_quick_deaths:  # it cannot start (a port taken, a bug)
-            log.error("replica %d died %d times within 10 s of starting; stopping",
-                      i, self.failures[i])  # fmt: skip
+            log.error(
+                "replica %d died %d times within 10 s of starting; stopping", i, self.failures[i]
+            )
             self._stopping, self.exit_code = True, 1
             return
         delay = min(30.0, 0.5 * 2 ** (self.failures[i] - 1))
         self.due[i] = time.monotonic() + delay
-        log.error("replica %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",
-                  i, proc.pid, code, lived, delay)  # fmt: skip
+        log.error(
+            "replica %d (pid %d) exited with %s after %.1f s; restarting in %.1f s",
+            i,
+            proc.pid,
+            code,
+            lived,
+            delay,
+        )
 
     def _stop_all(self) -> None:
         from router.proxy.fleet.serve import SHUTDOWN_GRACE
@@ -224,8 +231,9 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     async def describe(request: web.Request) -> web.Response:
         token_required = config.admin_token
         if not token_required:
-            return APIError(403, "admin API disabled: no admin token configured",
-                            "permission_error").response()  # fmt: skip
+            return APIError(
+                403, "admin API disabled: no admin token configured", "permission_error"
+            ).response()
         if request.headers.get("Authorization") != f"Bearer {token_required}":
             return APIError(401, "admin token required", "authentication_error").response()
         return web.json_response({"index": spec.index, **app[SHARED].describe()})
@@ -235,7 +243,7 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     app.cleanup_ctx.append(
         shared_state_ctx(
             app[CLUSTER].router, spec.redis_url, spec.prefix, token, config.router_sync
-        )  # fmt: skip
+        )
     )
     return app
 

@@ -140,8 +140,12 @@ class SharedState:
         pipe.eval(ADD_AND_READ, len(names), *names, *argv)
         if routed:
             batch = msgpack.packb([[h, w, t] for h, w, t in routed])
-            pipe.xadd(self.stream, {"r": self.replica, "b": batch},
-                      maxlen=self.stream_maxlen, approximate=True)  # fmt: skip
+            pipe.xadd(
+                self.stream,
+                {"r": self.replica, "b": batch},
+                maxlen=self.stream_maxlen,
+                approximate=True,
+            )
         pipe.xread({self.stream: self.last_id}, count=self.read_count)
         try:
             results = await pipe.execute(raise_on_error=True)
@@ -255,9 +259,25 @@ def redis_server(scratch: Path, timeout: float = 10.0) -> Iterator[str]:
     scratch.mkdir(parents=True, exist_ok=True)
     for _ in range(3):  # a free port can be taken between the check and the bind
         port = free_port()
-        argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
-                "--dir", str(scratch), "--logfile", str(scratch / "redis.log")]  # fmt: skip
+        argv = [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(scratch),
+            "--logfile",
+            str(scratch / "redis.log"),
+        ]
         proc = subprocess.Popen(guarded(argv), stdin=subprocess.DEVNULL, start_new_session=True)
         url = f"redis://127.0.0.1:{port}/0"
         if _wait_ready(url, proc, timeout):
