@@ -9,6 +9,7 @@ from router.cluster import ClusterView, WorkerState
 from router.policy import Decision, GlobalPolicy
 from router.registry import global_policies
 from router.request import Request
+from router.traits import PolicyTraits
 
 
 def worker_id(view: ClusterView, worker: WorkerState) -> tuple[int]:
@@ -25,6 +26,7 @@ class RoundRobin(GlobalPolicy):
     """Each healthy worker in turn, in id order."""
 
     default_local = "fcfs"
+    traits = PolicyTraits(counts_tokens=False)
 
     def progress_read(self, request: Request, view: ClusterView) -> tuple[()]:
         return ()  # the turn or a draw reads no load
@@ -47,6 +49,7 @@ class Random(GlobalPolicy):
     """A uniformly random healthy worker."""
 
     default_local = "fcfs"
+    traits = PolicyTraits(counts_tokens=False)
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -63,6 +66,7 @@ class LeastLoad(GlobalPolicy):
     """The worker with the fewest outstanding tokens (unprefilled prompt + ungenerated output)."""
 
     default_local = "fcfs"
+    traits = PolicyTraits(counts_tokens=False)
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         return Decision(view.least(least_tokens).id, "least tokens in flight")
@@ -73,6 +77,7 @@ class PowerOfTwo(GlobalPolicy):
     """The less loaded of two workers drawn at random (Mitzenmacher's power of two choices)."""
 
     default_local = "fcfs"
+    traits = PolicyTraits(counts_tokens=False)
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)

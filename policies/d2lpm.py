@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.lpm import healthy_matches, is_imbalanced, shortest_queue
-from policies.service_cost import VTC_PROFILE, make_meter
+from policies.service_params import DEFAULT_SERVICE_COST, ServiceCostParams
 from router.cluster import ClusterView
 from router.ledger import Ledger
 from router.policy import Decision, GlobalPolicy
@@ -51,20 +51,15 @@ class DistributedDLPM(GlobalPolicy):
     def __init__(
         self,
         quantum: float = 2048,
-        w_in: float = 1.0,
-        w_out: float = 2.0,
         cache_threshold: float = 0.3,
         balance_abs_threshold: float = 64,
         balance_rel_threshold: float = 1.5,
-        cost: str = "linear",
-        cost_coeffs: tuple[float, float, float, float, float] = VTC_PROFILE,
-        charge_output: str = "on_token",
-        predict_window: int = 5,
+        service_cost: ServiceCostParams = DEFAULT_SERVICE_COST,
     ) -> None:
         if quantum <= 0:
             raise ValueError(f"quantum: must be positive, got {quantum}")
         self.quantum = quantum
-        self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
+        self.meter = service_cost.meter()
         self.cache_threshold = cache_threshold
         self.balance = (balance_abs_threshold, balance_rel_threshold)
         self.deficits = Ledger()  # (client, worker) -> deficit; shared by router replicas

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from policies.lpm import LongestPrefixMatch
 from policies.queues import ClientQueues
-from policies.service_cost import VTC_PROFILE, client_of, make_meter
+from policies.service_cost import client_of
+from policies.service_params import DEFAULT_SERVICE_COST, ServiceCostParams
 from router.ledger import Ledger
 from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
@@ -40,18 +41,13 @@ class DeficitLongestPrefixMatch(LocalPolicy):
     def __init__(
         self,
         quantum: float = 2048,
-        w_in: float = 1.0,
-        w_out: float = 2.0,
         max_scan: int = 128,
-        cost: str = "linear",
-        cost_coeffs: tuple[float, float, float, float, float] = VTC_PROFILE,
-        charge_output: str = "on_token",
-        predict_window: int = 5,
+        service_cost: ServiceCostParams = DEFAULT_SERVICE_COST,
     ) -> None:
         if quantum <= 0:
             raise ValueError(f"quantum: must be positive, got {quantum}")
         self.quantum, self.max_scan = quantum, max_scan
-        self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
+        self.meter = service_cost.meter()
         self.deficits = Ledger()  # client -> deficit; shared by router replicas
         self.waiting = ClientQueues()
 

@@ -21,6 +21,7 @@ from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
 from router.registry import global_policies, local_policies
 from router.request import Request
+from router.traits import DisciplineTraits, PolicyTraits, ReordersOn
 
 
 def shortest_queue(view: ClusterView, worker: WorkerState) -> tuple[int, int]:
@@ -61,6 +62,7 @@ class LongestPrefixMatch(GlobalPolicy):
     """Longest cached prefix above a match ratio, least load when imbalanced (SGLang)."""
 
     default_local = "lpm"
+    traits = PolicyTraits(counts_tokens=False)
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class LongestPrefixFirst(FifoQueue):
     blocks exactly when their k-th hashes are equal.
     """
 
-    reorders_on = "cache"
+    traits = DisciplineTraits(counts_tokens=False, reorders_on=ReordersOn.CACHE)
 
     def __init__(
         self,

@@ -17,8 +17,9 @@ Post-assignment rebalancing, after a warm-up: while the heaviest worker's L is a
 `rebalance_ratio` x the lightest's, its cheapest groups move to the lightest worker, their load
 with them, as long as that does not overshoot. A group whose TTFT there doubled between the two
 halves of the window is overloaded: if moves could not even the pair, the lightest worker
-becomes a replica for it. The local discipline (`preble`) serves priority groups by cache-hit
-ratio in proportion to their priority, so low-hit requests never starve.
+becomes a replica for it. The window and the TTFT detector live in policies/preble_load.py. The
+local discipline (`preble`, policies/preble_local.py) serves priority groups by cache-hit ratio
+in proportion to their priority, so low-hit requests never starve.
 
 What the paper leaves open, what the reference does, and what this module does:
 
@@ -73,167 +74,19 @@ caller's clock (`view.now` and the hooks' `now`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from statistics import median
 
 import numpy as np
 
 from policies.lpm import healthy_matches
+from policies.preble_load import Group, GroupWindow, PerWorker, TTFTOverloadDetector, WindowEntry
 from router.cluster import ClusterView, CostEstimates, WorkerState
-from router.policy import Decision, GlobalPolicy, LocalPolicy
+from router.policy import Decision, GlobalPolicy
 from router.prefix_index import Node, WorkerId
-from router.registry import global_policies, local_policies
+from router.registry import global_policies
 from router.request import BlockHash, Request
-
-Group = Hashable  # the block hash naming it, or ("request", id) for a prompt without a full block
-
-
-@dataclass(slots=True)
-class _Entry:
-    """One dispatched request's work, kept for the window: the prefill of what was new to the
-    cluster (charged to its group) and its decode (charged to the worker it runs on)."""
-
-    request_id: int
-    time: float
-    group: Group
-    worker: WorkerId
-    prefill: float
-    decode: float
-    is_live: bool = True  # False once withdrawn: already taken back
-
-
-class PerWorker:
-    """A number per worker, held in a numpy vector. Vectors sharing one `slots` map line up,
-    so a term read for the whole fleet per request (Preble's L) is one array operation. The
-    arithmetic is float64 either way: values are those a dict of floats would hold."""
-
-    def __init__(self, slots: dict[WorkerId, int]) -> None:
-        self.slots = slots
-        self._values = np.zeros(8)
-
-    def get(self, worker: WorkerId, default: float = 0.0) -> float:
-        i = self.slots.get(worker)
-        return default if i is None or i >= len(self._values) else float(self._values[i])
-
-    def __getitem__(self, worker: WorkerId) -> float:
-        return self.get(worker)
-
-    def __setitem__(self, worker: WorkerId, value: float) -> None:
-        i = self.slots.setdefault(worker, len(self.slots))
-        self._grow(i + 1)
-        self._values[i] = value
-
-    def values(self) -> np.ndarray:
-        """Every slot's value (0 for a worker never set), read-only."""
-        n = len(self.slots)
-        self._grow(n)
-        return self._values[:n]
-
-    def _grow(self, n: int) -> None:
-        if n > len(self._values):
-            more = max(n, 2 * len(self._values)) - len(self._values)
-            self._values = np.concatenate([self._values, np.zeros(more)])
-
-
-class GroupWindow:
-    """The work requests brought over the last `window` seconds: prefill per prefix group,
-    decode per worker and per (worker, group)."""
-
-    def __init__(self, window: float, slots: dict[WorkerId, int] | None = None) -> None:
-        self.window = window
-        self.prefill: dict[Group, float] = {}
-        self.count: dict[Group, int] = {}  # requests of the group in the window
-        self.decode = PerWorker({} if slots is None else slots)
-        self.decode_of: dict[tuple[WorkerId, Group], float] = {}
-        self._entries: deque[_Entry] = deque()
-        self._by_request: dict[int, _Entry] = {}
-
-    def add(self, entry: _Entry) -> None:
-        self._entries.append(entry)
-        self._by_request[entry.request_id] = entry
-        self.prefill[entry.group] = self.prefill.get(entry.group, 0.0) + entry.prefill
-        self.count[entry.group] = self.count.get(entry.group, 0) + 1
-        self._charge_decode(entry, +1.0)
-
-    def withdraw(self, request_id: int) -> Group | None:
-        """Take back a request's entry; its group, or None if it has none here."""
-        entry = self._by_request.pop(request_id, None)
-        if entry is None or not entry.is_live:
-            return None
-        self._take(entry)
-        return entry.group
-
-    def expire(self, now: float) -> set[Group]:
-        """Drop the entries older than the window; the groups that changed."""
-        changed = set()
-        while self._entries and self._entries[0].time < now - self.window:
-            entry = self._entries.popleft()
-            if entry.is_live:
-                if self._by_request.get(entry.request_id) is entry:  # ids may be reused
-                    del self._by_request[entry.request_id]
-                self._take(entry)
-                changed.add(entry.group)
-        return changed
-
-    def move_decode(self, group: Group, src: WorkerId, dst: WorkerId) -> None:
-        """Charge `group`'s decode on `src` to `dst` instead."""
-        for entry in self._entries:
-            if entry.is_live and entry.group == group and entry.worker == src:
-                self._charge_decode(entry, -1.0)
-                entry.worker = dst
-                self._charge_decode(entry, +1.0)
-
-    def _take(self, entry: _Entry) -> None:
-        entry.is_live = False
-        group = entry.group
-        self.count[group] -= 1
-        self.prefill[group] -= entry.prefill
-        if not self.count[group]:
-            del self.count[group], self.prefill[group]
-        self._charge_decode(entry, -1.0)
-
-    def _charge_decode(self, entry: _Entry, sign: float) -> None:
-        w, key = entry.worker, (entry.worker, entry.group)
-        self.decode_of[key] = self.decode_of.get(key, 0.0) + sign * entry.decode
-        self.decode[w] = self.decode.get(w, 0.0) + sign * entry.decode
-        if sign < 0:  # drop the rounding subtractions leave
-            if self.decode_of[key] < 1e-9:
-                del self.decode_of[key]
-            if self.decode[w] < 1e-9:
-                self.decode[w] = 0.0
-
-
-class TTFTOverloadDetector:
-    """Per (group, worker), the TTFTs seen over the last `window` seconds. Overloaded when the
-    later half-window's mean is at least `factor` x the earlier half's (both non-empty)."""
-
-    def __init__(self, window: float, factor: float) -> None:
-        self.window = window
-        self.factor = factor
-        self._samples: dict[Group, dict[WorkerId, deque[tuple[float, float]]]] = {}
-
-    def add(self, group: Group, worker: WorkerId, now: float, ttft: float) -> None:
-        samples = self._samples.setdefault(group, {}).setdefault(worker, deque())
-        samples.append((now, ttft))
-        while samples[0][0] < now - self.window:
-            samples.popleft()
-
-    def is_overloaded(self, group: Group, worker: WorkerId, now: float) -> bool:
-        samples = self._samples.get(group, {}).get(worker, ())
-        mid = now - self.window / 2
-        early = [t for at, t in samples if now - self.window <= at < mid]
-        late = [t for at, t in samples if at >= mid]
-        if not early or not late:
-            return False
-        return sum(late) / len(late) >= self.factor * sum(early) / len(early)
-
-    def forget(self, group: Group, worker: WorkerId | None = None) -> None:
-        """Drop the samples of `group` on `worker`, or on every worker."""
-        if worker is None:
-            self._samples.pop(group, None)
-        else:
-            self._samples.get(group, {}).pop(worker, None)
+from router.traits import PolicyTraits
 
 
 @dataclass(slots=True)
@@ -250,7 +103,8 @@ class PrebleE2(GlobalPolicy):
     """Exploit the longest cached prefix, else explore by load + eviction + prefill cost."""
 
     default_local = "preble"
-    tokens_read_at_finish = True  # on_token feeds the time per output token only
+    # on_token feeds only the time per output token, which on_finish reads
+    traits = PolicyTraits(tokens_read_at_finish=True)
 
     def __init__(
         self,
@@ -450,7 +304,7 @@ class PrebleE2(GlobalPolicy):
         # Not measured yet: the cost model's decode step.
         tpot = median(measured) if measured else cost.decode_time(1, request.prompt_len)
         self._expire(view.now)
-        entry = _Entry(request.id, view.now, group, worker, prefill, request.output_len * tpot)
+        entry = WindowEntry(request.id, view.now, group, worker, prefill, request.output_len * tpot)
         self.window.add(entry)
         self._reshare(group, self.alloc.get(group, set()) | {worker})
         if best:
@@ -622,85 +476,3 @@ def _require_cost(view: ClusterView) -> CostEstimates:
     if view.cost is None:
         raise RuntimeError("preble needs cost estimates in the ClusterView (a cost model)")
     return view.cost
-
-
-@local_policies.register("preble")
-class HitRatioGroups(LocalPolicy):
-    """Preble's local scheduler: priority groups by cache-hit ratio, served in proportion.
-
-    A request joins group g = floor(hit ratio x num_groups) when the engine first looks at it;
-    group g gets a share of admissions proportional to g + 1 (stride scheduling), so requests
-    with more cached context go first more often, and zero-hit ones still progress.
-    """
-
-    reorders_on = "cache"  # a request's group is fixed when first seen
-
-    def __init__(self, num_groups: int = 10) -> None:
-        self.num_groups = num_groups
-        self.groups: list[deque[Request]] = [deque() for _ in range(num_groups)]
-        self.passes = [0.0] * num_groups  # stride scheduling: lowest pass goes next
-        self._ungrouped: deque[Request] = deque()
-        self._group_of: dict[int, int] = {}
-        self._len = 0
-
-    def push(self, request: Request) -> None:
-        self._ungrouped.append(request)
-        self._len += 1
-
-    def push_front(self, request: Request) -> None:
-        g = self._group_of.get(request.id)
-        (self._ungrouped if g is None else self.groups[g]).appendleft(request)
-        self._len += 1
-
-    def peek(self, cached_blocks: Callable[[Request], int]) -> Request | None:
-        while self._ungrouped:
-            request = self._ungrouped.popleft()
-            ratio = cached_blocks(request) / request.num_blocks if request.num_blocks else 0.0
-            g = min(int(ratio * self.num_groups), self.num_groups - 1)
-            self._join(g, request)
-        live = [g for g in range(self.num_groups) if self.groups[g]]
-        if not live:
-            return None
-        g = min(live, key=lambda g: (self.passes[g], -g))
-        return self.groups[g][0]
-
-    def pop(self, request: Request, num_cached_tokens: int) -> None:
-        g = self._group_of[request.id]
-        queue = self.groups[g]
-        queue.popleft() if queue[0] is request else queue.remove(request)
-        self.passes[g] += 1.0 / (g + 1)
-        self._len -= 1
-
-    def remove(self, request: Request) -> None:
-        g = self._group_of.pop(request.id, None)
-        # Ungrouped until the engine first peeks; a stranger is in neither queue.
-        if _discard(self._ungrouped if g is None else self.groups[g], request):
-            self._len -= 1
-
-    def on_finish(self, request: Request) -> None:
-        self._group_of.pop(request.id, None)
-
-    def _join(self, g: int, request: Request) -> None:
-        if not self.groups[g]:
-            # A group that was empty starts level with the others: idling banks no priority.
-            live = [self.passes[k] for k in range(self.num_groups) if self.groups[k]]
-            self.passes[g] = max(self.passes[g], min(live, default=self.passes[g]))
-        self.groups[g].append(request)
-        self._group_of[request.id] = g
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Request]:
-        yield from self._ungrouped
-        for queue in self.groups:
-            yield from queue
-
-
-def _discard(queue: deque[Request], request: Request) -> bool:
-    """Take `request` itself (not an equal one) out of `queue`; False if it is not there."""
-    for i, r in enumerate(queue):
-        if r is request:
-            del queue[i]
-            return True
-    return False

@@ -194,15 +194,3 @@ class ServiceMeter:
             return 0.0
         charged = self.cost.input(started.num_input) + started.charged_output
         return -charged / request.weight
-
-
-def make_meter(
-    w_in: float = 1.0,
-    w_out: float = 2.0,
-    cost: str = "linear",
-    cost_coeffs: tuple[float, ...] = VTC_PROFILE,
-    charge_output: str = "on_token",
-    predict_window: int = 5,
-) -> ServiceMeter:
-    """A meter from a policy's parameters (the same names on every fairness policy)."""
-    return ServiceMeter(make_cost(cost, w_in, w_out, cost_coeffs), charge_output, predict_window)

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from policies.baselines import LeastLoad
 from policies.queues import ClientQueues
-from policies.service_cost import VTC_PROFILE, client_of, make_meter
+from policies.service_cost import client_of
+from policies.service_params import DEFAULT_SERVICE_COST, ServiceCostParams
 from router.ledger import Ledger
 from router.policy import LocalPolicy
 from router.registry import global_policies, local_policies
@@ -30,16 +31,8 @@ from router.request import Request
 
 @local_policies.register("vtc")
 class VirtualTokenCounter(LocalPolicy):
-    def __init__(
-        self,
-        w_in: float = 1.0,
-        w_out: float = 2.0,
-        cost: str = "linear",
-        cost_coeffs: tuple[float, float, float, float, float] = VTC_PROFILE,
-        charge_output: str = "on_token",
-        predict_window: int = 5,
-    ) -> None:
-        self.meter = make_meter(w_in, w_out, cost, cost_coeffs, charge_output, predict_window)
+    def __init__(self, service_cost: ServiceCostParams = DEFAULT_SERVICE_COST) -> None:
+        self.meter = service_cost.meter()
         self.counters = Ledger()  # client -> counter; shared by router replicas
         self.waiting = ClientQueues()
         self._last_departed = 0.0  # counter of the client whose queue emptied last

@@ -34,6 +34,7 @@ from router.ledger import Ledger, ledgers_of
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
+from router.traits import IndexLevel
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Router:
     ) -> None:
         self.policy = policy
         # Token hooks run once per sequence per step: skip the ones that do nothing.
-        self._policy_counts_tokens = type(policy).on_token is not GlobalPolicy.on_token
+        self._policy_counts_tokens = policy.traits.counts_tokens
         self.local_factory = local_factory
         self.window = window
         self.precise = precise
@@ -103,14 +104,14 @@ class Router:
         )
         self.held = self.view.index if precise else PrefixIndex()
         # What each fallback level routes by (router.drift): KV events, what was routed, nothing.
-        self._level_index = {"load": PrefixIndex()}
+        self._level_index = {IndexLevel.LOAD: PrefixIndex()}
         if precise:
-            self._level_index["precise"] = self.view.index
+            self._level_index[IndexLevel.PRECISE] = self.view.index
         if self.approx_index is not None:
-            self._level_index["approximate"] = self.approx_index
-        self.index_level = "precise" if precise else "approximate"
+            self._level_index[IndexLevel.APPROXIMATE] = self.approx_index
+        self.index_level = IndexLevel.PRECISE if precise else IndexLevel.APPROXIMATE
         self.drift: DriftGuard | None = None  # set by a driver that hears actual hits
-        self.level_changes: list[tuple[float, str, str]] = []  # (time, from, to)
+        self.level_changes: list[tuple[float, IndexLevel, IndexLevel]] = []  # (time, from, to)
         # Engine placement never asks the router's queues what is cached.
         self._tracks_held = window is not None and not precise
         self.queues: dict[WorkerId, DispatchQueue] = {}
@@ -220,18 +221,21 @@ class Router:
         if self.routing_log is not None and self.approx_index is not None:
             self.routing_log.append((hashes, wid, now))
         # Precise: what it holds comes from KV events, and the reuse counts as a hit.
-        precise = self._level_index["precise"].touch(hashes, wid, now) if self.precise else 0
+        precise = (
+            self._level_index[IndexLevel.PRECISE].touch(hashes, wid, now) if self.precise else 0
+        )
         # Capped as an engine caps a hit: the last prompt token is always computed.
         cap = (request.prompt_len - 1) // bs
-        predicted = {"approximate": min(approximate, cap) * bs}
+        predicted: dict[str, int] = {IndexLevel.APPROXIMATE: min(approximate, cap) * bs}
         if self.precise:
-            predicted["precise"] = min(precise, cap) * bs
-        hit = {"precise": precise, "approximate": approximate}.get(self.index_level, 0)
+            predicted[IndexLevel.PRECISE] = min(precise, cap) * bs
+        hits = {IndexLevel.PRECISE: precise, IndexLevel.APPROXIMATE: approximate}
+        hit = hits.get(self.index_level, 0)
         self.predicted_hit_tokens += min(hit, cap) * bs
 
         queue = self.queues[wid]
         work = request.prompt_len + request.output_len
-        best = predicted.get("precise", predicted["approximate"])
+        best = predicted.get(IndexLevel.PRECISE, predicted[IndexLevel.APPROXIMATE])
         self._flights[request.id] = Flight(request, wid, queue, work, predicted, best)
         state.tokens_in_flight += work
         view.changed(wid)
@@ -264,11 +268,6 @@ class Router:
     def tokens(self, request: Request, num_tokens: int, now: float) -> None:
         """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
         self.tokens_many((request,), num_tokens, now)
-
-    @property
-    def policy_counts_tokens(self) -> bool:
-        """Whether the global policy keeps counts by the token (`on_token`)."""
-        return self._policy_counts_tokens
 
     def work_done_on(
         self, wid: WorkerId, num_tokens: int, kv_used_blocks: int | None = None
@@ -356,7 +355,8 @@ class Router:
 
     def share_indexes(self, other: Router) -> None:
         """Route by `other`'s approximate and held indexes (replicas sharing one store)."""
-        self.view.index = self.approx_index = self._level_index["approximate"] = other.view.index
+        self.view.index = self.approx_index = other.view.index
+        self._level_index[IndexLevel.APPROXIMATE] = other.view.index
         self.held = other.held
         self.view.changed_all()
 
@@ -380,18 +380,21 @@ class Router:
                 self._insert_routed(self.approx_index, hashes, wid, at)
 
     def set_index_level(self, level: str, now: float) -> None:
-        """Route by the precise index, the approximate one, or none (load only)."""
+        """Route by the precise index, the approximate one, or none (load only); `level` is
+        an `IndexLevel` or the string it names."""
         if level not in self._level_index:
-            raise ValueError(f"index level {level!r}: this router has {sorted(self._level_index)}")
-        if level != self.index_level:
-            self.level_changes.append((now, self.index_level, level))
-            self.index_level = level
-            self.view.index = self._level_index[level]
+            have = sorted(str(lvl) for lvl in self._level_index)
+            raise ValueError(f"index level {str(level)!r}: this router has {have}")
+        new = IndexLevel(level)
+        if new is not self.index_level:
+            self.level_changes.append((now, self.index_level, new))
+            self.index_level = new
+            self.view.index = self._level_index[new]
             self.view.changed_all()
 
-    def index_levels(self) -> tuple[str, ...]:
+    def index_levels(self) -> tuple[IndexLevel, ...]:
         """The fallback levels this router has, best first."""
-        return tuple(lvl for lvl in ("precise", "approximate", "load") if lvl in self._level_index)
+        return tuple(lvl for lvl in IndexLevel if lvl in self._level_index)
 
     def prediction(self, request: Request) -> int | None:
         """The hit tokens the best index this router keeps expected for `request`, whether or

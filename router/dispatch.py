@@ -23,7 +23,7 @@ class DispatchQueue:
             raise ValueError(f"window: must be at least 1, got {window}")
         self.worker = worker
         self.discipline = discipline
-        self.counts_tokens = discipline.counts_tokens
+        self.counts_tokens = discipline.traits.counts_tokens
         self.window = window
         self.in_flight = 0
         self.queued_tokens = 0  # prompt + output tokens of the requests waiting here

@@ -19,16 +19,26 @@ Call order for one request, in both backends:
 
 Hooks must not raise for a worker that went down or was removed, nor for a request or client a
 policy has forgotten: the backends call them from failure paths too.
+
+Speed hints. Nothing below changes a decision, and a new policy may ignore all of it:
+- `traits` (router/traits.py) says what a driver may skip: token hooks that do nothing, tokens
+  delivered one by one, decode steps that cannot reorder a queue. The defaults skip nothing.
+- `on_tokens` is `on_token` for a batch (a simulated engine's step or run); override it to write
+  each account once.
+- `GlobalPolicy.progress_read` names the workers whose decode progress a decision reads, so a
+  simulator brings only those up to date before routing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.cluster import ClusterView
 from router.prefix_index import WorkerId
 from router.request import Request
+from router.traits import DisciplineTraits, PolicyTraits
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,10 +51,14 @@ class GlobalPolicy:
     """Base class with no-op hooks; subclasses implement `route`."""
 
     name = "?"
-    # True when what `on_token` keeps is read only by `on_finish` (a time per output token),
-    # never by `route` or `on_dispatch`: a driver may then deliver a request's tokens late and
-    # summed, stamped with the last one's time, as long as it does before the request finishes.
-    tokens_read_at_finish = False
+    traits: ClassVar[PolicyTraits] = PolicyTraits()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        counts = cls.on_token is not GlobalPolicy.on_token or (
+            cls.on_tokens is not GlobalPolicy.on_tokens
+        )
+        _check_counts_tokens(cls, cls.traits.counts_tokens, counts)
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         """Choose a healthy worker for `request`. Must not mutate `view`."""
@@ -53,18 +67,20 @@ class GlobalPolicy:
     def on_dispatch(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         pass
 
-    def progress_read(self, request: Request, view: ClusterView) -> Collection[WorkerId] | None:
-        """The workers whose decode progress `route` and `on_dispatch` may read for `request`
-        (`tokens_in_flight`, `kv_used_blocks`, counters kept by `on_token`); None: any worker.
-        A simulator applies those workers' finished decode steps before routing and leaves the
-        others' for their run's end, so naming few keeps a decision's cost flat in the fleet."""
-        return None
-
     def on_first_token(self, request: Request, worker: WorkerId, now: float) -> None:
         pass
 
     def on_token(self, request: Request, worker: WorkerId, num_tokens: int, now: float) -> None:
         pass
+
+    def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        pass
+
+    def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
+        """`request` was dispatched to `worker` but never ran there; by default, as finished."""
+        self.on_finish(request, worker, view)
+
+    # ------------------------------------------------------------ speed hints
 
     def on_tokens(
         self, requests: Sequence[Request], worker: WorkerId, num_tokens: int, now: float
@@ -74,12 +90,12 @@ class GlobalPolicy:
         for request in requests:
             self.on_token(request, worker, num_tokens, now)
 
-    def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
-        pass
-
-    def on_withdraw(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
-        """`request` was dispatched to `worker` but never ran there; by default, as finished."""
-        self.on_finish(request, worker, view)
+    def progress_read(self, request: Request, view: ClusterView) -> Collection[WorkerId] | None:
+        """The workers whose decode progress `route` and `on_dispatch` may read for `request`
+        (`tokens_in_flight`, `kv_used_blocks`, counters kept by `on_token`); None: any worker.
+        A simulator applies those workers' finished decode steps before routing and leaves the
+        others' for their run's end, so naming few keeps a decision's cost flat in the fleet."""
+        return None
 
 
 class LocalPolicy:
@@ -95,11 +111,14 @@ class LocalPolicy:
     """
 
     name = "?"
-    # What besides requests joining or leaving can change the head of the queue: "nothing"
-    # (FCFS), "cache" (the blocks the worker holds: evictions), or "tokens" (service counted as
-    # tokens stream). A simulated engine runs decode steps back to back while the head waits
-    # for memory only as far as they cannot move it.
-    reorders_on = "tokens"
+    traits: ClassVar[DisciplineTraits] = DisciplineTraits()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        counts = cls.on_token is not LocalPolicy.on_token or (
+            cls.on_tokens is not LocalPolicy.on_tokens
+        )
+        _check_counts_tokens(cls, cls.traits.counts_tokens, counts)
 
     def push(self, request: Request) -> None:
         raise NotImplementedError
@@ -124,17 +143,6 @@ class LocalPolicy:
         """`num_tokens` output tokens of a started request. Must not raise for a request or
         client the discipline does not know (it may have been rebuilt under running requests)."""
 
-    def on_tokens(self, requests: Sequence[Request], num_tokens: int) -> None:
-        """`on_token` for each of a batch (an engine's step or run); may be overridden to
-        write each account once."""
-        for request in requests:
-            self.on_token(request, num_tokens)
-
-    @property
-    def counts_tokens(self) -> bool:
-        """Whether `on_token` does anything: callers skip it per token when it does not."""
-        return type(self).on_token is not LocalPolicy.on_token
-
     def on_finish(self, request: Request) -> None:
         pass
 
@@ -143,3 +151,21 @@ class LocalPolicy:
 
     def __iter__(self) -> Iterator[Request]:
         raise NotImplementedError
+
+    # ------------------------------------------------------------ speed hints
+
+    def on_tokens(self, requests: Sequence[Request], num_tokens: int) -> None:
+        """`on_token` for each of a batch (an engine's step or run); may be overridden to
+        write each account once."""
+        for request in requests:
+            self.on_token(request, num_tokens)
+
+
+def _check_counts_tokens(cls: type, declared: bool, defines_hooks: bool) -> None:
+    """A class whose traits say its token hooks do nothing must not define any: drivers would
+    never call them."""
+    if defines_hooks and not declared:
+        raise TypeError(
+            f"{cls.__qualname__} defines on_token or on_tokens but its traits say "
+            "counts_tokens=False: drivers would skip them"
+        )

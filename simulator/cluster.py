@@ -22,6 +22,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import TypeVar
 
 import simpy
 from tqdm import tqdm
@@ -33,10 +35,13 @@ from router.kv_events import KVEventIndexer
 from router.policy import GlobalPolicy, LocalPolicy
 from router.records import RequestRecord
 from router.request import BlockHash, Request
+from router.traits import IndexMode, Placement
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.results import WorkerRecord, summarize
 from traces.schema import Trace
 from traces.transform import InfiniteCache
+
+M = TypeVar("M", bound=Enum)
 
 
 @dataclass(frozen=True)
@@ -48,15 +53,16 @@ class SimConfig:
     local_params: dict[str, object] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     closed_loop: bool = False
-    # How the router learns what engines cache: "approximate" believes every routed prompt is
-    # cached on its worker (within capacity); "precise" hears the engines' KV events (blocks
-    # stored, evicted), each `kv_event_delay` seconds after it happened.
-    index: str = "approximate"
+    # How the router learns what engines cache: approximate believes every routed prompt is
+    # cached on its worker (within capacity); precise hears the engines' KV events (blocks
+    # stored, evicted), each `kv_event_delay` seconds after it happened. A string is taken as
+    # the mode it names, here and for `placement`.
+    index: IndexMode = IndexMode.APPROXIMATE
     kv_event_delay: float = 0.0
-    # Where the local discipline runs: inside each engine's scheduler ("engine"), or in the
-    # router's per-worker dispatch queue with at most `window` requests in flight at an FCFS
-    # engine ("router": how the live proxy keeps tenants fair in front of a stock vLLM).
-    placement: str = "engine"
+    # Where the local discipline runs: inside each engine's scheduler, or in the router's
+    # per-worker dispatch queue with at most `window` requests in flight at an FCFS engine (how
+    # the live proxy keeps tenants fair in front of a stock vLLM).
+    placement: Placement = Placement.ENGINE
     window: int = 8
     # (start, end, worker): the router holds the worker down over [start, end), as after failed
     # health checks: its queued requests are routed elsewhere, what its engine runs finishes.
@@ -78,12 +84,10 @@ class SimConfig:
         if self.local_policy is not None and self.local_policy not in policies.local_policies:
             known = ", ".join(policies.local_policies.names())
             raise ValueError(f"local_policy: unknown {self.local_policy!r}; choose one of: {known}")
-        if self.index not in ("approximate", "precise"):
-            raise ValueError(f"index: 'approximate' or 'precise', got {self.index!r}")
+        object.__setattr__(self, "index", _mode(IndexMode, self.index, "index"))
         if self.kv_event_delay < 0:
             raise ValueError(f"kv_event_delay: must be >= 0, got {self.kv_event_delay}")
-        if self.placement not in ("engine", "router"):
-            raise ValueError(f"placement: 'engine' or 'router', got {self.placement!r}")
+        object.__setattr__(self, "placement", _mode(Placement, self.placement, "placement"))
         if self.window < 1:
             raise ValueError(f"window: must be at least 1, got {self.window}")
         if self.routers < 1:
@@ -94,6 +98,15 @@ class SimConfig:
             if not 0 <= start < end or not 0 <= worker < self.num_workers:
                 raise ValueError(f"outages: ({start}, {end}, {worker}) is not a (start < end, "
                                  f"worker) of this cluster")  # fmt: skip
+
+
+def _mode(kind: type[M], value: object, what: str) -> M:
+    """`value` as the `kind` member it is or names; a ValueError naming `what` if none."""
+    try:
+        return kind(value)
+    except ValueError:
+        names = " or ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{what}: {names}, got {value!r}") from None
 
 
 @dataclass
@@ -116,8 +129,8 @@ class SimCluster:
         )
         self.placement = config.placement
         fcfs = policies.local_policies.get("fcfs")
-        in_router = config.placement == "router"
-        self.precise = config.index == "precise"
+        in_router = config.placement is Placement.ROUTER
+        self.precise = config.index is IndexMode.PRECISE
         self.routers = [
             Router(
                 self.policy if r == 0 else self._global_policy(),
@@ -132,11 +145,12 @@ class SimCluster:
         self.router = self.routers[0]
         self.view = self.router.view
         engine_config = replace(config.engine, block_size=trace.block_size)
-        counting_queues = in_router and self.local_factory().counts_tokens  # no queue yet
+        counting_queues = in_router and self.local_factory().traits.counts_tokens  # no queue yet
         # Decode progress in sum mid-run (engines settle each sequence at the run's end) when
         # nothing reads tokens per request before it finishes: one router, whose policy and
         # queues count none, or a policy that reads its counts only at the finish.
-        counting_policy = self.router.policy_counts_tokens and not self.policy.tokens_read_at_finish
+        traits = self.policy.traits
+        counting_policy = traits.counts_tokens and not traits.tokens_read_at_finish
         self.defers_tokens = len(self.routers) == 1 and not counting_policy and not counting_queues
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
@@ -424,7 +438,7 @@ class SimCluster:
             "policy": self.config.policy,
             "local_policy": (
                 self.router.queues[0].discipline.name
-                if self.placement == "router"
+                if self.placement is Placement.ROUTER
                 else e.local.name
             ),
             "policy_params": dict(self.config.policy_params),
@@ -438,7 +452,7 @@ class SimCluster:
             "fast_forward": e.config.fast_forward,
             "closed_loop": self.config.closed_loop,
             "placement": self.config.placement,
-            "window": self.config.window if self.placement == "router" else None,
+            "window": self.config.window if self.placement is Placement.ROUTER else None,
             "index": self.config.index,
             "kv_event_delay": self.config.kv_event_delay,
             "seed": self.config.seed,

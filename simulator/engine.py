@@ -30,6 +30,7 @@ import simpy
 from router.cost_model import CostModel, StepShape
 from router.policy import LocalPolicy
 from router.request import Request
+from router.traits import ReordersOn
 from simulator.block_manager import BlockManager, BlockTable, KVEventSink
 
 
@@ -148,7 +149,7 @@ class Engine:
         self.local = local
         self.listener = listener
         # Skip per-token hooks nobody listens to: they run once per sequence per step.
-        self._local_counts_tokens = local.counts_tokens
+        self._local_counts_tokens = local.traits.counts_tokens
         self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
         self._changed = getattr(listener, "on_engine_changed", None)
         self._on_progress = (
@@ -340,9 +341,11 @@ class Engine:
         # Decode steps free no sequence slot and no memory, so a head blocked for either stays
         # blocked while they run, unless the discipline reorders: as tokens are served (after
         # any step), or by what is cached (after a step that evicts).
-        reorders = self.local.reorders_on
-        stays_blocked = stopped_by == "seqs" or (stopped_by == "memory" and reorders != "tokens")
-        free = blocks.num_empty if stopped_by == "memory" and reorders == "cache" else None
+        reorders = self.local.traits.reorders_on
+        stays_blocked = stopped_by == "seqs" or (
+            stopped_by == "memory" and reorders is not ReordersOn.TOKENS
+        )
+        free = blocks.num_empty if stopped_by == "memory" and reorders is ReordersOn.CACHE else None
 
         if not batch:
             raise RuntimeError(

@@ -28,9 +28,10 @@ from router.prefix_index import PrefixIndex, WorkerId
 from router.proxy.metrics import RouterMetrics
 from router.request import Request
 from router.runtime.collector import CollectorPacing
+from router.traits import IndexLevel, IndexMode
 
 log = logging.getLogger(__name__)
-LEVEL_CODES = {"precise": 2, "approximate": 1, "load": 0}
+LEVEL_CODES = {IndexLevel.PRECISE: 2, IndexLevel.APPROXIMATE: 1, IndexLevel.LOAD: 0}
 
 
 class WorkerDown(Exception):
@@ -173,11 +174,11 @@ class LiveCluster:
         worker.waiters[request.id] = fut
         bs = self.view.block_size
         self.metrics.prompt_tokens.labels(worker.label).inc(request.prompt_len)
-        self.metrics.estimated_hit_tokens.labels(worker.label, "approximate").inc(
+        self.metrics.estimated_hit_tokens.labels(worker.label, IndexMode.APPROXIMATE).inc(
             routed.approximate_hit_blocks * bs
         )
         if self.precise:
-            self.metrics.estimated_hit_tokens.labels(worker.label, "precise").inc(
+            self.metrics.estimated_hit_tokens.labels(worker.label, IndexMode.PRECISE).inc(
                 routed.hit_blocks * bs
             )
         self._send(worker, routed.released)
@@ -253,10 +254,10 @@ class LiveCluster:
             return
         self.metrics.queue_depth.labels(worker.label).set(len(worker.dispatch))
         self.metrics.in_flight.labels(worker.label).set(worker.dispatch.in_flight)
-        self.metrics.index_blocks.labels(worker.label, "approximate").set(
+        self.metrics.index_blocks.labels(worker.label, IndexMode.APPROXIMATE).set(
             self.approx_index.num_blocks(worker.id)
         )
         if self.precise:
-            self.metrics.index_blocks.labels(worker.label, "precise").set(
+            self.metrics.index_blocks.labels(worker.label, IndexMode.PRECISE).set(
                 self.view.index.num_blocks(worker.id)
             )

@@ -78,12 +78,11 @@ def up_to_date(root: Path = ROOT, native: Path = NATIVE) -> bool:
         stamp = json.loads((native / STAMP).read_text())
         if (stamp.get("python"), stamp.get("layout")) != (sys.implementation.cache_tag, LAYOUT):
             return False
-        for m in MODULES:
-            path = root / m
-            if _stat(path) != stamp["stats"][m]:
-                if hashlib.sha256(path.read_bytes()).hexdigest() != stamp["sources"][m]:
-                    return False
-        return True
+        return all(
+            _stat(root / m) == stamp["stats"][m]
+            or hashlib.sha256((root / m).read_bytes()).hexdigest() == stamp["sources"][m]
+            for m in MODULES
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return False  # not built, or not run from a source checkout
 

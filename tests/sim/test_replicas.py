@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.service_cost import client_of, make_meter
+from policies.service_cost import client_of
+from policies.service_params import ServiceCostParams
 from router.cost_model import roofline
 from router.ledger import Ledger
 from router.request import Request
@@ -31,7 +32,7 @@ def test_ledger_records_changes_and_converges_in_any_order() -> None:
 def test_a_meters_batch_charges_reach_the_other_replicas() -> None:
     """The service meter (compiled, see router/runtime/native.py) writes a batch's charges into the
     ledger through its own item assignment, so each is recorded for the other replicas."""
-    meter, ledger = make_meter(w_in=1.0, w_out=2.0), Ledger()
+    meter, ledger = ServiceCostParams(w_in=1.0, w_out=2.0).meter(), Ledger()
     a, b = Request(1, 0.0, 100, 10, [], client="a"), Request(2, 0.0, 100, 10, [], client="b")
     for r in (a, b):
         ledger[r.client] = ledger.get(r.client, 0.0) - meter.start(r, 40)

@@ -216,7 +216,7 @@ class TestLoad:
     def test_tokens_counted_late_and_summed_give_the_same_time_per_token(self) -> None:
         """`tokens_read_at_finish`: a simulator may settle a decode run's tokens at its end,
         summed and stamped with the last one's time; the sample must not change."""
-        assert policies.global_policies.get("preble").tokens_read_at_finish
+        assert policies.global_policies.get("preble").traits.tokens_read_at_finish
         view = make_view(0)
         samples = []
         for summed in (False, True):
