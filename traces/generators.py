@@ -70,19 +70,30 @@ def shared_prefix(
     output_tokens: int = 128,
     rate: float = 20.0,
     prefixes_per_tenant: int = 2,
+    tenant_skew: float = 0.0,
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
 ) -> Trace:
-    """Tenants with long shared system prompts / documents, many questions each, Poisson."""
+    """Tenants with long shared system prompts / documents, many questions each, Poisson.
+
+    Tenant k sends a share of the requests in proportion to 1/(k+1)^tenant_skew: 0 (the
+    default) gives every tenant the same demand; 1 gives tenant-0 twice tenant-1's demand and
+    three times tenant-2's, down a Zipf tail."""
     rng, tokens = random.Random(seed), _Tokens(seed)
     prefixes = {
         (t, p): tokens.take(_lognormal_int(rng, prefix_tokens, 0.3, block_size))
         for t in range(num_tenants)
         for p in range(prefixes_per_tenant)
     }
+    shares = [1 / (k + 1) ** tenant_skew for k in range(num_tenants)]
     reqs = []
     for i, t in enumerate(_poisson_times(rng, rate, num_requests)):
-        tenant = rng.randrange(num_tenants)
+        # Equal shares draw with randrange, so a seed gives the same trace with or without skew 0.
+        tenant = (
+            rng.choices(range(num_tenants), shares)[0]
+            if tenant_skew
+            else rng.randrange(num_tenants)
+        )
         prefix = prefixes[(tenant, rng.randrange(prefixes_per_tenant))]
         prompt = np.concatenate([prefix, tokens.take(_lognormal_int(rng, question_tokens))])
         out = _lognormal_int(rng, output_tokens)
