@@ -211,9 +211,12 @@ class PrebleE2(GlobalPolicy):
         return out
 
     def _cheapest(
-        self, request: Request, view: ClusterView, matched: dict[WorkerId, int],
+        self,
+        request: Request,
+        view: ClusterView,
+        matched: dict[WorkerId, int],
         workers: list[WorkerId],
-    ) -> WorkerId:  # fmt: skip
+    ) -> WorkerId:
         """The worker with the least L + M + P, ties to the smaller id: `explore_costs`'s
         argmin, in the same float arithmetic. L and P are vectors over the fleet; M, a walk of
         a worker's LRU victims, is at least 0, so it is taken only for workers whose L + P
@@ -244,9 +247,13 @@ class PrebleE2(GlobalPolicy):
         return best_w
 
     def _eviction_cost(
-        self, view: ClusterView, worker: WorkerState, missed: int, cost: CostEstimates,
+        self,
+        view: ClusterView,
+        worker: WorkerState,
+        missed: int,
+        cost: CostEstimates,
         beaten: tuple[float, float, float] | None = None,
-    ) -> float:  # fmt: skip
+    ) -> float:
         """M: what placing `missed` new blocks on `worker` pushes out, weighed by reuse. A full
         cache (an LRU cache's steady state) gives up as many blocks as it takes in.
         `beaten` = (L, P, best): stop once L + M + P exceeds `best`, M then only part-summed

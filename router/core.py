@@ -418,8 +418,9 @@ class Router:
         for request in out:
             self._flights[request.id].released = True
             if self._tracks_held:  # the worker computes this prompt from now on
-                self._insert_routed(self.held, request.block_hashes[: request.prompt_len // bs],
-                                    wid, now)  # fmt: skip
+                self._insert_routed(
+                    self.held, request.block_hashes[: request.prompt_len // bs], wid, now
+                )
         self._count(wid)
         return out
 

@@ -98,8 +98,10 @@ class KVEventIndexer:
                 self.other_sizes.add(size)
                 log.warning(
                     "worker %s: KV events of %d-token blocks, the router's are %d: not indexed",
-                    self.worker, size, self.block_size,
-                )  # fmt: skip
+                    self.worker,
+                    size,
+                    self.block_size,
+                )
             return
         prefix = self._path(parent) if parent is not None else []
         if parent is not None and not prefix:

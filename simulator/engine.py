@@ -157,7 +157,7 @@ class Engine:
             if getattr(listener, "defers_tokens", False)
             and kv_events is None  # evictions a decode step makes are events, at their time
             else None
-        )  # fmt: skip
+        )
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size, kv_events)
         # When the block changes being made happen: step start while planning, step end while

@@ -121,9 +121,13 @@ def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path)
         "    native.is_native(simulator.engine), native.is_native(policies.service_cost)]))"
     )
     done = subprocess.run(
-        [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
-        timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-    )  # fmt: skip
+        [sys.executable, "-P", "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     registered, simulator_init, engine_compiled, meter_compiled = json.loads(done.stdout)
     assert registered, "policies/__init__ did not run: a namespace package stood in for it"

@@ -479,8 +479,10 @@ class TestBatchedTokens:
     def steps(self) -> list[tuple[list[int], int]]:
         """(indices into the batch, tokens each) for a run of steps; members leave and join."""
         rng = random.Random(11)
-        return [(sorted(rng.sample(range(12), rng.randrange(1, 12))), rng.choice([1, 1, 5, 33]))
-                for _ in range(40)]  # fmt: skip
+        return [
+            (sorted(rng.sample(range(12), rng.randrange(1, 12))), rng.choice([1, 1, 5, 33]))
+            for _ in range(40)
+        ]
 
     @pytest.mark.parametrize("params", PARAMS)
     @pytest.mark.parametrize("name", FAIR_LOCALS)
@@ -596,9 +598,11 @@ class TestServiceGapBounds:
     @example(w=BURST, placement="router", n=1, quantum=1024)
     def test_dlpm(self, w, placement, n, quantum) -> None:
         config = replace(
-            PLACEMENTS[placement](n), policy="lpm", local_policy="dlpm",
+            PLACEMENTS[placement](n),
+            policy="lpm",
+            local_policy="dlpm",
             local_params={"quantum": quantum},
-        )  # fmt: skip
+        )
         gap, max_in, max_out = service_gap(random_trace(**w), config)
         assert gap <= 2 * (quantum + n * (max_in + 2 * max_out))
 
@@ -621,8 +625,9 @@ def shared_blocks(r: Request) -> int:
 
 class TestFailurePathsChargeNothing:
     @settings(max_examples=150, deadline=None, derandomize=True)
-    @given(name=st.sampled_from(ALL_LOCALS), charge=st.sampled_from(["on_token", "predicted"]),
-           ops=OPS)  # fmt: skip
+    @given(
+        name=st.sampled_from(ALL_LOCALS), charge=st.sampled_from(["on_token", "predicted"]), ops=OPS
+    )
     def test_withdrawal_and_hooks_of_a_replaced_discipline(self, name, charge, ops) -> None:
         """Random pushes, admissions, tokens, finishes, preemptions, withdrawals, and workers
         marked down (the discipline replaced under its running requests, its queue handed

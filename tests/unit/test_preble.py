@@ -529,9 +529,17 @@ def test_the_fleet_vector_search_picks_what_explore_costs_ranks_first(monkeypatc
         return expected
 
     monkeypatch.setattr(PrebleE2, "_cheapest", checked)
-    trace = shared_prefix(num_requests=300, num_tenants=20, prefixes_per_tenant=6, rate=40,
-                          prefix_tokens=1500, question_tokens=1200, output_tokens=100)  # fmt: skip
-    config = SimConfig(5, "preble", policy_params={"warmup": 5},
-                       engine=EngineConfig(num_kv_blocks=600))  # fmt: skip
+    trace = shared_prefix(
+        num_requests=300,
+        num_tenants=20,
+        prefixes_per_tenant=6,
+        rate=40,
+        prefix_tokens=1500,
+        question_tokens=1200,
+        output_tokens=100,
+    )
+    config = SimConfig(
+        5, "preble", policy_params={"warmup": 5}, engine=EngineConfig(num_kv_blocks=600)
+    )
     simulate(trace, COST, config)
     assert seen["choices"] > 50 and seen["evicting"] > 10, seen

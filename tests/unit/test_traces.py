@@ -211,8 +211,10 @@ class TestTransforms:
     def test_tile_multiplies_the_rate_keeping_each_copy_its_own(self) -> None:
         trace = chat_sessions(num_sessions=30, rate=2.0)
         n, span = len(trace), trace.duration
-        turns = {s: [r.block_hashes for r in trace.requests if r.session == s]
-                 for s in {r.session for r in trace.requests}}  # fmt: skip
+        turns = {
+            s: [r.block_hashes for r in trace.requests if r.session == s]
+            for s in {r.session for r in trace.requests}
+        }
         tiled = transform.tile(trace, 4)
         assert len(tiled) == 4 * n
         starts: dict[str, float] = {}

@@ -82,8 +82,9 @@ class TestModes:
 
 
 class TestParametersObject:
-    @pytest.mark.parametrize("registry, name", [("local", "vtc"), ("local", "dlpm"),
-                                                ("global", "d2lpm")])  # fmt: skip
+    @pytest.mark.parametrize(
+        "registry, name", [("local", "vtc"), ("local", "dlpm"), ("global", "d2lpm")]
+    )
     def test_users_name_the_fields_and_the_policy_gets_the_object(self, registry, name) -> None:
         reg = policies.local_policies if registry == "local" else policies.global_policies
         built = reg.build(name, {"w_out": 3, "charge_output": "predicted"})

@@ -54,8 +54,10 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
     num_workers = 24
     for w in range(num_workers):
         router.add_worker(w, kv_capacity_blocks=rng.randint(40, 400))
-    indexers = [KVEventIndexer(router.view.index, w, changed=router.view.changed) for w in
-                range(num_workers)]  # fmt: skip
+    indexers = [
+        KVEventIndexer(router.view.index, w, changed=router.view.changed)
+        for w in range(num_workers)
+    ]
     docs = [[rng.getrandbits(60) for _ in range(rng.randint(2, 30))] for _ in range(12)]
     live: dict[int, Request] = {}
     now = 0.0
@@ -74,8 +76,11 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
             router.first_token(request, now)
             router.finish(request, now)
         elif op < 0.82:
-            router.report(rng.randrange(num_workers), waiting=rng.randint(0, 3),
-                          kv_used_blocks=rng.randint(0, 300))  # fmt: skip
+            router.report(
+                rng.randrange(num_workers),
+                waiting=rng.randint(0, 3),
+                kv_used_blocks=rng.randint(0, 300),
+            )
         elif op < 0.86:
             wid = rng.randrange(num_workers)
             for request in router.worker_down(wid, now):
