@@ -203,7 +203,15 @@ class FittedCost(StepCost):
         )
 
     @classmethod
-    def fit(cls, measurements: list[Measurement], kv_capacity_tokens: int, name: str) -> FittedCost:
+    def fit(
+        cls,
+        measurements: list[Measurement],
+        kv_capacity_tokens: int,
+        name: str,
+        scale: Sequence[float] | None = None,
+    ) -> FittedCost:
+        """Non-negative least squares over the measurements; with `scale`, each measurement's
+        error counts relative to its scale (so short steps weigh as much as long ones)."""
         if len(measurements) < len(cls.COEFFICIENTS):
             raise ValueError(f"profile: {len(measurements)} measurements cannot fit 5 terms")
         x = np.array(
@@ -219,6 +227,9 @@ class FittedCost(StepCost):
             ]
         )
         y = np.array([m.seconds for m in measurements])
+        if scale is not None:
+            w = 1 / np.array(scale)
+            x, y = x * w[:, None], y * w
         return cls(
             dict(zip(cls.COEFFICIENTS, _nonnegative_lstsq(x, y), strict=True)),
             kv_capacity_tokens,

@@ -31,10 +31,9 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.cost_model import FittedCost, Measurement, StepShape, _nonnegative_lstsq
+from router.cost_model import FittedCost, Measurement, StepShape
 from router.proxy.monitor import kv_cache_blocks
 
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
@@ -292,36 +291,11 @@ def fit(
         kept = [i for i in range(len(measurements)) if i not in drop]
         if len(kept) < len(FittedCost.COEFFICIENTS):
             break
-        cost = _weighted_fit(
-            [measurements[i] for i in kept], [predicted[i] for i in kept], capacity, name
+        cost = FittedCost.fit(
+            [measurements[i] for i in kept], capacity, name, scale=[predicted[i] for i in kept]
         )
     return cost
 
 
 def _predicted(cost: FittedCost, m: Measurement) -> float:
     return cost.step_time(m.shape) + m.request * cost.request_overhead
-
-
-def _weighted_fit(
-    measurements: list[Measurement], scale: list[float], capacity: int, name: str
-) -> FittedCost:
-    """Non-negative least squares of each measurement's error over its `scale`."""
-    w = 1 / np.array(scale)
-    y = np.array([m.seconds for m in measurements]) * w
-    x = (
-        np.array(
-            [
-                (
-                    1.0,
-                    m.shape.num_tokens,
-                    m.shape.attention_pairs,
-                    m.shape.kv_read_tokens,
-                    float(m.request),
-                )
-                for m in measurements
-            ]
-        )
-        * w[:, None]
-    )
-    coef = _nonnegative_lstsq(x, y)
-    return FittedCost(dict(zip(FittedCost.COEFFICIENTS, coef, strict=True)), capacity, name)
