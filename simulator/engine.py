@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import simpy
@@ -43,6 +43,11 @@ class EngineConfig:
     fast_forward: bool = True
     max_run_steps: int = 4096
     check_invariants: bool = False  # tests: verify block accounting after every change
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Compiled, a frozen dataclass cannot be unpickled field by field (experiments send
+        # their configs to worker processes): rebuild it through the constructor instead.
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
 
 
 class Seq:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,13 @@ def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path)
     assert registered, "policies/__init__ did not run: a namespace package stood in for it"
     assert simulator_init == str(native.ROOT / "simulator" / "__init__.py")
     assert engine_compiled and meter_compiled
+
+
+def test_configs_cross_process_boundaries() -> None:
+    """`fairway experiment` and `compare` send configs to worker processes: compiled or not,
+    they come back equal."""
+    from simulator.cluster import SimConfig
+    from simulator.engine import EngineConfig
+
+    config = SimConfig(num_workers=3, engine=EngineConfig(num_kv_blocks=64, max_num_seqs=8))
+    assert pickle.loads(pickle.dumps(config)) == config
