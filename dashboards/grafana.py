@@ -155,7 +155,7 @@ def dashboard(panels: tuple[Panel, ...] = PANELS) -> dict:
 
 
 def prometheus_config(
-    proxy: str = "127.0.0.1:8000",
+    proxy: str = "127.0.0.1:8001",  # the proxy's admin listener (`admin_port`): /metrics
     workers: tuple[str, ...] = ("127.0.0.1:8100", "127.0.0.1:8101"),
     interval: str = "5s",
 ) -> dict:

@@ -114,7 +114,7 @@ class DistributedDLPM(GlobalPolicy):
         if request.client not in clients:
             before = self.deficits.get(key, 0.0)
             granted = self.deficit(request.client, worker) - before
-            self.deficits.adjust(key, granted)  # local: see router.ledger
+            self.deficits.adjust(key, granted)  # this replica's own: see router.ledger
         self.deficits.setdefault(key, 0.0)
         clients[request.client] = clients.get(request.client, 0) + 1
         extend = request.prompt_len - self._matched.pop(request.id, 0) * view.block_size
@@ -162,11 +162,5 @@ class DistributedDLPM(GlobalPolicy):
 
     def _refill(self, worker: WorkerId) -> None:
         clients = self.active.get(worker)
-        if not clients:
-            return
-        richest = max(self.deficits[(c, worker)] for c in clients)
-        if richest > 0:
-            return
-        rounds = math.floor(-richest / self.quantum) + 1
-        for c in clients:
-            self.deficits.adjust((c, worker), rounds * self.quantum)
+        if clients:  # shared with the other replicas: a repeat finds one in credit (ledger)
+            self.deficits.refill([(c, worker) for c in clients], self.quantum)

@@ -15,7 +15,6 @@ the extend tokens as the input; the quantum is in the cost's units.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 from policies.lpm import LongestPrefixMatch
@@ -101,15 +100,12 @@ class DeficitLongestPrefixMatch(LocalPolicy):
 
     def _refill(self) -> None:
         """No waiting client is in credit: add Q^u to each, as many times as the richest of
-        them needs to pass zero."""
-        richest = max(self.deficits[c] for c in self.waiting.queues)
-        rounds = math.floor(-richest / self.quantum) + 1
-        for client in self.waiting.queues:
-            self.deficits.adjust(client, rounds * self.quantum)  # local: see router.ledger
+        them needs to pass zero (a refill that replicas repeat counts once: router.ledger)."""
+        self.deficits.refill(self.waiting.queues, self.quantum)
 
     def _leave(self, client: str) -> None:
         """`client` has nothing waiting any more: it keeps its debt, not its unused credit."""
-        self.deficits.adjust(client, min(-self.deficits[client], 0.0))
+        self.deficits.lower_to(client, 0.0)
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -42,7 +42,7 @@ class VirtualTokenCounter(LocalPolicy):
         if not self.waiting.is_backlogged(client):
             backlogged = [self.counters[c] for c in self.waiting.queues]
             lift = min(backlogged) if backlogged else self._last_departed
-            self.counters.raise_to(client, lift)  # a local lift: replicas share charges only
+            self.counters.raise_to(client, lift)  # a max: lifted at two replicas, once
         self.waiting.push(request)
 
     def push_front(self, request: Request) -> None:

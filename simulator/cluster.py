@@ -32,6 +32,7 @@ import policies
 from router.core import Router
 from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
+from router.ledger import LedgerStore
 from router.policy import GlobalPolicy, LocalPolicy
 from router.records import RequestRecord
 from router.request import BlockHash, Request
@@ -204,25 +205,25 @@ class SimCluster:
                 router.share_indexes(first)
 
     def _sync_routers(self) -> simpy.events.ProcessGenerator:
-        """Every `router_sync` seconds each replica sends what it charged and routed since the
-        last sync, and applies what the others sent."""
+        """Every `router_sync` seconds each replica, in turn, sends the store what it did since
+        the last sync (`Ledger.take`: charges, lifts, clamps, refills) and what it routed; then
+        each takes the store's values (`Ledger.rebase`) and the others' routing decisions. The
+        store applies the steps as the live replicas' Redis script does (router/ledger.py)."""
+        store = self.ledger_store = LedgerStore()
         while True:
             yield self.env.timeout(self.config.router_sync)
-            sent = [
-                ({key: ledger.take() for key, ledger in r.ledgers().items()}, r.routing_log or [])
-                for r in self.routers
-            ]
+            routed = []
             for r in self.routers:
+                for key, ledger in r.ledgers().items():
+                    store.apply(key, ledger.take())
+                routed.append(r.routing_log or [])
                 r.routing_log = []
             for i, router in enumerate(self.routers):
-                ledgers = router.ledgers()
-                for j, (changes, routed) in enumerate(sent):
-                    if i == j:
-                        continue
-                    for key, delta in changes.items():
-                        if delta and key in ledgers:
-                            ledgers[key].apply(delta)
-                    router.learn_routed(routed)
+                for key, ledger in router.ledgers().items():
+                    ledger.rebase(store.values.get(key, {}))
+                for j, decisions in enumerate(routed):
+                    if i != j:
+                        router.learn_routed(decisions)
             if self._done():
                 return
 

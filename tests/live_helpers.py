@@ -21,8 +21,10 @@ from openai import AsyncOpenAI
 
 from router.proxy.app import RUNNER_OPTIONS, create_app
 from router.proxy.bench.load import LoadResult
+from router.proxy.connections import ProxySite
 from router.proxy.fleet.config import ClusterConfig
 from router.proxy.fleet.serve import build_cluster
+from router.proxy.forward import SETTINGS
 from router.proxy.live import LiveCluster
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
@@ -39,17 +41,42 @@ def tokenizer_dir() -> Path:
     return ensure_tiny_model(TOKENIZER_DIR, weights=False)
 
 
+class ProxyURL(str):
+    """A proxy's public base URL; `.admin` is its admin listener's (/metrics, /admin/*).
+    (A str subclass: yaml.safe_dump refuses it; pass str(url) to a config.)"""
+
+    admin: str
+
+    def __new__(cls, url: str, admin: str) -> ProxyURL:
+        self = super().__new__(cls, url)
+        self.admin = admin
+        return self
+
+
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, port: int = 0) -> AsyncIterator[str]:
+async def serving(
+    app: web.Application, port: int = 0, admin_port: int | None = None
+) -> AsyncIterator[str]:
+    """`app` on 127.0.0.1:`port` (0: any free one), and on `admin_port` too if given."""
     runner = web.AppRunner(app, access_log=None, **RUNNER_OPTIONS)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = _site(runner, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    if admin_port is not None:
+        await _site(runner, admin_port).start()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+def _site(runner: web.AppRunner, port: int) -> web.BaseSite:
+    """A proxy's listener as `fairway serve` has it (connections.py); a worker's, aiohttp's."""
+    settings = runner.app.get(SETTINGS)
+    if settings is None:
+        return web.TCPSite(runner, "127.0.0.1", port)
+    return ProxySite(runner, settings, "127.0.0.1", port)
 
 
 @contextlib.asynccontextmanager
@@ -68,7 +95,9 @@ async def proxy(
     window: int = 8,
     kv_events: list[str] | None = None,  # the workers' KV-event endpoints: a precise index
     **settings,
-) -> AsyncIterator[tuple[str, LiveCluster]]:
+) -> AsyncIterator[tuple[ProxyURL, LiveCluster]]:
+    """An in-process proxy in front of `worker_urls`: (its URL, whose `.admin` serves /metrics
+    and /admin/*, and its cluster)."""
     mode = "precise" if kv_events else "approximate"
     config = ClusterConfig(
         policy={"name": policy}, window=window, block_size=BLOCK, index_mode=mode
@@ -78,10 +107,11 @@ async def proxy(
         cluster.add_worker(url, events)
     settings.setdefault("trust_client_headers", True)  # tests name clients as a gateway would
     settings.setdefault("health_interval", 0.2)
+    settings.setdefault("admin_port", free_port())
     s = ProxySettings(model_name="tiny", policy_name=policy, **settings)
     app = create_app(cluster, PromptEncoder(tokenizer_dir(), BLOCK), s)
-    async with serving(app) as url:
-        yield url, cluster
+    async with serving(app, admin_port=s.admin_port) as url:
+        yield ProxyURL(url, f"http://127.0.0.1:{s.admin_port}"), cluster
 
 
 def client(base: str, **kw) -> AsyncOpenAI:

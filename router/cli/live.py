@@ -18,10 +18,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from router.proxy.fleet.config import ClusterConfig
     from router.proxy.fleet.serve import build_cluster, run_proxy, shut_down
+    from router.proxy.overload import raise_fd_limit
     from workers.launch import model_dir_of, running_workers
 
-    config: ClusterConfig = serve_config(args)
+    config: ClusterConfig = serve_config(args).with_salt()  # one salt, shared by replicas
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    raise_fd_limit()  # before the workers and replicas start: they inherit it
     cluster = build_cluster(config)  # first: a bad policy parameter fails before any work
     model_dir = model_dir_of(config)
     scratch = Path(tempfile.mkdtemp(prefix="fairway-"))

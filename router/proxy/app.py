@@ -3,7 +3,8 @@ with the middlewares and holds what they share (the app keys).
 
 `generate` validates and tokenizes a completion request, then hands it to `Forward`
 (forward.py) to route, queue, forward and account. The rest answer from the router itself:
-/v1/models, /health, /metrics and the admin API for adding and removing workers.
+/v1/models, /health, and on the admin listener only, /metrics and the admin API for adding and
+removing workers.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from router.proxy import drain
 from router.proxy.capture import TraceCapture
 from router.proxy.errors import APIError, openai_errors
+from router.proxy.exposure import public_scope
 from router.proxy.forward import (
     CAPTURE,
     CLUSTER,
@@ -28,6 +31,7 @@ from router.proxy.forward import (
     Forward,
     client_left,
 )
+from router.proxy.identity import check_admin, metric_labels
 from router.proxy.live import LiveCluster, LiveWorker
 from router.proxy.membership import MEMBERSHIP, Membership, kv_events_endpoint, worker_url
 from router.proxy.monitor import Monitor
@@ -66,9 +70,16 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     forward = Forward(app, request, body, req)
     try:
-        return await forward.run(path)
+        async with app[drain.DRAIN].deadline():
+            return await forward.run(path)
     except APIError as e:  # no worker could answer; counted where it happened
         return e.response()
+    except TimeoutError:  # the proxy is stopping and the grace is up (drain.py)
+        if not forward.counted:
+            forward.metrics.requests.labels(settings.policy_name, "none", "none", "cancelled").inc()
+        if forward.response is not None:  # a stream: it ended with an error event
+            return forward.response
+        return drain.stopping().response()
     except asyncio.CancelledError:  # the client hung up (aiohttp cancels its handler), or shutdown
         if not forward.counted:
             status = "client_gone" if client_left(request) else "cancelled"
@@ -115,11 +126,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _check_admin(request: web.Request) -> None:
-    token = request.app[SETTINGS].admin_token
-    if not token:
-        raise APIError(403, "admin API disabled: no admin token configured", "permission_error")
-    if request.headers.get("Authorization") != f"Bearer {token}":
-        raise APIError(401, "admin token required", "authentication_error")
+    check_admin(request, request.app[SETTINGS].admin_token)
 
 
 async def admin_workers(request: web.Request) -> web.Response:
@@ -169,18 +176,19 @@ def create_app(
     cluster: LiveCluster, encoder: PromptEncoder, settings: ProxySettings, monitor: bool = True
 ) -> web.Application:
     # Errors in the OpenAI shape, aiohttp's own too; header sizes checked below the parser's
-    # limits, so that the answer to oversized headers has that shape as well.
+    # limits, so that the answer to oversized headers has that shape as well; /metrics and
+    # /admin/* only on the admin listener (exposure.py).
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[openai_errors, header_limits],
+        middlewares=[openai_errors, header_limits, public_scope(settings.admin_port)],
         handler_args=parser_limits(),
     )
     app[CLUSTER] = cluster
-    tenants = (t.client for t in settings.tenants.values())
-    cluster.metrics.label_clients(tenants, settings.client_labels)
+    cluster.metrics.label_clients(*metric_labels(settings))
     app[ENCODER] = encoder
     app[SETTINGS] = settings
     app[STARTED] = time.monotonic()
+    drain.install(app, settings.shutdown_grace)
     if settings.record_dir:
         app[RECORDER] = RecordWriter(Path(settings.record_dir) / "requests.csv")
         app[CAPTURE] = TraceCapture(

@@ -2,7 +2,8 @@
 
 Every answer the proxy gives that is not a worker's own reply is in this shape, including the
 ones aiohttp would otherwise write as text/plain (unknown path, wrong method, body too large,
-headers too large, an unexpected exception): see `openai_errors` below.
+headers too large, an unexpected exception): see `openai_errors` below, and for what aiohttp's
+parser refuses, connections.py.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ class APIError(Exception):
     def sse(self) -> bytes:
         """A mid-stream error as one framed SSE event, then the stream's end."""
         return f"data: {json.dumps(self.body)}\n\ndata: [DONE]\n\n".encode()
+
+    def raw(self) -> bytes:
+        """A whole HTTP/1.1 answer that closes the connection, written to the transport where
+        there is no request to answer through (connections.py, overload.py)."""
+        body = json.dumps(self.body).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            "Connection": "close",
+            **self.headers,
+        }
+        head = f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}\r\n" + "".join(
+            f"{name}: {value}\r\n" for name, value in headers.items()
+        )
+        return f"{head}\r\n".encode() + body
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -13,7 +13,6 @@ here does HTTP: the proxy forwards, the monitor polls, this module only keeps st
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -97,7 +96,7 @@ class LiveCluster:
         self.router.drift = drift or DriftGuard(self.router.index_levels())
         self.metrics.index_level.set(LEVEL_CODES[self.router.index_level])
         self.workers: dict[WorkerId, LiveWorker] = {}
-        self._ids = itertools.count()
+        self._next_id = 0  # ids are never reused: ledger keys and metrics labels hold them
         self._collector = CollectorPacing()  # a full GC pass over the index is a 10+ ms stall
 
     @property
@@ -107,8 +106,15 @@ class LiveCluster:
 
     # ------------------------------------------------------------ membership
 
-    def add_worker(self, url: str, kv_events: str | None = None) -> LiveWorker:
-        wid = next(self._ids)
+    def add_worker(
+        self, url: str, kv_events: str | None = None, wid: WorkerId | None = None
+    ) -> LiveWorker:
+        """Add the worker at `url` as `wid`, by default the next id of this cluster's own
+        (router replicas take ids from their store, so that every replica names it alike)."""
+        if wid is None:
+            wid = self._next_id
+        assert wid not in self.workers, f"worker id {wid} is taken"
+        self._next_id = max(self._next_id, wid + 1)
         dispatch = self.router.add_worker(wid)
         worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events)
         self.workers[wid] = worker

@@ -1,15 +1,16 @@
 """The proxy's Prometheus metrics: one definition, used by the router and by the dashboards.
 
 Per-client series are bounded: anyone can name a new client (a header, the `user` field, a new
-API key), and every distinct label is a series kept forever and rendered on every scrape. Only
-the configured tenants and the top clients by service get a label of their own; the rest are
-counted under "other". The router's own accounting (the policies' counters) still sees every
-client by its real id: only the exported label is folded.
+API key), and every distinct label is a series kept forever and rendered on every scrape. The
+tenants, and the clients `client_labels` names, get a label of their own; of the rest, a count
+get a pseudonym each, first come; everyone else is counted under "other" (see ClientLabels).
+The router's own accounting (the policies' counters) still sees every client: only the exported
+label is folded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -22,73 +23,55 @@ OTHER = "other"
 
 
 class ClientLabels:
-    """Which clients have a metric label of their own.
+    """Which label a client's series go under:
 
-    Tenants always do. Up to `top` others hold the remaining labels; a client without one takes
-    the place of the labelled client with the least service once it has more than twice that
-    (the factor keeps two clients near the boundary from trading places on every request).
-    A client that loses its label has its series removed (`on_drop`) and is counted under
-    "other" from then on, so every exported series only ever grows, as counters must.
+        a tenant, or a client `named` .............. its name
+        a gateway's sub-client "<tenant>/<id>" ..... its tenant's name
+        the first `top` other clients .............. `hide(client)`, a pseudonym
+        everyone else .............................. "other"
+
+    Labels are given first come and never taken back, so every exported series only grows, as
+    counters must, and a page holds at most tenants + named + `top` client series. `named` maps
+    a client as the router knows it (a `user` by its pseudonym) to the name it is shown by.
     """
 
-    def __init__(self, tenants: Iterable[str] = (), top: int = 20) -> None:
+    def __init__(
+        self,
+        tenants: Iterable[str] = (),
+        top: int = 20,
+        named: Mapping[str, str] | None = None,
+        hide: Callable[[str], str] | None = None,
+    ) -> None:
         self.tenants, self.top = frozenset(tenants), top
-        self.service: dict[str, float] = {}  # weighted tokens per client: the ranking
-        self.labelled: set[str] = set()
-        self.on_drop: Callable[[str], None] = lambda client: None
-
-    def charge(self, client: str, amount: float) -> None:
-        self.service[client] = self.service.get(client, 0.0) + amount
+        self.named = dict(named or {})
+        self.hide = hide or (lambda client: client)
+        self.given: dict[str, str] = {}  # client -> label, for the `top` first come
 
     def label(self, client: str) -> str:
-        if client in self.labelled or client in self.tenants:
+        if client in self.tenants:
             return client
-        if client == OTHER:  # a client really named "other" is folded, not confused with it
-            return OTHER
-        if len(self.labelled) < self.top:
-            self.labelled.add(client)
-            return client
-        if not self.labelled:
-            return OTHER
-        weakest = min(self.labelled, key=lambda c: self.service.get(c, 0.0))
-        if self.service.get(client, 0.0) > 2 * self.service.get(weakest, 0.0):
-            self.labelled.remove(weakest)
-            self.on_drop(weakest)
-            self.labelled.add(client)
-            return client
-        return OTHER
+        if (name := self.named.get(client)) is not None:
+            return name
+        tenant, sep, _ = client.partition("/")
+        if sep and tenant in self.tenants:
+            return tenant
+        if (label := self.given.get(client)) is not None:
+            return label
+        if client == OTHER or len(self.given) >= self.top:
+            return OTHER  # a client really named "other" is folded, not confused with it
+        label = self.given[client] = self.hide(client)
+        return label
 
 
 class _PerClient:
     """A metric with a `client` label whose values ClientLabels bounds. `labels(client)` takes
-    the real client id, as callers know it."""
+    the client as the router knows it."""
 
     def __init__(self, metric: Counter | Histogram, clients: ClientLabels) -> None:
         self.metric, self.clients = metric, clients
 
     def labels(self, client: str):
         return self.metric.labels(self.clients.label(client))
-
-    def remove(self, label: str) -> None:
-        self.metric.remove(label)
-
-
-class _ServiceCounter(_PerClient):
-    """The service counter also feeds the ranking, with the exact amount per real client."""
-
-    def labels(self, client: str) -> _Charge:
-        return _Charge(self.metric.labels(self.clients.label(client)), self.clients, client)
-
-
-class _Charge:
-    __slots__ = ("child", "clients", "client")
-
-    def __init__(self, child, clients: ClientLabels, client: str) -> None:
-        self.child, self.clients, self.client = child, clients, client
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.clients.charge(self.client, amount)
-        self.child.inc(amount)
 
 
 class RouterMetrics:
@@ -195,7 +178,7 @@ class RouterMetrics:
                 registry=r,
             )
         )
-        self.service = _ServiceCounter(
+        self.service = _PerClient(
             Counter(
                 "fairway_client_service_tokens",
                 "Weighted service per client: input + 2 x output tokens",
@@ -204,7 +187,6 @@ class RouterMetrics:
             ),
             self.clients,
         )
-        self.clients.on_drop = self._drop_client
         self.index_blocks = Gauge(
             "fairway_index_blocks",
             "Blocks the prefix index believes each worker holds",
@@ -218,16 +200,20 @@ class RouterMetrics:
             registry=r,
         )
 
-    def label_clients(self, tenants: Iterable[str], top: int) -> None:
-        """Give the configured tenants labels of their own and `top` more (before serving)."""
-        self.clients.tenants, self.clients.top = frozenset(tenants), top
+    def label_clients(
+        self,
+        tenants: Iterable[str],
+        top: int,
+        named: Mapping[str, str] | None = None,
+        hide: Callable[[str], str] | None = None,
+    ) -> None:
+        """Set who gets a label of their own (before serving): see ClientLabels."""
+        c = self.clients
+        c.tenants, c.top, c.named = frozenset(tenants), top, dict(named or {})
+        c.hide = hide or c.hide
 
     def _per_client(self, metric: Histogram) -> _PerClient:
         return _PerClient(metric, self.clients)
-
-    def _drop_client(self, client: str) -> None:
-        for metric in (self.ttft, self.itl, self.e2e, self.service):
-            metric.remove(client)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

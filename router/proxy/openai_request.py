@@ -7,6 +7,7 @@ each step bounded so that no input costs the proxy more than its limits allow:
     body      size (413), a read deadline (408) ......... slow or huge senders cut off
     JSON      brackets, syntax, nesting depth (400) ..... parsed once, off the loop if large
     fields    model (404), n, best_of, stream, max_tokens, the client's identity and weight
+              (router/proxy/identity.py)
     prompt    characters bounded before tokenizing, token ids in the vocabulary (400)
 
 Every rejection is an APIError in the OpenAI shape.
@@ -19,7 +20,6 @@ import contextlib
 import gc
 import itertools
 import json
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -29,16 +29,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from router.proxy.errors import APIError, bad_request
+from router.proxy.identity import authenticate, client_identity
 from router.proxy.prompts import PromptEncoder, PromptError
-from router.proxy.settings import (
-    BODY_TIMEOUT,
-    MAX_BODY_BYTES,
-    MAX_CLIENT_ID,
-    MAX_WEIGHT,
-    MIN_WEIGHT,
-    ProxySettings,
-    Tenant,
-)
+from router.proxy.settings import BODY_TIMEOUT, MAX_BODY_BYTES, ProxySettings, Tenant
 from router.request import Request
 
 MAX_HEADER_BYTES = 8190  # one header line (aiohttp's own default), answered in the OpenAI shape
@@ -178,74 +171,6 @@ async def read_request(
     if len(raw) <= INLINE_BYTES:
         return work()
     return await asyncio.get_running_loop().run_in_executor(pool, work)
-
-
-# ----------------------------------------------------------------------------- identity
-
-
-def authenticate(http: web.Request, s: ProxySettings) -> Tenant | None:
-    """The tenant of the request's API key when cluster.yaml lists tenants (else None);
-    an unknown or missing key is a 401."""
-    if not s.tenants:
-        return None
-    tenant = s.tenants.get(_bearer(http) or "")
-    if tenant is None:
-        raise APIError(
-            401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key"
-        )
-    return tenant
-
-
-def client_identity(
-    http: web.Request, body: dict, tenant: Tenant | None, s: ProxySettings
-) -> tuple[str, float]:
-    """Who to be fair to, and with what weight.
-
-    The tenant of the API key when tenants are configured; X-Client-Id and X-Client-Weight only
-    when the config trusts them (a gateway in front that sets them); otherwise the OpenAI `user`
-    field, else the API key's tail, else "anonymous", at weight 1.
-    """
-    client, weight = (tenant.client, tenant.weight) if tenant else (None, 1.0)
-    if s.trust_client_headers:
-        if cid := http.headers.get("X-Client-Id"):
-            client = _client_name(cid, "X-Client-Id")
-        if (w := http.headers.get("X-Client-Weight")) is not None:
-            weight = _weight(w)
-    if client is None:
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise bad_request("'user' must be a string", "user")
-        if user:
-            client = _client_name(user, "user")
-    if client is None:
-        key = _bearer(http)
-        key_ok = key and key.isascii() and key.isprintable()
-        client = "key:" + key[-8:] if key_ok else "anonymous"  # tells tenants apart, not a secret
-    return client, weight
-
-
-def _bearer(http: web.Request) -> str | None:
-    auth = http.headers.get("Authorization", "")
-    return auth[7:] if auth.startswith("Bearer ") and len(auth) > 7 else None
-
-
-def _client_name(name: str, param: str) -> str:
-    if len(name) > MAX_CLIENT_ID or not name.isprintable():
-        raise bad_request(f"{param} must be at most {MAX_CLIENT_ID} printable characters", param)
-    return name
-
-
-def _weight(text: str) -> float:
-    try:
-        w = float(text)
-    except ValueError:
-        raise bad_request("X-Client-Weight must be a number", "X-Client-Weight") from None
-    if not (math.isfinite(w) and MIN_WEIGHT <= w <= MAX_WEIGHT):
-        raise bad_request(
-            f"X-Client-Weight must be between {MIN_WEIGHT:g} and {MAX_WEIGHT:g}",
-            "X-Client-Weight",
-        )
-    return w
 
 
 # ----------------------------------------------------------------------------- fields

@@ -3,6 +3,8 @@ after validation in `router.proxy.fleet.config`)."""
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -10,6 +12,10 @@ from dataclasses import dataclass, field
 # numbers (token ids), 10 ms per MiB of text, measured. 1 MiB keeps the event loop under 100 ms.
 MAX_BODY_BYTES = 1024 * 1024
 BODY_TIMEOUT = 30.0  # seconds for the whole body to arrive
+HEADER_TIMEOUT = 10.0  # seconds for a request's head, from its first byte (HAProxy's advice)
+# In-flight requests get this long to finish when the proxy stops; then the client gets a 503
+# (a stream: an error event). Well inside the minute Ray gives a driver whose GCS is gone.
+SHUTDOWN_GRACE = 20.0
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
 MAX_CLIENT_ID = 128
 
@@ -20,6 +26,21 @@ class Tenant:
 
     client: str
     weight: float = 1.0
+
+
+def key_digest(key: str) -> bytes:
+    """What the proxy keeps of an API key, and looks a presented key up by: its SHA-256. A dict
+    lookup compares digests, so how long a wrong key matched says nothing about a real one."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def new_salt() -> bytes:
+    return secrets.token_bytes(16)
+
+
+def keyed(tenants: Mapping[str, Tenant]) -> dict[bytes, Tenant]:
+    """`ProxySettings.tenants` from {API key: tenant}."""
+    return {key_digest(key): tenant for key, tenant in tenants.items()}
 
 
 @dataclass(frozen=True)
@@ -33,12 +54,20 @@ class ProxySettings:
     first_byte_timeout: float = 60.0  # until the client's first byte: retried elsewhere after
     stream_timeout: float = 30.0  # between two chunks of a stream, once it has begun
     request_timeout: float = 600.0
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
+    admin_port: int | None = None  # the admin listener's (/metrics, /admin/*); None: none
     policy_name: str = "?"
     health_interval: float = 1.0
     record_dir: str | None = None  # requests.csv (fairway report) and trace.jsonl (replay)
     max_body_bytes: int = MAX_BODY_BYTES  # larger bodies are refused (413) unread
     body_timeout: float = BODY_TIMEOUT  # for the whole body to arrive (else 408)
-    client_labels: int = 20  # clients besides the tenants with metric labels of their own
+    header_timeout: float = HEADER_TIMEOUT  # for a request's head (else 408, closed)
+    max_connections: int | None = None  # per listener (else 503); None: connections.py decides
+    shutdown_grace: float = SHUTDOWN_GRACE  # for requests in flight when the proxy stops
+    # Metric series besides the tenants': these clients by name, or that many, first come.
+    client_labels: int | tuple[str, ...] = 20
     trust_client_headers: bool = False  # X-Client-Id / X-Client-Weight set by a trusted gateway
-    tenants: Mapping[str, Tenant] = field(default_factory=dict)  # API key -> tenant; none: open
+    # key_digest(API key) -> tenant (`keyed`); none: generation is open to anyone
+    tenants: Mapping[bytes, Tenant] = field(default_factory=dict, repr=False)
+    # Keys and users become pseudonyms salted with this; replicas of one serve share it.
+    client_salt: bytes = field(default_factory=new_salt, repr=False)

@@ -125,12 +125,26 @@ _REPLICA_WORKLOADS: list[tuple[str, str, str, int, dict[str, object]]] = [
     ("mooncake lpm", "mooncake_3k", "lpm", 8, {}),
     ("flood vtc", "flood_4", "vtc", 4, {"placement": "router", "window": 64}),
 ]
+# (routers, sync seconds): one router, then 2, 4 and 8 replicas at each sync interval.
+_REPLICA_SETTINGS = [(1, 0.0), *((n, s) for n in (2, 4, 8) for s in (0.0, 0.1, 1.0, 10.0))]
 
 
 def _replicas(n: int, extra: dict[str, object]) -> dict[str, object]:
     """Split a router-side window over the replicas, so N routers hold as much in flight at a
     worker as one (each replica's queue has its own window)."""
     return {**extra, "window": max(1, extra["window"] // n)} if "window" in extra else extra
+
+
+def _beside_one_router(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The replicas rows with each one's service gap over one router's on the same workload,
+    and every column on every row (the table takes its columns from the first)."""
+    for kind, *_ in _REPLICA_WORKLOADS:
+        one = next((r["gap (k tok)"] for r in rows if r["policy"] == f"{kind} 1 router"), 0)
+        for row in rows:
+            if one and str(row["policy"]).startswith(f"{kind} "):
+                row["gap / 1 router"] = row["gap (k tok)"] / one  # type: ignore[operator]
+    columns = list(dict.fromkeys(c for row in rows for c in row))
+    return [{c: row.get(c) for c in columns} for row in rows]
 
 
 EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
@@ -253,14 +267,11 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
     "replicas": (
         "Router replicas that share counters and routing decisions every S seconds: the "
         "Mooncake trace's first 3,000 requests with LPM on 8 workers (hit rate), and the flood "
-        "with VTC at the router on 4 workers (a window of 64 split over the replicas; service gap)",
+        "with VTC at the router on 4 workers (a window of 64 split over the replicas; service gap, "
+        "and the gap over one router's)",
         [
-            _run(f"{kind} 1 router", workload, policy, workers, **extra)
-            for kind, workload, policy, workers, extra in _REPLICA_WORKLOADS
-        ]
-        + [
             _run(
-                f"{kind} {n} routers sync {sync:g} s",
+                f"{kind} {n} routers sync {sync:g} s" if n > 1 else f"{kind} 1 router",
                 workload,
                 policy,
                 workers,
@@ -269,8 +280,7 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
                 **_replicas(n, extra),
             )
             for kind, workload, policy, workers, extra in _REPLICA_WORKLOADS
-            for n in (2, 4, 8)
-            for sync in (0.0, 0.1, 1.0, 10.0)
+            for n, sync in _REPLICA_SETTINGS
         ],
     ),
     "cache-pressure": (
@@ -330,6 +340,8 @@ def run_experiment(name: str, seed: int = 0, out: Path | None = None, jobs: int 
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(_run_one, runs, [seed] * len(runs)))
     rows = [experiment_row(run.label, summary) for run, summary in results]
+    if name == "replicas":
+        rows = _beside_one_router(rows)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         for run, summary in results:

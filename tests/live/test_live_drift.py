@@ -25,6 +25,7 @@ from router.proxy.live import LiveCluster
 from router.request import hash_token_blocks
 from tests.live_helpers import (
     BLOCK,
+    ProxyURL,
     client,
     emulated_workers,
     eventually,
@@ -44,8 +45,9 @@ def metric(text: str, name: str) -> float:
     )
 
 
-async def scrape(base: str) -> str:
-    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
+async def scrape(base: ProxyURL) -> str:
+    """The proxy's /metrics page, from its admin listener."""
+    async with aiohttp.ClientSession() as http, http.get(f"{base.admin}/metrics") as r:
         return await r.text()
 
 
@@ -179,7 +181,7 @@ def test_a_worker_losing_its_cache_makes_routing_fall_back_and_recover() -> None
                 levels = [change[2] for change in cluster.router.level_changes]
                 assert levels == ["load", "approximate"]
 
-                async with http.get(f"{base}/metrics") as r:
+                async with http.get(f"{base.admin}/metrics") as r:
                     text = await r.text()
             assert (
                 metric(text, "fairway_prefix_hit_tokens_predicted_total")
@@ -390,7 +392,7 @@ def test_a_worker_with_another_block_size_loses_the_precise_index_for_good(caplo
 
 
 async def short_then_long_blocks_256(
-    ask: Asker, cluster: LiveCluster, base: str, caplog, short: list, long_docs: list
+    ask: Asker, cluster: LiveCluster, base: ProxyURL, caplog, short: list, long_docs: list
 ) -> None:
     """A worker of 256-token blocks behind a 128-token router, once precise is dropped: both
     mismatches warned; short prompts (one router block, no worker block) take approximate down
@@ -442,7 +444,7 @@ def test_a_worker_added_after_a_fallback_is_heard_by_the_precise_index() -> None
             body = {"url": second.url, "kv_events": second.kv_events}
             async with (
                 aiohttp.ClientSession() as http,
-                http.post(f"{base}/admin/workers", headers=auth, json=body) as r,
+                http.post(f"{base.admin}/admin/workers", headers=auth, json=body) as r,
             ):
                 assert r.status == 201
                 added = (await r.json())["id"]

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import csv
 import json
+import re
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from router.proxy.settings import Tenant
+from router.proxy.settings import Tenant, keyed
 from router.proxy.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
 
@@ -213,20 +214,21 @@ class TestAdmin:
     def test_admin_workers_needs_the_token(self) -> None:
         async def go() -> None:
             async with (
-                emulated_workers(1) as urls,
-                proxy(urls, admin_token="s3cret") as (base, cluster),
+                emulated_workers(2) as urls,
+                proxy(urls[:1], admin_token="s3cret") as (base, cluster),
                 aiohttp.ClientSession() as s,
             ):
-                async with s.get(f"{base}/admin/workers") as r:
+                admin = f"{base.admin}/admin/workers"
+                async with s.get(admin) as r:
                     assert r.status == 401
                 auth = {"Authorization": "Bearer s3cret"}
-                async with s.post(
-                    f"{base}/admin/workers", headers=auth, json={"url": urls[0]}
-                ) as r:
+                async with s.post(admin, headers=auth, json={"url": urls[1]}) as r:
                     assert r.status == 201
-                async with s.get(f"{base}/admin/workers", headers=auth) as r:
+                async with s.post(admin, headers=auth, json={"url": urls[0]}) as r:
+                    assert r.status == 409, "a URL already in the pool is refused"
+                async with s.get(admin, headers=auth) as r:
                     assert len((await r.json())["workers"]) == 2
-                async with s.delete(f"{base}/admin/workers?id=0", headers=auth) as r:
+                async with s.delete(f"{admin}?id=0", headers=auth) as r:
                     assert r.status == 200
                 assert list(cluster.workers) == [1]
 
@@ -361,7 +363,7 @@ class TestClientIdentity:
                 return r.status
 
     def test_tenant_key_sets_client_and_weight_and_headers_are_ignored(self, tmp_path) -> None:
-        tenants = {"sk-alpha-000000": Tenant("alpha", 2.0)}
+        tenants = keyed({"sk-alpha-000000": Tenant("alpha", 2.0)})
 
         async def go() -> None:
             async with (
@@ -391,9 +393,10 @@ class TestClientIdentity:
         text = asyncio.run(asyncio.wait_for(go(), 60))
         rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
         assert {r["client"] for r in rows} == {"a", "b", "c"}, "real ids inside the router"
-        assert 'fairway_client_service_tokens_total{client="a"}' in text
-        assert 'client="b"' not in text and 'client="c"' not in text
-        assert 'fairway_client_service_tokens_total{client="other"}' in text
+        labels = set(re.findall(r'fairway_client_service_tokens_total\{client="([^"]*)"', text))
+        assert len(labels) == 2 and "other" in labels, labels
+        (first,) = labels - {"other"}
+        assert first.startswith("id:") and first not in ("a", "b", "c"), "the first, by pseudonym"
 
 
 class TestErrorsKeepWorkersPrivate:

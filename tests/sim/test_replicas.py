@@ -7,7 +7,7 @@ import pytest
 from policies.service_cost import client_of
 from policies.service_params import ServiceCostParams
 from router.cost_model import roofline
-from router.ledger import Ledger
+from router.ledger import Ledger, LedgerStore, Segment
 from router.request import Request
 from simulator.cluster import SimCluster, SimConfig
 from traces.generators import flood
@@ -16,17 +16,19 @@ COST = roofline("llama-3-8b", "a100-80g")
 
 
 def test_ledger_records_changes_and_converges_in_any_order() -> None:
-    a, b = Ledger(), Ledger()
-    a["x"] = 5.0
-    a["x"] -= 2.0
-    a.setdefault("y", 0.0)
-    b["x"] = max(b.get("x", 0.0), 7.0)  # a lift is a change too
-    sent_a, sent_b = a.take(), b.take()
-    assert sent_a == {"x": 3.0} and sent_b == {"x": 7.0}
-    a.apply(sent_b)
-    b.apply(sent_a)
-    assert a["x"] == b["x"] == 10.0
-    assert a.take() == {} and b.take() == {}, "applied changes are not re-sent"
+    for order in ((0, 1), (1, 0)):
+        ledgers, store = [Ledger(), Ledger()], LedgerStore()
+        a, b = ledgers
+        a["x"] = 5.0
+        a["x"] -= 2.0
+        a.setdefault("y", 0.0)
+        b["x"] = max(b.get("x", 0.0), 7.0)  # written as a charge, it is one: +7
+        for i in order:
+            store.apply("k", ledgers[i].take())
+        for ledger in ledgers:
+            ledger.rebase(store.values["k"])
+        assert a["x"] == b["x"] == 10.0
+        assert a.take() == [] and b.take() == [], "the store's values are not re-sent"
 
 
 def test_a_meters_batch_charges_reach_the_other_replicas() -> None:
@@ -39,23 +41,27 @@ def test_a_meters_batch_charges_reach_the_other_replicas() -> None:
     ledger.take()
     meter.charge_tokens([a, b, a], 3, ledger, client_of, -1)  # a twice: one write of both
     assert dict(ledger) == {"a": -40.0 - 12.0, "b": -40.0 - 6.0}
-    assert ledger.take() == {"a": -12.0, "b": -6.0}
+    inf = float("inf")
+    assert ledger.take() == [Segment({"a": (-inf, inf, -12.0), "b": (-inf, inf, -6.0)})]
 
 
 def test_a_lift_made_at_two_replicas_counts_once() -> None:
     """VTC lifts an arriving client to where the others stand. Two replicas lifting the same
-    client between two syncs must not add the lift up (a shared lift did: 0 -> 2,000)."""
-    a, b = Ledger(), Ledger()
-    for ledger in (a, b):
+    client between two syncs must not add the lift up (a shared difference did: 0 -> 2,000)."""
+    store, ledgers = LedgerStore(), [Ledger(), Ledger()]
+    for ledger in ledgers:
         ledger["flood"] = 1000.0
         ledger.take()
+    store.apply("k", ledgers[0].take())
+    a, b = ledgers
     a.raise_to("calm", 1000.0)
     b.raise_to("calm", 1000.0)
     a["calm"] += 10.0  # then each charges the calm client's admitted request
     b["calm"] += 10.0
-    sent_a, sent_b = a.take(), b.take()
-    a.apply(sent_b)
-    b.apply(sent_a)
+    for ledger in ledgers:
+        store.apply("k", ledger.take())
+    for ledger in ledgers:
+        ledger.rebase(store.values["k"])
     assert a["calm"] == b["calm"] == 1020.0
 
 
@@ -88,21 +94,19 @@ def test_sync_zero_shares_one_store(runs) -> None:
 
 
 def test_replicas_agree_after_a_sync(runs) -> None:
+    """After the run's last sync, one more: every replica's values are the store's."""
     cluster, _ = runs[(3, 10.0)]
-    sent = [{k: v.take() for k, v in r.ledgers().items()} for r in cluster.routers]
-    for i, router in enumerate(cluster.routers):
-        for j, changes in enumerate(sent):
-            if i != j:
-                for key, delta in changes.items():
-                    router.ledgers()[key].apply(delta)
-    # The shared part agrees; each replica's own lifts and refills stay its own.
-    totals = [
-        {k: {f: x - v.local.get(f, 0.0) for f, x in v.items()} for k, v in r.ledgers().items()}
-        for r in cluster.routers
-    ]
-    for other in totals[1:]:
-        for key, values in totals[0].items():
-            assert other[key] == pytest.approx(values)
+    store = cluster.ledger_store
+    for router in cluster.routers:
+        for key, ledger in router.ledgers().items():
+            store.apply(key, ledger.take())
+    for router in cluster.routers:
+        for key, ledger in router.ledgers().items():
+            ledger.rebase(store.values[key])
+    for router in cluster.routers:
+        for key, ledger in router.ledgers().items():
+            assert dict(ledger) == store.values[key], key
+    assert any(store.values.values()), "the run charged"
 
 
 def test_replicas_behind_a_round_robin_balancer_stay_about_as_fair_as_one_router(runs) -> None:

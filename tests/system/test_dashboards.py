@@ -38,7 +38,7 @@ def test_every_panel_query_parses_and_returns_data() -> None:
         async with emulated_workers(2, speed=20) as urls, proxy(urls, "lpm") as (base, _):
             scratch = Path(tempfile.mkdtemp(prefix="fairway-prom-"))
             config = grafana.prometheus_config(
-                proxy=base.removeprefix("http://"),
+                proxy=base.admin.removeprefix("http://"),  # /metrics: the admin listener
                 workers=tuple(u.removeprefix("http://") for u in urls),
                 interval="1s",
             )

@@ -10,7 +10,9 @@ in count and time, on 127.0.0.1 only (router/proxy/bench/load.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -238,7 +240,7 @@ class TestMembership:
                 emulated_processes(3) as servers,
                 proxy([s.url for s in servers], "vtc", **FAST) as (base, cluster),
             ):
-                admin = f"{base}/admin/workers"
+                admin = f"{base.admin}/admin/workers"
 
                 async def fault() -> None:
                     async with aiohttp.ClientSession(headers=ADMIN) as s:
@@ -259,6 +261,89 @@ class TestMembership:
             # Removal hands queued requests to other workers and lets in-flight ones finish;
             # on a busy machine one may still meet the tight first-byte limit thrice.
             assert result.counts["ok"] >= LOAD.num_requests * 0.95, result.summary()
+
+        run(go)
+
+
+def held_worker(release: asyncio.Event) -> web.Application:
+    """A worker whose answers wait for `release` (a stream, after its first event), except the
+    prompt "quick", answered whole after a second."""
+    event = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+    answer = {
+        "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            if body["prompt"] == "quick":
+                await asyncio.sleep(1.0)
+            else:
+                await release.wait()
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(event)
+        await release.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", ok)
+    return app
+
+
+class TestShutdown:
+    GRACE = 1.0
+
+    def test_requests_in_flight_when_the_grace_ends_are_answered(self) -> None:
+        """The proxy stops with three requests in flight. One its worker finishes within the
+        grace is answered as usual; at the grace's end a non-streamed one gets a 503
+        `shutting_down` (before, its connection was dropped without an answer, at twice
+        aiohttp's shutdown_timeout), a stream its error event and `[DONE]`."""
+
+        async def post(session: aiohttp.ClientSession, base: str, prompt: str, stream: bool):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": stream}
+            async with session.post(f"{base}/v1/completions", json=body) as r:
+                return r.status, await r.read(), time.monotonic()
+
+        async def go() -> None:
+            release = asyncio.Event()
+            async with (
+                serving(held_worker(release)) as worker,
+                aiohttp.ClientSession() as session,
+                contextlib.AsyncExitStack() as stack,
+            ):
+                base, _ = await stack.enter_async_context(
+                    proxy([worker], shutdown_grace=self.GRACE)
+                )
+                asks = [
+                    asyncio.create_task(post(session, base, prompt, stream))
+                    for prompt, stream in (("held", False), ("held", True), ("quick", False))
+                ]
+                await asyncio.sleep(0.5)  # all three at the worker
+                stopping = time.monotonic()
+                await stack.aclose()
+                stopped = time.monotonic() - stopping
+                release.set()
+                (
+                    (plain, plain_body, at),
+                    (streamed, events, _),
+                    (quick, _, _),
+                ) = await asyncio.gather(*asks)
+            assert quick == 200
+            assert plain == 503, plain_body
+            error = json.loads(plain_body)["error"]
+            assert error["code"] == "shutting_down" and error["type"] == "service_unavailable"
+            assert self.GRACE - 0.1 < at - stopping < self.GRACE + 1.0, at - stopping
+            assert streamed == 200 and events.endswith(b"data: [DONE]\n\n"), events[-300:]
+            assert b'"error"' in events, events[-300:]
+            assert stopped < self.GRACE + 2.0, f"the proxy took {stopped:.1f} s to stop"
 
         run(go)
 

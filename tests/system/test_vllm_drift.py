@@ -41,7 +41,7 @@ from tests.live.test_live_drift import (
     to_levels,
     until_precise_holds,
 )
-from tests.live_helpers import BLOCK, free_port, run, serving, wait_healthy
+from tests.live_helpers import BLOCK, ProxyURL, free_port, run, serving, wait_healthy
 from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import ServerSpec, WorkerPool
 
@@ -83,16 +83,22 @@ def servers():
 @contextlib.asynccontextmanager
 async def precise_proxy(
     spec: ServerSpec, kv_events: str | None = None, health_interval: float = 0.5
-) -> AsyncIterator[tuple[str, LiveCluster]]:
+) -> AsyncIterator[tuple[ProxyURL, LiveCluster]]:
     """A proxy in front of one server, its precise index fed from `kv_events` (the server's
     own endpoint unless given), routing by a 4-answer drift guard."""
     config = ClusterConfig(policy={"name": "lpm"}, block_size=BLOCK, index_mode="precise")
     cluster = build_cluster(config)
     cluster.add_worker(spec.url, kv_events or spec.kv_events)
     cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
-    settings = ProxySettings(model_name="tiny", policy_name="lpm", health_interval=health_interval)
-    async with serving(create_app(cluster, PromptEncoder(MODEL, BLOCK), settings)) as base:
-        yield base, cluster
+    settings = ProxySettings(
+        model_name="tiny",
+        policy_name="lpm",
+        health_interval=health_interval,
+        admin_port=free_port(),
+    )
+    app = create_app(cluster, PromptEncoder(MODEL, BLOCK), settings)
+    async with serving(app, admin_port=settings.admin_port) as base:
+        yield ProxyURL(base, f"http://127.0.0.1:{settings.admin_port}"), cluster
 
 
 class Relay:

@@ -45,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.cost_model import FittedCost, Measurement
 from router.proxy.bench.replay import replay
 from router.proxy.fleet.config import ClusterConfig
-from router.proxy.ports import free_port, free_ports
+from router.proxy.ports import free_ports
 from router.runtime.processes import wait_healthy
 from simulator.cluster import SimConfig, simulate
 from simulator.engine import EngineConfig
@@ -220,7 +220,7 @@ def proxy(
 ) -> Iterator[str]:
     """`fairway serve` in front of `urls` with `policy`, as a process of its own; with
     `record_dir`, it records what it saw of each request there."""
-    port = free_port()
+    port, admin_port = free_ports(2)  # admin_port: its /metrics, never another's port
     name = name or f"proxy-{policy}"
     path = logs / f"{name}.yaml"
     path.write_text(
@@ -229,6 +229,7 @@ def proxy(
                 "model": str(model),
                 "block_size": 128,
                 "port": port,
+                "admin_port": admin_port,
                 "window": config.window,
                 "policy": {"name": policy},
                 "workers": {"urls": list(urls)},

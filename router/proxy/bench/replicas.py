@@ -67,8 +67,8 @@ class Setup:
 @contextlib.contextmanager
 def fairway(scratch: Path, model: Path, workers: list[str], setup: Setup, policy: str, window: int):
     """`fairway serve` with `setup.routers` replicas (its own Redis); yields its URL."""
-    # One router needs no own port (no replicas behind it): just the serving one.
-    port, *own = free_ports(setup.routers + 1 if setup.routers > 1 else 1)
+    # Each router's own port is its admin listener (/metrics); one router has one as well.
+    port, *own = free_ports(setup.routers + 1)
     config = {
         "model": str(model),
         "port": port,

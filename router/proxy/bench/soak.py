@@ -146,10 +146,11 @@ async def wait_up(base: str, proc: subprocess.Popen, timeout: float, log: Path) 
 
 
 async def soak(
-    base: str, pid: int, spec: LoadSpec, sample: float
+    base: str, admin: str, pid: int, spec: LoadSpec, sample: float
 ) -> tuple[list[dict[str, object]], Counter[str], float | None, float]:
-    """Run the load; every `sample` seconds a row of progress. Returns the rows, the outcome
-    counts, the whole run's loop-lag p99 and its wall time."""
+    """Run the load on `base`; every `sample` seconds a row of progress, the lag read from the
+    admin listener's /metrics. Returns the rows, the outcome counts, the whole run's loop-lag
+    p99 and its wall time."""
     counts: Counter[str] = Counter()
     lost: list[Outcome] = []
 
@@ -161,12 +162,12 @@ async def soak(
     rows: list[dict[str, object]] = []
     started = time.monotonic()
     async with aiohttp.ClientSession() as session:
-        first = previous = await scrape_lag(session, base)
+        first = previous = await scrape_lag(session, admin)
         load = asyncio.create_task(run_load(base, spec, on_outcome))
         while not load.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(load), sample)
-            now = await scrape_lag(session, base)
+            now = await scrape_lag(session, admin)
             interval = now.since(previous)
             previous = now
             p99, worst = interval.quantile(0.99), interval.worst()
@@ -187,7 +188,7 @@ async def soak(
                 flush=True,
             )
         result = load.result()
-        whole = (await scrape_lag(session, base)).since(first)
+        whole = (await scrape_lag(session, admin)).since(first)
     for outcome in lost:
         print(f"lost: {outcome.detail}")
     return rows, counts, whole.quantile(0.99), result.wall
@@ -203,14 +204,15 @@ def run_soak_bench(
 ) -> int:
     sample = sample or max(5.0, duration / 20)
     scratch = Path(tempfile.mkdtemp(prefix="fairway-soak-"))
-    *worker_ports, port = free_ports(workers + 1, consecutive=True)
+    *worker_ports, port, admin_port = free_ports(workers + 2, consecutive=True)
     first_port = worker_ports[0]
     config = {
         "workers": {"backend": "emulated", "count": workers, "first_port": first_port},
         "policy": {"name": policy},
         "port": port,
+        "admin_port": admin_port,
     }
-    base = f"http://127.0.0.1:{port}"
+    base, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     spec = LoadSpec(
         num_requests=10**9,
         concurrency=concurrency,
@@ -229,7 +231,7 @@ def run_soak_bench(
     with serving(config, scratch) as proc:
         asyncio.run(wait_up(base, proc, 180, scratch / "serve.log"))
         rss_start = rss_mib(proc.pid)
-        rows, counts, p99, wall = asyncio.run(soak(base, proc.pid, spec, sample))
+        rows, counts, p99, wall = asyncio.run(soak(base, admin, proc.pid, spec, sample))
     total = sum(counts.values())
     lost = counts["lost"] + counts["refused"]
     rss = [r["RSS MiB"] for r in rows if r["RSS MiB"] is not None]

@@ -1,8 +1,16 @@
 """cluster.yaml: the fleet's config schema, validated on load; an error names the field
-(`workers.count: ...`). docs/operations.md documents every field."""
+(`workers.count: ...`). docs/operations.md documents every field.
+
+Secrets (an API key, the admin token, the client salt) can stay out of the file: each may be
+given as `<field>`, `<field>_env` (an environment variable) or `<field>_file` (a file), exactly
+one of them, read on load. The config then holds them as SecretStr: a repr, a log line or a
+dump shows `**********`; only `with_secrets()` (a replica's stdin) has them in clear.
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Literal
@@ -13,15 +21,20 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    SecretStr,
+    SerializationInfo,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 import policies
 from router.cost_model import GPUS, MODELS, FittedCost
 from router.proxy.settings import (
     BODY_TIMEOUT,
+    HEADER_TIMEOUT,
     MAX_BODY_BYTES,
     MAX_CLIENT_ID,
     MAX_WEIGHT,
@@ -45,6 +58,51 @@ def _one_of(known: Mapping[str, object], what: str) -> Callable[[str], str]:
 
 ModelPreset = Annotated[str, AfterValidator(_one_of(MODELS, "preset"))]
 GPUPreset = Annotated[str, AfterValidator(_one_of(GPUS, "gpu"))]
+
+_REVEAL = {"secrets": "in clear"}  # the dump context that shows secrets (`with_secrets`)
+
+
+def _reveal(value: SecretStr, info: SerializationInfo) -> str:
+    return value.get_secret_value() if info.context == _REVEAL else str(value)
+
+
+Secret = Annotated[SecretStr, PlainSerializer(_reveal, return_type=str, when_used="json")]
+
+
+def _secret_forms(data: object, name: str, required: bool) -> object:
+    """Raw config `data` with `name` given as itself, `name`_env or `name`_file (exactly one
+    if `required`, else at most one), read into `name`. A variable that is not set, or a file
+    that cannot be read, is an error naming the form."""
+    if not isinstance(data, dict):
+        return data
+    forms = [f"{name}{form}" for form in ("", "_env", "_file")]
+    given = [f for f in forms if data.get(f) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give only one of {', '.join(forms)}")
+    if not given:
+        if required:
+            raise ValueError(f"{name}: required (or {name}_env, {name}_file)")
+        return data
+    out = {k: v for k, v in data.items() if k not in forms[1:]}
+    form = given[0]
+    source = data[form]
+    if form == name:
+        return out
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"{form}: expected a {'variable name' if form == forms[1] else 'path'}")
+    if form == forms[1]:
+        value = os.environ.get(source)
+        if not value:
+            raise ValueError(f"{form}: the environment variable {source} is not set or empty")
+    else:
+        try:
+            value = Path(source).expanduser().read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{form}: cannot read {source}: {type(e).__name__}") from None
+        if not value:
+            raise ValueError(f"{form}: {source} is empty")
+    out[name] = value
+    return out
 
 
 class WorkersConfig(Strict):
@@ -91,21 +149,48 @@ class TimeoutsConfig(Strict):
     stream: float = Field(30.0, gt=0, description="between two chunks of a stream")
     request: float = Field(600.0, gt=0)
     body: float = Field(BODY_TIMEOUT, gt=0, description="for a request body to arrive (408)")
+    header: float = Field(
+        HEADER_TIMEOUT, gt=0, description="for a request's head, from its first byte (408)"
+    )
+
+
+ClientName = Annotated[str, Field(min_length=1, max_length=MAX_CLIENT_ID)]
 
 
 class LimitsConfig(Strict):
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger bodies get a 413")
-    client_labels: int = Field(
-        20, ge=0, description="clients besides the tenants with metric series of their own"
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="open client connections per listener, past it a 503; none: 4096, or "
+        "fewer if the open-files limit is low",
+    )
+    client_labels: Annotated[int, Field(ge=0)] | list[ClientName] = Field(
+        20,
+        description="metric series besides the tenants': these clients by name, or that many "
+        "clients under a pseudonym each, first come; the rest are `other`",
     )
 
 
 class TenantConfig(Strict):
-    """An API key, and the client (tenant) and weight it stands for."""
+    """An API key (`api_key`, `api_key_env` or `api_key_file`), and the client (tenant) and
+    weight it stands for."""
 
-    api_key: str = Field(min_length=8)
+    api_key: Secret
     client: str = Field(min_length=1, max_length=MAX_CLIENT_ID)
     weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_forms(cls, data: object) -> object:
+        return _secret_forms(data, "api_key", required=True)
+
+    @field_validator("api_key")
+    @classmethod
+    def _long_enough(cls, v: SecretStr) -> SecretStr:
+        if len(v.get_secret_value()) < 8:
+            raise ValueError("an API key needs at least 8 characters")
+        return v
 
 
 class ClusterConfig(Strict):
@@ -121,7 +206,14 @@ class ClusterConfig(Strict):
     index_mode: IndexMode = IndexMode.APPROXIMATE
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     max_retries: int = Field(2, ge=0)
-    admin_token: str | None = None
+    admin_token: Secret | None = Field(None, description="or admin_token_env, admin_token_file")
+    admin_host: str = Field("127.0.0.1", description="the admin listener's address")
+    admin_port: int | None = Field(
+        None, ge=1, le=65535, description="/metrics and /admin/*; none: port+1"
+    )
+    client_salt: Secret | None = Field(
+        None, description="salts client pseudonyms (or client_salt_env, _file); none: random"
+    )
     health_interval: float = Field(1.0, gt=0)
     cost_preset: ModelPreset = "llama-3-8b"
     cost_gpu: GPUPreset = "a100-80g"
@@ -144,8 +236,48 @@ class ClusterConfig(Strict):
     )
     redis_url: str | None = Field(None, description="the replicas' store; none: start one")
     replica_ports: list[int] = Field(
-        default_factory=list, description="each replica's own port; none: port+1 .. port+N"
+        default_factory=list,
+        description="each replica's own (admin) port; none: admin_port .. admin_port+N-1",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets(cls, data: object) -> object:
+        for name in ("admin_token", "client_salt"):
+            data = _secret_forms(data, name, required=False)
+        return data
+
+    @model_validator(mode="after")
+    def _admin_ports(self) -> ClusterConfig:
+        if self.admin_port is not None and self.replica_ports:
+            raise ValueError("admin_port and replica_ports: give one (each replica's port)")
+        if self.port in self.admin_ports or max(self.admin_ports) > 65535:
+            raise ValueError(
+                f"admin_port: the admin listeners {self.admin_ports} need ports of their own, "
+                f"not `port` ({self.port}), at most 65535"
+            )
+        return self
+
+    @property
+    def admin_ports(self) -> list[int]:
+        """Each router's admin listener (/metrics, /admin/*): `replica_ports`, else
+        `admin_port` (default port+1) and the ports after it."""
+        if self.replica_ports:
+            return list(self.replica_ports)
+        first = self.admin_port or self.port + 1
+        return [first + i for i in range(self.routers)]
+
+    def with_salt(self) -> ClusterConfig:
+        """This config with a client salt: its own, else a new random one. `fairway serve`
+        draws it once, so that its replicas name every client alike."""
+        if self.client_salt is not None:
+            return self
+        return self.model_copy(update={"client_salt": SecretStr(secrets.token_hex(16))})
+
+    def with_secrets(self) -> dict:
+        """The config as JSON data with its secrets in clear: for a replica's stdin, never a
+        log (`model_dump` shows them as `**********`)."""
+        return self.model_dump(mode="json", context=_REVEAL)
 
     @field_validator("redis_url")
     @classmethod
@@ -167,7 +299,7 @@ class ClusterConfig(Strict):
     @field_validator("tenants")
     @classmethod
     def _keys(cls, v: list[TenantConfig]) -> list[TenantConfig]:
-        keys = [t.api_key for t in v]
+        keys = [t.api_key.get_secret_value() for t in v]
         if len(set(keys)) != len(keys):
             raise ValueError("an api_key is listed twice")
         return v
@@ -194,5 +326,12 @@ def validate_config(raw: dict, source: str = "config") -> ClusterConfig:
     try:
         return ClusterConfig.model_validate(raw)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        lines = [_error_line(err) for err in e.errors()]
         raise ValueError(f"{source}: " + "; ".join(lines)) from None
+
+
+def _error_line(err) -> str:
+    """One validation error, named by its field; a whole model's own checks name it in their
+    message (`admin_port: ...`). Never the input: it may be a secret."""
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]

@@ -3,13 +3,16 @@
     fairway serve (parent) ─ workers, once (Ray) ─ redis-server (unless redis_url)
       ├─ replica 0 ─ LiveCluster (the whole policy) ─ proxy on :port (SO_REUSEPORT) + own port
       ├─ replica 1 ─ ...                                the kernel spreads new connections
-      └─ ...          each syncs its Ledgers and routing decisions through Redis (shared_state)
+      └─ ...          each syncs its Ledgers, routing decisions and pool through Redis
 
 Each replica is a whole router: its own index, counters, load accounting and dispatch queues,
 as the simulator's replicas (`simulate --routers N --router-sync S`). It adds the parent's
-worker URLs in the parent's order, so worker ids (and so ledger keys) agree across replicas.
-Besides the shared port each replica listens on one of its own (`replica_ports`): its
-/metrics, /health and admin API, which through the shared port would reach any one of them.
+worker URLs in the parent's order, so worker ids (and so ledger keys) agree across replicas;
+an add or a remove through the admin API of any replica goes through the store, as an event
+in a log that every replica applies in the same order, ids included (SharedMembership).
+Besides the shared port each replica listens on one of its own (`replica_ports`), its admin
+listener (loopback by default): /metrics and the admin API answer there only, which through
+the shared port would reach any one replica.
 
 The parent restarts a replica that dies (its connections are lost with it; the others' are
 not), and on SIGTERM or SIGINT stops them all (SIGTERM, the proxy's grace, then SIGKILL).
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +65,7 @@ class ReplicaSpec:
 
 
 def replica_ports(config: ClusterConfig) -> list[int]:
-    return list(config.replica_ports) or [config.port + 1 + i for i in range(config.routers)]
+    return config.admin_ports  # each replica's admin listener
 
 
 def run_replicas(
@@ -86,8 +89,9 @@ def run_replicas(
 
 
 def _config_of(config: ClusterConfig, index: int) -> dict:
-    """Replica `index`'s config: the same, but requests.csv in a folder of its own."""
-    raw = config.model_dump(mode="json")
+    """Replica `index`'s config: the same, but requests.csv in a folder of its own. Its
+    secrets in clear (keys, the admin token, the parent's client salt): it goes on stdin."""
+    raw = config.with_secrets()
     if config.record_dir:
         raw["record_dir"] = str(Path(config.record_dir) / f"replica-{index}")
     return raw
@@ -215,6 +219,7 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     from router.proxy.fleet.config import validate_config
     from router.proxy.fleet.serve import build_cluster, settings_of
     from router.proxy.fleet.shared_state import SHARED, shared_state_ctx
+    from router.proxy.identity import check_admin
     from router.proxy.prompts import PromptEncoder
 
     config = validate_config(spec.config, source=f"replica {spec.index}")
@@ -222,27 +227,27 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     for url, kv_events in spec.workers:
         cluster.add_worker(url, kv_events)
     encoder = PromptEncoder(Path(spec.model_dir), config.block_size)
-    app = create_app(cluster, encoder, settings_of(config))
+    # Its own port is its admin listener (exposure.py): /metrics and /admin/* answer there only.
+    app = create_app(cluster, encoder, replace(settings_of(config), admin_port=spec.own_port))
     token = f"{spec.index}-{os.getpid()}"  # a restarted replica reads its predecessor's log
 
     async def tag(request: web.Request, response: web.StreamResponse) -> None:
         response.headers[REPLICA_HEADER] = token
 
     async def describe(request: web.Request) -> web.Response:
-        token_required = config.admin_token
-        if not token_required:
-            return APIError(
-                403, "admin API disabled: no admin token configured", "permission_error"
-            ).response()
-        if request.headers.get("Authorization") != f"Bearer {token_required}":
-            return APIError(401, "admin token required", "authentication_error").response()
+        token = config.admin_token.get_secret_value() if config.admin_token else None
+        try:
+            check_admin(request, token)  # constant time
+        except APIError as e:
+            return e.response()
         return web.json_response({"index": spec.index, **app[SHARED].describe()})
 
     app.on_response_prepare.append(tag)
     app.router.add_get("/admin/replica", describe)
+    starting_pool = [url for url, _ in spec.workers]
     app.cleanup_ctx.append(
         shared_state_ctx(
-            app[CLUSTER].router, spec.redis_url, spec.prefix, token, config.router_sync
+            app[CLUSTER], spec.redis_url, spec.prefix, token, config.router_sync, starting_pool
         )
     )
     return app
@@ -252,7 +257,9 @@ async def serve_replica(spec: ReplicaSpec) -> None:
     """Serve the replica on the shared port (SO_REUSEPORT) and on its own port until SIGTERM /
     SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
     from router.proxy.app import RUNNER_OPTIONS
+    from router.proxy.connections import ProxySite
     from router.proxy.fleet.serve import SHUTDOWN_GRACE
+    from router.proxy.forward import SETTINGS
 
     app = build_replica_app(spec)
     host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port
@@ -263,8 +270,9 @@ async def serve_replica(spec: ReplicaSpec) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await web.TCPSite(runner, host, port, reuse_port=True).start()
-        await web.TCPSite(runner, "127.0.0.1", own_port).start()
+        settings = app[SETTINGS]  # the connection cap and header timeout (connections.py)
+        await ProxySite(runner, settings, host, port, reuse_port=True).start()
+        await ProxySite(runner, settings, spec.config["admin_host"], own_port).start()
         log.info("replica %d on http://%s:%d (own port %d)", spec.index, host, port, own_port)
         await stop.wait()
         # The supervisor SIGKILLs a replica whose stop outlasts the grace; an orphan has no one

@@ -9,15 +9,17 @@ import os
 import signal
 from pathlib import Path
 
-from aiohttp import web
+from pydantic import SecretStr
 
 import policies
 from router.cost_model import FittedCost, roofline
+from router.proxy import connections
 from router.proxy.app import RUNNER_OPTIONS, create_app
+from router.proxy.exposure import admin_socket
 from router.proxy.fleet.config import ClusterConfig
 from router.proxy.live import LiveCluster
 from router.proxy.prompts import PromptEncoder
-from router.proxy.settings import ProxySettings, Tenant
+from router.proxy.settings import SHUTDOWN_GRACE, ProxySettings, Tenant, keyed, new_salt
 
 log = logging.getLogger("fairway.serve")
 
@@ -47,6 +49,7 @@ def build_cluster(config: ClusterConfig) -> LiveCluster:
 
 def settings_of(config: ClusterConfig) -> ProxySettings:
     t = config.timeouts
+    labels, salt = config.limits.client_labels, _clear(config.client_salt)
     return ProxySettings(
         model_name=config.served_model_name,
         max_model_len=config.max_model_len,
@@ -56,39 +59,51 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
         first_byte_timeout=t.first_byte,
         stream_timeout=t.stream,
         request_timeout=t.request,
-        admin_token=config.admin_token,
+        admin_token=_clear(config.admin_token),
+        admin_port=config.admin_ports[0],
         policy_name=config.policy.name,
         health_interval=config.health_interval,
         record_dir=config.record_dir,
         max_body_bytes=config.limits.max_body_bytes,
         body_timeout=t.body,
-        client_labels=config.limits.client_labels,
+        header_timeout=t.header,
+        max_connections=config.limits.max_connections,
+        client_labels=labels if isinstance(labels, int) else tuple(labels),
         trust_client_headers=config.trust_client_headers,
-        tenants={t.api_key: Tenant(t.client, t.weight) for t in config.tenants},
+        tenants=keyed(
+            {t.api_key.get_secret_value(): Tenant(t.client, t.weight) for t in config.tenants}
+        ),
+        client_salt=salt.encode() if salt else new_salt(),  # `fairway serve` always has one
     )
+
+
+def _clear(secret: SecretStr | None) -> str | None:
+    return secret.get_secret_value() if secret is not None else None
 
 
 def run_proxy(config: ClusterConfig, cluster: LiveCluster, model_dir: Path) -> int:
     """Serve until SIGTERM or SIGINT, then give in-flight requests SHUTDOWN_GRACE to finish."""
-    app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings_of(config))
+    settings = settings_of(config)
+    app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings)
+    admin = admin_socket(config.admin_host, config.admin_ports[0])  # /metrics, /admin/*
     log.info(
-        "Fairway proxy on http://%s:%d (policy %s)", config.host, config.port, config.policy.name
+        "Fairway proxy on http://%s:%d, admin on http://%s:%d (policy %s)",
+        config.host,
+        config.port,
+        config.admin_host,
+        config.admin_ports[0],
+        config.policy.name,
     )
-    web.run_app(
+    connections.run_app(
         app,
+        settings,
         host=config.host,
         port=config.port,
-        print=None,
-        access_log=None,
+        sock=admin,
         shutdown_timeout=SHUTDOWN_GRACE,
-        **RUNNER_OPTIONS,  # type: ignore[arg-type]
+        **RUNNER_OPTIONS,
     )
     return 0
-
-
-# In-flight requests get this long to finish when the proxy stops; then streams end with an
-# error event. Well inside the minute Ray gives a driver whose GCS is gone.
-SHUTDOWN_GRACE = 20.0
 
 
 def shut_down(reason: str) -> None:
