@@ -19,9 +19,11 @@ the limit leaves room for, whichever is less. Counts are per listener.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
@@ -60,23 +62,40 @@ def run_app(
     """`web.run_app` for the proxy: `app` on host:port (and on `sock`, if given) through
     `ProxySite`s until SIGTERM or SIGINT, then stopped as aiohttp stops (`runner_options`
     hold its `shutdown_timeout`)."""
+    listeners: list[dict[str, object]] = [{"host": host, "port": port}]
+    if sock is not None:
+        listeners.append({"sock": sock})
 
     async def serve() -> None:
-        runner = web.AppRunner(app, access_log=None, **runner_options)  # type: ignore[arg-type]
-        await runner.setup()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await ProxySite(runner, settings, host, port).start()
-            if sock is not None:
-                await ProxySite(runner, settings, sock=sock).start()
+        async with serving(app, settings, listeners, **runner_options) as stop:
             await stop.wait()
-        finally:
-            await runner.cleanup()
 
     asyncio.run(serve())
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: web.Application,
+    settings: ProxySettings,
+    listeners: Sequence[Mapping[str, object]],
+    **runner_options: object,
+) -> AsyncIterator[asyncio.Event]:
+    """`app` served on each listener (`ProxySite` keyword arguments) while the block runs;
+    yields the event SIGTERM and SIGINT set. The handlers are in place before the first
+    listener opens, so a stop never meets the default handler; leaving the block stops the
+    runner as aiohttp does."""
+    runner = web.AppRunner(app, access_log=None, **runner_options)  # type: ignore[arg-type]
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for listener in listeners:
+            await ProxySite(runner, settings, **listener).start()  # type: ignore[arg-type]
+        yield stop
+    finally:
+        await runner.cleanup()
 
 
 class ProxySite(web.BaseSite):

@@ -257,22 +257,20 @@ async def serve_replica(spec: ReplicaSpec) -> None:
     """Serve the replica on the shared port (SO_REUSEPORT) and on its own port until SIGTERM /
     SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
     from router.proxy.app import RUNNER_OPTIONS
-    from router.proxy.connections import ProxySite
+    from router.proxy.connections import serving
     from router.proxy.fleet.serve import SHUTDOWN_GRACE
     from router.proxy.forward import SETTINGS
 
     app = build_replica_app(spec)
     host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, **RUNNER_OPTIONS)
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        settings = app[SETTINGS]  # the connection cap and header timeout (connections.py)
-        await ProxySite(runner, settings, host, port, reuse_port=True).start()
-        await ProxySite(runner, settings, spec.config["admin_host"], own_port).start()
+    listeners = [
+        {"host": host, "port": port, "reuse_port": True},
+        {"host": spec.config["admin_host"], "port": own_port},
+    ]
+    # app[SETTINGS]: the connection cap and header timeout (connections.py)
+    async with serving(
+        app, app[SETTINGS], listeners, shutdown_timeout=SHUTDOWN_GRACE, **RUNNER_OPTIONS
+    ) as stop:
         log.info("replica %d on http://%s:%d (own port %d)", spec.index, host, port, own_port)
         await stop.wait()
         # The supervisor SIGKILLs a replica whose stop outlasts the grace; an orphan has no one
@@ -280,8 +278,6 @@ async def serve_replica(spec: ReplicaSpec) -> None:
         # (where it hung) and the process exits.
         faulthandler.dump_traceback_later(SHUTDOWN_GRACE + 5, exit=True)
         log.info("replica %d stopping", spec.index)
-    finally:
-        await runner.cleanup()
 
 
 def _die_with(parent: int) -> None:
