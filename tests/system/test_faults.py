@@ -87,25 +87,11 @@ class TestBookkeepingThatRaises:
         run(go)
 
 
-def misbehaving_worker(behaviour: str, release: asyncio.Event) -> web.Application:
-    """A worker that answers a completion badly, in one of a few ways; its stalls last until
-    `release` is set."""
-    event = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+TOKEN_EVENT = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
 
-    async def complete(request: web.Request) -> web.StreamResponse:
-        if behaviour == "5xx":
-            return web.Response(status=500, text="engine dead")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if behaviour == "stall_before_first_event":
-            await release.wait()
-        await resp.write(event)
-        if behaviour == "stall_mid_stream":
-            await release.wait()
-        elif behaviour == "partial_event":
-            await resp.write(event[:20])
-        await resp.write_eof()  # "no_done" and "partial_event": a clean end, but no [DONE]
-        return resp
+
+def worker_app(complete) -> web.Application:
+    """A stand-in worker: `complete` answers /v1/completions, /health always 200."""
 
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -114,6 +100,28 @@ def misbehaving_worker(behaviour: str, release: asyncio.Event) -> web.Applicatio
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", ok)
     return app
+
+
+def misbehaving_worker(behaviour: str, release: asyncio.Event) -> web.Application:
+    """A worker that answers a completion badly, in one of a few ways; its stalls last until
+    `release` is set."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        if behaviour == "5xx":
+            return web.Response(status=500, text="engine dead")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if behaviour == "stall_before_first_event":
+            await release.wait()
+        await resp.write(TOKEN_EVENT)
+        if behaviour == "stall_mid_stream":
+            await release.wait()
+        elif behaviour == "partial_event":
+            await resp.write(TOKEN_EVENT[:20])
+        await resp.write_eof()  # "no_done" and "partial_event": a clean end, but no [DONE]
+        return resp
+
+    return worker_app(complete)
 
 
 class TestMisbehavingWorker:
@@ -268,7 +276,6 @@ class TestMembership:
 def held_worker(release: asyncio.Event) -> web.Application:
     """A worker whose answers wait for `release` (a stream, after its first event), except the
     prompt "quick", answered whole after a second."""
-    event = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
     answer = {
         "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
@@ -284,18 +291,12 @@ def held_worker(release: asyncio.Event) -> web.Application:
             return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(event)
+        await resp.write(TOKEN_EVENT)
         await release.wait()
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_get("/health", ok)
-    return app
+    return worker_app(complete)
 
 
 class TestShutdown:
