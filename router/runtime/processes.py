@@ -57,3 +57,4 @@ def process(
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()  # reaped: no zombie left behind
