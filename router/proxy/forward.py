@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from router.proxy.capture import TraceCapture
@@ -158,8 +158,10 @@ class Forward:
         """Wait until the worker's dispatch queue releases the request. False: the worker went
         down first (try another). Timing out in the queue is the client's answer (503)."""
         try:
-            async with asyncio.timeout(self.settings.queue_timeout):
-                await admitted
+            if not admitted.done():  # most are let through at once: no timer for those
+                async with asyncio.timeout(self.settings.queue_timeout):
+                    await admitted
+            admitted.result()
         except WorkerDown:
             self._book(self.cluster.abandon, worker, self.req)
             return False
@@ -182,13 +184,15 @@ class Forward:
         s = self.settings
         headers = {k: v for k, v in self.http.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["X-Request-Id"] = self.request_id
-        # No sock_read: the first byte has its own deadline below, a stream's chunks theirs.
-        timeout = aiohttp.ClientTimeout(total=s.request_timeout, sock_connect=s.connect_timeout)
+        headers["Content-Type"] = "application/json"
         resp: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(s.first_byte_timeout):
                 resp = await self.session.post(
-                    f"{worker.url}{path}", json=self.upstream_body, headers=headers, timeout=timeout
+                    f"{worker.url}{path}",
+                    data=orjson.dumps(self.upstream_body),
+                    headers=headers,
+                    timeout=self.settings.upstream_timeout,
                 )
                 if resp.status >= 500:
                     # The worker's own text stays in the log: it can name hosts, paths, a trace.
@@ -255,6 +259,8 @@ class Forward:
         limit = self.settings.stream_timeout
         per_chunk = None if _arm_read_timeout(upstream, limit) else limit  # None: aiohttp's timer
         ended = False  # the worker's `data: [DONE]` has gone by
+        tail = b""  # `[DONE]` and what follows it: sent with the stream's end, in one write
+        itl = metrics.itl.labels(req.client)
         chunk, last = head, time.monotonic()
         try:
             while chunk:
@@ -262,8 +268,10 @@ class Forward:
                 if n:
                     self.output_tokens += n
                     self._book(self.cluster.tokens, worker, req, n)
-                if events:
-                    ended = ended or b"data: [DONE]" in events
+                if events and (ended or b"data: [DONE]" in events):
+                    ended = True
+                    tail += events
+                elif events:
                     try:
                         await response.write(events)
                     except ConnectionError:
@@ -279,7 +287,7 @@ class Forward:
                     async with asyncio.timeout(per_chunk):
                         chunk = await upstream.content.readany()
                 now = time.monotonic()
-                metrics.itl.labels(req.client).observe(now - last)
+                itl.observe(now - last)
                 last = now
         except (aiohttp.ClientError, TimeoutError) as e:
             if not ended:
@@ -292,14 +300,17 @@ class Forward:
                 upstream.close()  # and the worker aborts it
                 self._finish(reason, worker, "client_gone")
                 raise
-            await self._end_stream(_unavailable("the router stopped this stream", "cancelled"))
+            if ended:  # all but the stream's end was relayed: finish it as it would have
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await response.write_eof(tail)
+            else:
+                await self._end_stream(_unavailable("the router stopped this stream", "cancelled"))
             raise
         if rest := account.flush():  # bytes after the last whole event
             if b"[DONE]" not in rest:
                 return await self._broken(f"worker {worker.id} cut an event short", reason, worker)
             ended = True
-            with contextlib.suppress(ConnectionError):
-                await response.write(rest)
+            tail += rest
         if not ended:
             return await self._broken(
                 f"worker {worker.id} ended the stream without [DONE]", reason, worker
@@ -312,7 +323,7 @@ class Forward:
             self.output_tokens, self.cached_tokens = exact, account.usage.cached_tokens
         self._finish(reason, worker, "ok")
         with contextlib.suppress(ConnectionError):
-            await response.write_eof()
+            await response.write_eof(tail)
         return response
 
     async def _broken(self, message: str, reason: str, worker: LiveWorker) -> web.StreamResponse:
@@ -409,7 +420,7 @@ def _usage(data: bytes) -> tuple[int, int | None]:
     """(completion tokens, cached prompt tokens) from a non-streamed answer's usage; cached is
     None when the worker does not report it (vLLM without --enable-prompt-tokens-details)."""
     with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-        usage = json.loads(data)["usage"]
+        usage = orjson.loads(data)["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return int(usage["completion_tokens"]), None if cached is None else int(cached)
     return 0, None

@@ -63,15 +63,35 @@ class ClientLabels:
         return label
 
 
-class _PerClient:
+class Labelled:
+    """A labelled metric whose children are looked up once per distinct label values.
+
+    prometheus_client's `labels()` checks and joins the values and takes a lock on every call,
+    a cost the proxy paid several times per request (and once per streamed chunk); here it is a
+    dict lookup. Children are never removed from these metrics, so a kept one stays current.
+    """
+
+    def __init__(self, metric: Counter | Gauge | Histogram) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], object] = {}
+
+    def labels(self, *values: str):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
+class _PerClient(Labelled):
     """A metric with a `client` label whose values ClientLabels bounds. `labels(client)` takes
     the client as the router knows it."""
 
     def __init__(self, metric: Counter | Histogram, clients: ClientLabels) -> None:
-        self.metric, self.clients = metric, clients
+        super().__init__(metric)
+        self.clients = clients
 
-    def labels(self, client: str):
-        return self.metric.labels(self.clients.label(client))
+    def labels(self, client: str):  # type: ignore[override]
+        return super().labels(self.clients.label(client))
 
 
 class RouterMetrics:
@@ -80,76 +100,96 @@ class RouterMetrics:
     def __init__(self, tenants: Iterable[str] = (), client_labels: int = 20) -> None:
         r = self.registry = CollectorRegistry()
         self.clients = ClientLabels(tenants, client_labels)
-        self.requests = Counter(
-            "fairway_requests",
-            "Requests by routing policy, decision, worker and outcome",
-            ["policy", "decision", "worker", "status"],
-            registry=r,
+        self.requests = Labelled(
+            Counter(
+                "fairway_requests",
+                "Requests by routing policy, decision, worker and outcome",
+                ["policy", "decision", "worker", "status"],
+                registry=r,
+            )
         )
-        self.retries = Counter(
-            "fairway_retries",
-            "Requests re-sent to another worker before the first byte",
-            ["worker"],
-            registry=r,
+        self.retries = Labelled(
+            Counter(
+                "fairway_retries",
+                "Requests re-sent to another worker before the first byte",
+                ["worker"],
+                registry=r,
+            )
         )
-        self.queue_depth = Gauge(
-            "fairway_router_queue_depth",
-            "Requests waiting in the router's per-worker queue",
-            ["worker"],
-            registry=r,
+        self.queue_depth = Labelled(
+            Gauge(
+                "fairway_router_queue_depth",
+                "Requests waiting in the router's per-worker queue",
+                ["worker"],
+                registry=r,
+            )
         )
-        self.in_flight = Gauge(
-            "fairway_worker_in_flight",
-            "Requests the router has in flight at each worker",
-            ["worker"],
-            registry=r,
+        self.in_flight = Labelled(
+            Gauge(
+                "fairway_worker_in_flight",
+                "Requests the router has in flight at each worker",
+                ["worker"],
+                registry=r,
+            )
         )
-        self.healthy = Gauge(
-            "fairway_worker_healthy",
-            "1 while the worker passes health checks",
-            ["worker"],
-            registry=r,
+        self.healthy = Labelled(
+            Gauge(
+                "fairway_worker_healthy",
+                "1 while the worker passes health checks",
+                ["worker"],
+                registry=r,
+            )
         )
-        self.prompt_tokens = Counter(
-            "fairway_prompt_tokens", "Prompt tokens routed", ["worker"], registry=r
+        self.prompt_tokens = Labelled(
+            Counter("fairway_prompt_tokens", "Prompt tokens routed", ["worker"], registry=r)
         )
-        self.estimated_hit_tokens = Counter(
-            "fairway_prefix_hit_tokens_estimated",
-            "Prompt tokens the router's index expected to be cached at the chosen worker",
-            ["worker", "mode"],
-            registry=r,
+        self.estimated_hit_tokens = Labelled(
+            Counter(
+                "fairway_prefix_hit_tokens_estimated",
+                "Prompt tokens the router's index expected to be cached at the chosen worker",
+                ["worker", "mode"],
+                registry=r,
+            )
         )
         # Predicted against actual, per answered request that reported its cached tokens: the
         # drift guard's inputs (router/drift.py), and a dashboard panel and alert over them.
-        self.hit_tokens_predicted = Counter(
-            "fairway_prefix_hit_tokens_predicted",
-            "Prompt tokens the best index kept (precise, else approximate) expected the chosen "
-            "worker to reuse, over answered requests whose worker reported its cached tokens",
-            ["worker"],
-            registry=r,
+        self.hit_tokens_predicted = Labelled(
+            Counter(
+                "fairway_prefix_hit_tokens_predicted",
+                "Prompt tokens the best index kept (precise, else approximate) expected the chosen "
+                "worker to reuse, over answered requests whose worker reported its cached tokens",
+                ["worker"],
+                registry=r,
+            )
         )
-        self.hit_tokens_actual = Counter(
-            "fairway_prefix_hit_tokens_actual",
-            "Prompt tokens the worker reported it reused (usage.prompt_tokens_details)",
-            ["worker"],
-            registry=r,
+        self.hit_tokens_actual = Labelled(
+            Counter(
+                "fairway_prefix_hit_tokens_actual",
+                "Prompt tokens the worker reported it reused (usage.prompt_tokens_details)",
+                ["worker"],
+                registry=r,
+            )
         )
         self.index_level = Gauge(
             "fairway_index_level",
             "What routing uses: 2 precise index, 1 approximate index, 0 load only",
             registry=r,
         )
-        self.index_level_changes = Counter(
-            "fairway_index_level_changes",
-            "Fallbacks and recoveries of the index routing uses, by the level taken",
-            ["level"],
-            registry=r,
+        self.index_level_changes = Labelled(
+            Counter(
+                "fairway_index_level_changes",
+                "Fallbacks and recoveries of the index routing uses, by the level taken",
+                ["level"],
+                registry=r,
+            )
         )
-        self.reported_hit_rate = Gauge(
-            "fairway_worker_prefix_hit_rate_reported",
-            "Prefix-cache hit rate the worker reports (vllm:prefix_cache_hits / queries)",
-            ["worker"],
-            registry=r,
+        self.reported_hit_rate = Labelled(
+            Gauge(
+                "fairway_worker_prefix_hit_rate_reported",
+                "Prefix-cache hit rate the worker reports (vllm:prefix_cache_hits / queries)",
+                ["worker"],
+                registry=r,
+            )
         )
         self.ttft = self._per_client(
             Histogram(
@@ -187,11 +227,13 @@ class RouterMetrics:
             ),
             self.clients,
         )
-        self.index_blocks = Gauge(
-            "fairway_index_blocks",
-            "Blocks the prefix index believes each worker holds",
-            ["worker", "mode"],
-            registry=r,
+        self.index_blocks = Labelled(
+            Gauge(
+                "fairway_index_blocks",
+                "Blocks the prefix index believes each worker holds",
+                ["worker", "mode"],
+                registry=r,
+            )
         )
         self.loop_lag = Histogram(
             "fairway_event_loop_lag_seconds",

@@ -3,10 +3,13 @@ after validation in `router.proxy.fleet.config`)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import aiohttp
 
 # json.loads holds the GIL while it parses, worker thread or not: about 60 ms per MiB of JSON
 # numbers (token ids), 10 ms per MiB of text, measured. 1 MiB keeps the event loop under 100 ms.
@@ -71,3 +74,16 @@ class ProxySettings:
     tenants: Mapping[bytes, Tenant] = field(default_factory=dict, repr=False)
     # Keys and users become pseudonyms salted with this; replicas of one serve share it.
     client_salt: bytes = field(default_factory=new_salt, repr=False)
+    # The event loop: uvloop (libuv) where installed, else asyncio's own (event_loop.py).
+    event_loop: str = "uvloop"
+
+    @property
+    def upstream_timeout(self) -> aiohttp.ClientTimeout:
+        # No sock_read: the first byte has its own deadline (Forward._send), a stream's chunks
+        # theirs. Built once: ClientTimeout is a frozen attrs class, costly to make per request.
+        return _client_timeout(self.request_timeout, self.connect_timeout)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_timeout(total: float, connect: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total, sock_connect=connect)

@@ -13,9 +13,10 @@ decision to drop the usage event need the whole event.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
+
+import orjson
 
 _USAGE = re.compile(rb'"usage":\s*\{')
 
@@ -87,7 +88,7 @@ def _parse_usage(event: bytes) -> Usage | None:
     """The usage of a final usage event (`choices` empty), else None."""
     payload = event.partition(b"data: ")[2]
     try:
-        answer = json.loads(payload)
+        answer = orjson.loads(payload)
         if answer.get("choices"):
             return None  # continuous usage stats on a token event: still a token
         usage = answer["usage"]

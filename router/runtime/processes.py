@@ -58,3 +58,33 @@ def process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()  # reaped: no zombie left behind
+
+
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """CPU time (user + system, every thread) `pid` has used so far, and with `children` that
+    of its descendants still running (Linux /proc; 0.0 for a process already gone). The benches
+    divide work by it: streams per CPU-second of the router, apart from the load generator's."""
+    pids = [pid, *(_descendants(pid) if children else [])]
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out

@@ -428,11 +428,24 @@ class TestAtTheOpenFilesLimit:
             check_at_the_fd_limit(proxy, r"refused \d+ connections in the last second")
 
     def test_a_cap_above_the_limit_meets_it_and_survives(self, scratch: Path, worker: str) -> None:
-        """max_connections over what the limit allows: accept() itself fails (EMFILE). Also:
-        `fairway serve` raises its soft limit (200) to the hard one (300)."""
-        extra = "limits: {max_connections: 1000}\n"
+        """max_connections over what the limit allows, on asyncio's own loop: accept() itself
+        fails (EMFILE) and is answered on a spare descriptor. Also: `fairway serve` raises its
+        soft limit (200) to the hard one (300)."""
+        extra = "limits: {max_connections: 1000}\nevent_loop: asyncio\n"
         with fairway_serve(scratch, worker, "fd-over", extra, nofile=(200, NOFILE)) as proxy:
             text = proxy.log_text()
             assert f"soft limit {NOFILE} (was 200), hard limit {NOFILE}" in text
             assert "more than the open-files limit leaves room for" in text
             check_at_the_fd_limit(proxy, r"accept failed \d+ times in the last second")
+
+    def test_on_uvloop_a_cap_above_the_limit_comes_down_to_it(
+        self, scratch: Path, worker: str
+    ) -> None:
+        """uvloop (the default) drops a connection whose accept() fails unanswered, so the cap
+        comes down to what the limit leaves room for, and past it is a 503 as usual."""
+        extra = "limits: {max_connections: 1000}\n"
+        with fairway_serve(scratch, worker, "fd-over-uv", extra, nofile=(NOFILE, NOFILE)) as proxy:
+            text = proxy.log_text()
+            assert "more than the open-files limit leaves room for (118): capped at 118" in text
+            assert "at most 118 connections" in text
+            check_at_the_fd_limit(proxy, r"refused \d+ connections in the last second")

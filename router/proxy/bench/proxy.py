@@ -2,9 +2,13 @@
 sglang-router (a Rust gateway) in front of the same emulated workers, in one run.
 
 - TTFT overhead: one streaming request at a time, time to the first content byte, direct vs
-  through each router (p50, p99 of the difference of medians is noise-prone, so both are shown).
-- Sustained streaming throughput: the router pinned to one core (taskset), emulated workers and
-  the load generator on the other; closed loop with fixed concurrency for a fixed time.
+  through each router.
+- Sustained streaming throughput: the router pinned to core 0 (taskset), the emulated workers to
+  core 1; closed loop with fixed concurrency for a fixed time. The load generator (Python) floats
+  over both cores, so streams/s is what router and generator reach together; the router's own
+  cost is its CPU time (from /proc) per stream: streams per CPU-second is its rate per core.
+- Both routers with a locality-blind policy (round robin) and with their prefix-aware one
+  (Fairway's lpm tokenizes and hashes every prompt; sglang-router's cache_aware matches text).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -22,7 +27,7 @@ import numpy as np
 
 from dashboards.tables import format_table
 from router.proxy.ports import free_port
-from router.runtime.processes import process, wait_healthy
+from router.runtime.processes import cpu_seconds, process, wait_healthy
 from workers import emulated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -39,6 +44,21 @@ async def ttfts(url: str, n: int, body: dict) -> np.ndarray:
                     break
                 await r.read()
     return np.array(out[5:]) * 1000  # drop warm-up
+
+
+@dataclass(frozen=True)
+class Throughput:
+    streams_per_s: float
+    router_cores: float  # CPU-seconds the router used per second of the run
+    streams_per_cpu_s: float  # streams per CPU-second of the router: its rate on one core
+
+
+def measured(url: str, pid: int, seconds: float, concurrency: int, body: dict) -> Throughput:
+    """`throughput`, with the CPU time the router `pid` (and its children) used meanwhile."""
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    rate = asyncio.run(throughput(url, seconds, concurrency, body))
+    cpu, wall = cpu_seconds(pid) - cpu0, time.monotonic() - t0
+    return Throughput(rate, cpu / wall, rate * seconds / cpu if cpu > 0 else float("nan"))
 
 
 async def throughput(url: str, seconds: float, concurrency: int, body: dict) -> float:
@@ -59,6 +79,9 @@ async def throughput(url: str, seconds: float, concurrency: int, body: dict) -> 
     return done / seconds
 
 
+TARGET_RATIO, TARGET_P50_MS, TARGET_P99_MS = 1.0, 0.5, 2.0  # the proxy's targets
+
+
 def run_proxy_bench(quick: bool = False) -> int:
     from workers.launch import ensure_tiny_model
 
@@ -75,47 +98,8 @@ def run_proxy_bench(quick: bool = False) -> int:
                 process(argv, 1, scratch / f"worker{i}.log", {"PYTHONPATH": str(ROOT)})
             )
             workers.append(f"http://127.0.0.1:{port}")
-        routers: dict[str, str] = {}
-        port = free_port()
-        config = scratch / "fairway.yaml"
-        urls = "\n".join(f"    - {u}" for u in workers)
-        config.write_text(
-            f"model: {model}\nport: {port}\npolicy: {{name: round_robin}}\n"
-            f"window: 256\nworkers:\n  urls:\n{urls}\n"
-        )
-        stack.enter_context(
-            process(
-                [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
-                0,
-                scratch / "fairway.log",
-                {"PYTHONPATH": str(ROOT)},
-            )
-        )
-        routers["fairway (round_robin)"] = f"http://127.0.0.1:{port}"
-        if _has_sglang_router():
-            port = free_port()
-            argv = [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *workers,
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warn",
-            ]
-            stack.enter_context(process(argv, 0, scratch / "sglang.log"))
-            routers["sglang-router (round_robin)"] = f"http://127.0.0.1:{port}"
-        for url in [*workers, *routers.values()]:
+        for url in workers:
             wait_healthy(url)
-
-        # The load generator is left to float: pinned beside the workers, on two cores, it
-        # made core 1 the ceiling (822 streams/s direct to a worker), not the router.
         direct = asyncio.run(ttfts(workers[0], n, stream))
         rows = [
             {
@@ -124,32 +108,102 @@ def run_proxy_bench(quick: bool = False) -> int:
                 "TTFT p99 ms": float(np.percentile(direct, 99)),
                 "overhead p50 ms": 0.0,
                 "overhead p99 ms": 0.0,
-                "streams/s (1 core)": None,
+                "streams/s": None,
+                "router cores": None,
+                "streams per router CPU-s": None,
             }
         ]
-        for name, url in routers.items():
-            t = asyncio.run(ttfts(url, n, stream))
-            rate = asyncio.run(throughput(url, seconds, concurrency, stream))
+        routers = [("fairway", "round_robin"), ("fairway", "lpm")]
+        if _has_sglang_router():
+            routers += [("sglang-router", "round_robin"), ("sglang-router", "cache_aware")]
+        # One router at a time, so that each has core 0 to itself.
+        for kind, policy in routers:
+            with _router(kind, policy, workers, model, scratch) as (url, pid):
+                t = asyncio.run(ttfts(url, n, stream))
+                rate = measured(url, pid, seconds, concurrency, stream)
             rows.append(
                 {
-                    "path": name,
+                    "path": f"{kind} ({policy})",
                     "TTFT p50 ms": float(np.median(t)),
                     "TTFT p99 ms": float(np.percentile(t, 99)),
                     "overhead p50 ms": float(np.median(t) - np.median(direct)),
                     "overhead p99 ms": float(np.percentile(t, 99) - np.percentile(direct, 99)),
-                    "streams/s (1 core)": rate,
+                    "streams/s": rate.streams_per_s,
+                    "router cores": rate.router_cores,
+                    "streams per router CPU-s": rate.streams_per_cpu_s,
                 }
             )
     print(
         f"Proxy overhead: 2 emulated workers (50x time), 16-token streams of a ~200-token "
         f"prompt; {n} sequential requests for TTFT, {concurrency} concurrent for "
-        f"{seconds:.0f} s for throughput; routers pinned to core 0, workers to core 1."
+        f"{seconds:.0f} s for throughput; the router pinned to core 0, workers to core 1, the "
+        f"load generator floating; router cores: its CPU-seconds per second (from /proc)."
     )
     print(format_table(rows))
+    print(verdict(rows))
     if not _has_sglang_router():
         print("(sglang-router not installed: `pip install sglang-router` to compare)")
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def verdict(rows: list[dict]) -> str:
+    """The proxy against its targets, as ratios of this run's figures."""
+    by = {r["path"]: r for r in rows}
+    ours = by["fairway (round_robin)"]
+    lines = [
+        f"Fairway's TTFT overhead: p50 {ours['overhead p50 ms']:.2f} ms (target < "
+        f"{TARGET_P50_MS}), p99 {ours['overhead p99 ms']:.2f} ms (target < {TARGET_P99_MS})."
+    ]
+    for policy, theirs in (("round_robin", "round_robin"), ("lpm", "cache_aware")):
+        other = by.get(f"sglang-router ({theirs})")
+        if other is None:
+            continue
+        mine = by[f"fairway ({policy})"]
+        lines.append(
+            f"fairway {policy} against sglang-router {theirs}: streams/s "
+            f"{mine['streams/s'] / other['streams/s']:.2f}x, streams per router CPU-second "
+            f"{mine['streams per router CPU-s'] / other['streams per router CPU-s']:.2f}x "
+            f"(target >= {TARGET_RATIO:.1f}x per core)."
+        )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _router(kind: str, policy: str, workers: list[str], model: Path, scratch: Path):
+    """A router on core 0 in front of `workers`; yields its URL and pid."""
+    port = free_port()
+    log = scratch / f"{kind}-{policy}.log"
+    if kind == "fairway":
+        config = scratch / f"fairway-{policy}.yaml"
+        urls = "\n".join(f"    - {u}" for u in workers)
+        config.write_text(
+            f"model: {model}\nport: {port}\npolicy: {{name: {policy}}}\n"
+            f"window: 256\nworkers:\n  urls:\n{urls}\n"
+        )
+        argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+        env = {"PYTHONPATH": str(ROOT)}
+    else:
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *workers,
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+        ]
+        env = {}
+    with process(argv, 0, log, env) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 120)
+        yield url, proc.pid
 
 
 def _has_sglang_router() -> bool:

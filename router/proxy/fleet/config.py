@@ -230,6 +230,9 @@ class ClusterConfig(Strict):
     trust_client_headers: bool = Field(
         False, description="honour X-Client-Id / X-Client-Weight (a trusted gateway sets them)"
     )
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop", description="the proxy's event loop: uvloop (libuv) where installed, or asyncio's"
+    )
     routers: int = Field(1, ge=1, le=64, description="proxy processes sharing `port`")
     router_sync: float = Field(
         0.1, gt=0, le=60, description="seconds between the replicas' syncs through Redis"

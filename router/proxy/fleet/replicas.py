@@ -25,7 +25,6 @@ with the store reachable by all; not built: one host's SO_REUSEPORT needs no bal
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import faulthandler
@@ -295,7 +294,9 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s replica {spec.index} %(name)s %(message)s"
     )
-    asyncio.run(serve_replica(spec))
+    from router.proxy.connections import run_on_loop
+
+    run_on_loop(serve_replica(spec), spec.config.get("event_loop", "uvloop"))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
             {t.api_key.get_secret_value(): Tenant(t.client, t.weight) for t in config.tenants}
         ),
         client_salt=salt.encode() if salt else new_salt(),  # `fairway serve` always has one
+        event_loop=config.event_loop,
     )
 
 
