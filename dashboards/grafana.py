@@ -155,15 +155,17 @@ def dashboard(panels: tuple[Panel, ...] = PANELS) -> dict:
 
 
 def prometheus_config(
-    proxy: str = "127.0.0.1:8001",  # the proxy's admin listener (`admin_port`): /metrics
+    proxy: str | tuple[str, ...] = "127.0.0.1:8001",  # the admin listener(s): /metrics
     workers: tuple[str, ...] = ("127.0.0.1:8100", "127.0.0.1:8101"),
     interval: str = "5s",
 ) -> dict:
+    """Scrape the proxy (each replica's own port, with `--routers N`) and the workers."""
+    proxies = [proxy] if isinstance(proxy, str) else list(proxy)
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": ["fairway-alerts.yml"],
         "scrape_configs": [
-            {"job_name": "fairway", "static_configs": [{"targets": [proxy]}]},
+            {"job_name": "fairway", "static_configs": [{"targets": proxies}]},
             {"job_name": "vllm", "static_configs": [{"targets": list(workers)}]},
         ],
     }
@@ -177,10 +179,11 @@ DRIFT = (
 )
 
 
-def alert_rules(threshold: float = 0.5, hold: str = "10m") -> dict:
+def alert_rules(threshold: float = 0.5, hold: str = "10m", sync_hold: str = "1m") -> dict:
     """Prometheus alerting rules: the index's predictions and the workers' reuse drift apart
     (a tokenizer or chat-template mismatch, lost KV events, a worker restarted with an empty
-    cache), and routing fell back from the index it was configured with."""
+    cache), routing fell back from the index it was configured with, and a router replica has
+    not synced with the replicas' store for `sync_hold`."""
     return {
         "groups": [
             {
@@ -207,6 +210,18 @@ def alert_rules(threshold: float = 0.5, hold: str = "10m") -> dict:
                         "annotations": {
                             "summary": "Routing no longer uses the index it was configured "
                             "with (fairway_index_level: 2 precise, 1 approximate, 0 load)"
+                        },
+                    },
+                    {
+                        "alert": "FairwayReplicaOutOfSync",
+                        "expr": "fairway_shared_state_up == 0",
+                        "for": sync_hold,
+                        "labels": {"severity": "warning"},
+                        "annotations": {
+                            "summary": "A router replica cannot sync with the replicas' store",
+                            "description": "{{ $labels.instance }} has not synced for "
+                            f"{sync_hold} or more: its fairness counters and routing "
+                            "decisions are its own until the store answers (check Redis).",
                         },
                     },
                 ],

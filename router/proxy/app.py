@@ -31,6 +31,7 @@ from router.proxy.forward import (
     Forward,
     client_left,
 )
+from router.proxy.health import HEALTH_NOTES, health
 from router.proxy.identity import check_admin, metric_labels
 from router.proxy.live import LiveCluster, LiveWorker
 from router.proxy.membership import MEMBERSHIP, Membership, kv_events_endpoint, worker_url
@@ -106,15 +107,6 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
-async def health(request: web.Request) -> web.Response:
-    cluster = request.app[CLUSTER]
-    healthy = len(cluster.healthy())
-    status = 200 if healthy else 503
-    return web.json_response(
-        {"healthy_workers": healthy, "workers": len(cluster.workers)}, status=status
-    )
-
-
 async def metrics(request: web.Request) -> web.Response:
     # Rendered in a thread beside the event loop, not on it: the page grows with the fleet (ten
     # series a worker), and on the loop its rendering would be a pause every stream shares; in a
@@ -188,6 +180,7 @@ def create_app(
     app[ENCODER] = encoder
     app[SETTINGS] = settings
     app[STARTED] = time.monotonic()
+    app[HEALTH_NOTES] = []
     drain.install(app, settings.shutdown_grace)
     if settings.record_dir:
         app[RECORDER] = RecordWriter(Path(settings.record_dir) / "requests.csv")

@@ -100,6 +100,11 @@ class LiveCluster:
         self._collector = CollectorPacing()  # a full GC pass over the index is a 10+ ms stall
 
     @property
+    def next_worker_id(self) -> WorkerId:
+        """The id the next worker added without one gets (ids are never reused)."""
+        return self._next_id
+
+    @property
     def approx_index(self) -> PrefixIndex:
         assert self.router.approx_index is not None
         return self.router.approx_index

@@ -11,6 +11,7 @@ label is folded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,6 +21,14 @@ LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 
 
 
 OTHER = "other"
+
+
+class SyncState(Protocol):
+    """What the shared-state series read (router/proxy/fleet/shared_state.py's SharedState)."""
+
+    in_sync: bool
+
+    def seconds_since_sync(self) -> float: ...
 
 
 class ClientLabels:
@@ -235,6 +244,7 @@ class RouterMetrics:
                 registry=r,
             )
         )
+        self._shared_state: SharedStateMetrics | None = None
         self.loop_lag = Histogram(
             "fairway_event_loop_lag_seconds",
             "How late the proxy's event loop runs a task due now (sampled every 50 ms)",
@@ -259,3 +269,47 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def shared_state(self) -> SharedStateMetrics:
+        """The series of a router replica's sync with its store (created on first call: one
+        router alone has no store, and exports none of them)."""
+        if self._shared_state is None:
+            self._shared_state = SharedStateMetrics(self.registry)
+        return self._shared_state
+
+
+class SharedStateMetrics:
+    """Whether a router replica shares counters and routing decisions with the others."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.up = Gauge(
+            "fairway_shared_state_up",
+            "1 while this replica's last sync with the replicas' store succeeded",
+            registry=registry,
+        )
+        self.since_sync = Gauge(
+            "fairway_shared_state_seconds_since_sync",
+            "Seconds since this replica's last successful sync with the replicas' store",
+            registry=registry,
+        )
+        self.failures = Labelled(
+            Counter(
+                "fairway_shared_state_sync_failures",
+                "Failed syncs with the replicas' store, by kind (timeout, connection, loading, "
+                "auth, response, other)",
+                ["kind"],
+                registry=registry,
+            )
+        )
+        self.resets = Counter(
+            "fairway_shared_state_resets",
+            "Times the store came back without its state and this replica re-published its own",
+            registry=registry,
+        )
+        for kind in ("timeout", "connection", "loading", "auth", "response", "other"):
+            self.failures.labels(kind)  # zero series from the start: rate() needs them
+
+    def watch(self, state: SyncState) -> None:
+        """Read `state` at each scrape."""
+        self.up.set_function(lambda: 1.0 if state.in_sync else 0.0)
+        self.since_sync.set_function(state.seconds_since_sync)

@@ -80,7 +80,8 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                     + "\n".join(await target_states(prom_url))
                 )  # fmt: skip
                 assert await alert_rules_healthy(prom_url) == {
-                    "FairwayPrefixPredictionDrift", "FairwayRoutingFellBack"
+                    "FairwayPrefixPredictionDrift", "FairwayRoutingFellBack",
+                    "FairwayReplicaOutOfSync",
                 }  # fmt: skip
             finally:
                 prom.terminate()

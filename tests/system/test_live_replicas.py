@@ -31,7 +31,8 @@ from router.ledger import Ledger
 from router.proxy.bench.load import LoadSpec, Outcome, request_body, send
 from router.proxy.fleet.replicas import REPLICA_HEADER
 from router.proxy.fleet.serve import SHUTDOWN_GRACE
-from router.proxy.fleet.shared_state import SharedState, decode_key, encode_key, redis_server
+from router.proxy.fleet.shared_state import SharedState, decode_key, encode_key
+from router.proxy.fleet.store import redis_server
 from tests.live_helpers import (
     BLOCK,
     ROOT,

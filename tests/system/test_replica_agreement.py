@@ -27,13 +27,8 @@ import redis
 
 from router.ledger import Ledger, LedgerStore
 from router.proxy.bench.load import LoadSpec, run_load
-from router.proxy.fleet.shared_state import (
-    APPLY_AND_READ,
-    decode_key,
-    encode_key,
-    encode_steps,
-    redis_server,
-)
+from router.proxy.fleet.shared_state import APPLY_AND_READ, decode_key, encode_key, script_args
+from router.proxy.fleet.store import redis_server
 from tests.live_helpers import emulated_processes, run
 from tests.system.test_live_replicas import fairway_serve, replica_state
 
@@ -171,14 +166,19 @@ def test_the_redis_script_and_the_simulators_store_apply_the_same_arithmetic(tmp
         client = redis.Redis.from_url(url)
         try:
             ledgers = [Ledger() for _ in range(3)]
+            batch = 0
             for _ in range(60):
                 for ledger in ledgers:
                     for _ in range(rng.randrange(8)):
                         random_operation(ledger, rng, fields)
                     steps = ledger.take()
                     memory.apply("k", steps)
-                    reply = client.eval(APPLY_AND_READ, 1, "test:k", *encode_steps(steps))
-                    flat = json.loads(reply)[0]
+                    # The epoch as the first round sets it, nothing to restore, one batch.
+                    batch += 1
+                    args = script_args("e", "e", "r", [[]], [(batch, [steps])])
+                    keys = ["test:epoch", "test:applied", "test:k"]
+                    reply = client.eval(APPLY_AND_READ, len(keys), *keys, *args)
+                    flat = json.loads(reply)["v"][0]
                     pairs = zip(flat[::2], flat[1::2], strict=True)
                     stored = {decode_key(f): float(v) for f, v in pairs}
                     assert stored == memory.values["k"]

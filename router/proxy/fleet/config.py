@@ -172,6 +172,22 @@ class LimitsConfig(Strict):
     )
 
 
+class RedisTLSConfig(Strict):
+    """TLS to the replicas' store (a rediss:// redis_url): the CA to verify it by, and this
+    client's own certificate and key where the store asks for one."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _readable(cls, v: str | None) -> str | None:
+        if v is not None and not os.access(Path(v).expanduser(), os.R_OK):
+            raise ValueError(f"cannot read {v}")
+        return v
+
+
 class TenantConfig(Strict):
     """An API key (`api_key`, `api_key_env` or `api_key_file`), and the client (tenant) and
     weight it stands for."""
@@ -238,6 +254,10 @@ class ClusterConfig(Strict):
         0.1, gt=0, le=60, description="seconds between the replicas' syncs through Redis"
     )
     redis_url: str | None = Field(None, description="the replicas' store; none: start one")
+    redis_password: Secret | None = Field(
+        None, description="the store's password (or redis_password_env, _file), not in the URL"
+    )
+    redis_tls: RedisTLSConfig | None = Field(None, description="with a rediss:// redis_url")
     replica_ports: list[int] = Field(
         default_factory=list,
         description="each replica's own (admin) port; none: admin_port .. admin_port+N-1",
@@ -246,7 +266,7 @@ class ClusterConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _secrets(cls, data: object) -> object:
-        for name in ("admin_token", "client_salt"):
+        for name in ("admin_token", "client_salt", "redis_password"):
             data = _secret_forms(data, name, required=False)
         return data
 
@@ -285,9 +305,22 @@ class ClusterConfig(Strict):
     @field_validator("redis_url")
     @classmethod
     def _redis(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+        if v is None:
+            return v
+        if not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("expected a redis://, rediss:// or unix:// URL")
+        if "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(
+                "a password in the URL would be logged with it: give it as redis_password "
+                "(or redis_password_env, redis_password_file)"
+            )
         return v
+
+    @model_validator(mode="after")
+    def _redis_tls(self) -> ClusterConfig:
+        if self.redis_tls is not None and not (self.redis_url or "").startswith("rediss://"):
+            raise ValueError("redis_tls: needs a rediss:// redis_url")
+        return self
 
     @field_validator("replica_ports")
     @classmethod

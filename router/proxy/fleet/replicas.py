@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,21 +71,36 @@ def replica_ports(config: ClusterConfig) -> list[int]:
 def run_replicas(
     config: ClusterConfig, model_dir: Path, workers: list[tuple[str, str | None]], scratch: Path
 ) -> int:
-    """Start Redis (unless configured), then keep `config.routers` replicas until stopped."""
-    from router.proxy.fleet.shared_state import forget, redis_server
+    """Start Redis and keep it (unless the user's is configured: then check it answers), then
+    keep `config.routers` replicas until stopped."""
+    from router.proxy.fleet.store import OwnRedis, Store, forget
 
     with contextlib.ExitStack() as stack:
-        url = config.redis_url or stack.enter_context(redis_server(scratch / "redis"))
+        own: OwnRedis | None = None
+        if config.redis_url:
+            store = Store.of_config(config.with_secrets(), config.redis_url)
+            store.check()  # unreachable: an error naming the URL, before any replica starts
+        else:
+            own = OwnRedis(scratch / "redis")
+            store = Store(own.start())
+            stack.callback(own.stop)
         prefix = f"fairway:{uuid.uuid4().hex[:12]}"
         if config.redis_url:  # a store that outlives us: leave it as we found it
-            stack.callback(_forget_quietly, forget, url, prefix)
+            stack.callback(_forget_quietly, forget, store, prefix)
         specs = [
             ReplicaSpec(
-                i, _config_of(config, i), str(model_dir), workers, url, prefix, port, os.getpid()
+                i,
+                _config_of(config, i),
+                str(model_dir),
+                workers,
+                store.url,
+                prefix,
+                port,
+                os.getpid(),
             )
             for i, port in enumerate(replica_ports(config))
         ]
-        return Supervisor(specs).run()
+        return Supervisor(specs, watch=[own.poll] if own else []).run()
 
 
 def _config_of(config: ClusterConfig, index: int) -> dict:
@@ -96,22 +112,27 @@ def _config_of(config: ClusterConfig, index: int) -> dict:
     return raw
 
 
-def _forget_quietly(forget, url: str, prefix: str) -> None:
+def _forget_quietly(forget, store, prefix: str) -> None:
     try:
-        forget(url, prefix)
+        forget(store, prefix)
     except Exception as e:  # the store may be gone already; nothing of ours is left to keep
-        log.warning("could not delete %s:* from %s: %r", prefix, url, e)
+        log.warning("could not delete %s:* from %s: %r", prefix, store.url, e)
 
 
 class Supervisor:
     """Start the replicas, restart one that dies (backing off; giving up, and stopping all, if
     it dies soon after starting more than `max_quick_deaths` times in a row), stop all on
-    SIGTERM / SIGINT. Synchronous: it only waits and signals."""
+    SIGTERM / SIGINT. Synchronous: it only waits and signals. `watch`: what else it keeps
+    alive, called every `poll` seconds (the Redis it started)."""
 
     def __init__(
-        self, specs: list[ReplicaSpec], poll: float = 0.2, argv: list[str] | None = None
+        self,
+        specs: list[ReplicaSpec],
+        poll: float = 0.2,
+        argv: list[str] | None = None,
+        watch: list[Callable[[], None]] | None = None,
     ) -> None:
-        self.specs, self.poll = specs, poll
+        self.specs, self.poll, self.watch = specs, poll, watch or []
         self.argv = argv or [sys.executable, "-m", "router.proxy.fleet.replicas"]
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
@@ -129,6 +150,8 @@ class Supervisor:
                 self._start(spec)
             while not self._stopping:
                 time.sleep(self.poll)
+                for check in self.watch:
+                    check()
                 for spec in self.specs:
                     self._check(spec)
         finally:
@@ -218,6 +241,7 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     from router.proxy.fleet.config import validate_config
     from router.proxy.fleet.serve import build_cluster, settings_of
     from router.proxy.fleet.shared_state import SHARED, shared_state_ctx
+    from router.proxy.fleet.store import Store
     from router.proxy.identity import check_admin
     from router.proxy.prompts import PromptEncoder
 
@@ -243,11 +267,9 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
 
     app.on_response_prepare.append(tag)
     app.router.add_get("/admin/replica", describe)
-    starting_pool = [url for url, _ in spec.workers]
+    store = Store.of_config(spec.config, spec.redis_url)
     app.cleanup_ctx.append(
-        shared_state_ctx(
-            app[CLUSTER], spec.redis_url, spec.prefix, token, config.router_sync, starting_pool
-        )
+        shared_state_ctx(app[CLUSTER], store, spec.prefix, token, config.router_sync)
     )
     return app
 

@@ -36,33 +36,47 @@ import contextlib
 import json
 import logging
 import math
-import shutil
-import subprocess
+import re
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator
-from pathlib import Path
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable
 
 import msgpack
 import redis
 import redis.asyncio
+import redis.exceptions
 from aiohttp import web
 
 from router.core import Router
-from router.ledger import Refill, Step
+from router.ledger import NONE_ABOVE, Refill, Segment, Step
 from router.prefix_index import WorkerId
 from router.proxy.errors import APIError
+from router.proxy.fleet.store import Store
+from router.proxy.health import HEALTH_NOTES
 from router.proxy.live import LiveCluster, LiveWorker
 from router.proxy.membership import MEMBERSHIP, Membership, duplicate, missing, same_url
-from router.proxy.ports import free_port
-from router.runtime.processes import guarded
+from router.proxy.metrics import SharedStateMetrics
 
 log = logging.getLogger(__name__)
 
-# KEYS: one hash per ledger. ARGV, per key: a count of steps, then each step: "s", a count n and
-# n (field, lo, hi, add) for a segment (x -> min(max(x, lo), hi) + add; "" for no bound), or "r",
-# the quantum, a count n and n fields for a refill. Applies each step as router/ledger.py does
-# (`bounded`, `refill_amount`), writes each value as %.17g (read back exactly), then returns
-# every key's HGETALL, as JSON.
+# KEYS: the store's epoch (a token the first replica sets), the batches each replica has had
+# applied (a hash: replica -> the last batch's number), then one hash per ledger. ARGV: the
+# epoch the replica last synced with ("" for none yet), a new token, whether restore steps are
+# included ("1"/"0"), the replica's name, its number of batches; then per ledger its restore
+# steps; then each batch: its number, then per ledger its steps. Steps: a count, then each step:
+# "s", a count n and n (field, lo, hi, add) for a segment (x -> min(max(x, lo), hi) + add; ""
+# for no bound), or "r", the quantum, a count n and n fields for a refill. Applies each step as
+# router/ledger.py does (`bounded`, `refill_amount`) and writes each value as %.17g (read back
+# exactly).
+# - A batch is applied once: one numbered at most the replica's last is skipped (a round that
+#   timed out may still be applied later, by a store that was stopped, not gone; the replica
+#   sends its batches again, and they must not count twice).
+# - Restore steps are applied only when the epoch is not the replica's (the store came back
+#   without its state, or this is the replica's first round); if the replica sent none, nothing
+#   is applied and the reply asks for them.
+# Returns {e: epoch, r: 1 if the epoch was not the replica's, again: 1 if nothing was applied,
+# v: every ledger's HGETALL}, as JSON.
 APPLY_AND_READ = """
 local function value(key, field)
   local v = redis.call('HGET', key, field)
@@ -72,8 +86,7 @@ end
 local function put(key, field, x)
   redis.call('HSET', key, field, string.format('%.17g', x))
 end
-local out, a = {}, 1
-for i, key in ipairs(KEYS) do
+local function apply(key, a, live)
   local steps = tonumber(ARGV[a])
   a = a + 1
   for _ = 1, steps do
@@ -81,41 +94,67 @@ for i, key in ipairs(KEYS) do
       local n = tonumber(ARGV[a + 1])
       a = a + 2
       for _ = 1, n do
-        local x, lo, hi = value(key, ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-        if lo and x < lo then x = lo end
-        if hi and x > hi then x = hi end
-        put(key, ARGV[a], x + tonumber(ARGV[a + 3]))
+        if live then
+          local x, lo, hi = value(key, ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+          if lo and x < lo then x = lo end
+          if hi and x > hi then x = hi end
+          put(key, ARGV[a], x + tonumber(ARGV[a + 3]))
+        end
         a = a + 4
       end
     else
       local quantum, n = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
       a = a + 3
-      local richest = 1.0
-      for j = 0, n - 1 do
-        local x = value(key, ARGV[a + j])
-        if j == 0 or x > richest then richest = x end
-      end
-      if richest <= 0 then
-        local add = (math.floor(-richest / quantum) + 1) * quantum
-        for j = 0, n - 1 do put(key, ARGV[a + j], value(key, ARGV[a + j]) + add) end
+      if live then
+        local richest = 1.0
+        for j = 0, n - 1 do
+          local x = value(key, ARGV[a + j])
+          if j == 0 or x > richest then richest = x end
+        end
+        if richest <= 0 then
+          local add = (math.floor(-richest / quantum) + 1) * quantum
+          for j = 0, n - 1 do put(key, ARGV[a + j], value(key, ARGV[a + j]) + add) end
+        end
       end
       a = a + n
     end
   end
-  out[i] = redis.call('HGETALL', key)
+  return a
 end
-return cjson.encode(out)
+local epoch, reset = redis.call('GET', KEYS[1]), 0
+if epoch ~= ARGV[1] then
+  reset = 1
+  if ARGV[3] ~= '1' then return cjson.encode({e = epoch or '', r = 1, again = 1}) end
+  if not epoch then
+    epoch = ARGV[2]
+    redis.call('SET', KEYS[1], epoch)
+  end
+end
+local last = tonumber(redis.call('HGET', KEYS[2], ARGV[4]) or '0')
+local out, a = {}, 6
+for i = 3, #KEYS do a = apply(KEYS[i], a, reset == 1) end
+for _ = 1, tonumber(ARGV[5]) do
+  local batch = tonumber(ARGV[a])
+  a = a + 1
+  for i = 3, #KEYS do a = apply(KEYS[i], a, batch > last) end
+  if batch > last then last = batch end
+end
+redis.call('HSET', KEYS[2], ARGV[4], last)
+for i = 3, #KEYS do out[i - 2] = redis.call('HGETALL', KEYS[i]) end
+return cjson.encode({e = epoch, r = reset, again = 0, v = out})
 """
 
 # KEYS: the pool (a hash: URL -> worker id), the next worker id, the log of changes (a list of
 # JSON [op, id, url, kv_events]; its length is the pool's version). ARGV: the op ("join", "add",
-# "remove"), the starting pool as JSON (ids 0, 1, ... in its order: the store is seeded with it
-# by whichever call comes first), then the op's: the URL and KV-event endpoint, or the id.
+# "remove"), the caller's pool as JSON {pool: [[url, id], ...], next: id} (the store is seeded
+# with it by whichever call comes first: the starting pool at start, ids 0, 1, ... in its order,
+# and after the store lost its state, the pool the replicas still hold), then the op's: the URL
+# and KV-event endpoint, or the id.
 MEMBERSHIP_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 0 then
-  local initial = cjson.decode(ARGV[2])
-  for i, url in ipairs(initial) do redis.call('HSET', KEYS[1], url, i - 1) end
-  redis.call('SET', KEYS[2], #initial)
+  local seed = cjson.decode(ARGV[2])
+  for _, pair in ipairs(seed.pool) do redis.call('HSET', KEYS[1], pair[1], pair[2]) end
+  redis.call('SET', KEYS[2], seed.next)
 end
 if ARGV[1] == 'add' then
   local have = redis.call('HGET', KEYS[1], ARGV[3])
@@ -155,8 +194,18 @@ def decode_key(text: str | bytes) -> Hashable:
 class SharedState:
     """One replica's side of the store: `sync()` is one round, `run()` repeats it.
 
-    Owns the router's `routing_log` (turned on here). A round that fails (the store is gone)
-    keeps what it took for the next round; the replica routes on with what it knows.
+    Owns the router's `routing_log` (turned on here). A round that fails (the store is gone,
+    or silent past `timeout`) keeps what it took for the next round; the replica routes on with
+    what it knows, reports itself out of sync (`status`, /health, the shared-state metrics),
+    and when the store answers again, catches up.
+
+    A store that comes back empty (restarted, or a user's own Redis after losing its data) is
+    told apart by its epoch, a token the first replica writes. The first replica to sync with
+    it re-publishes what it holds, and so does each that follows: its ledgers as they were at
+    its last round, raised to (never added: every replica holds the same values), then what it
+    did since; its routing decisions of the last `stream_maxlen`; the pool. Charges made during
+    the outage are kept exactly; of those made before it, what reached any replica's last
+    round survives (within a round's charges of what one store would hold).
     """
 
     def __init__(
@@ -170,17 +219,34 @@ class SharedState:
         read_count: int = 1_000,
         clock: Callable[[], float] = time.monotonic,
         membership: SharedMembership | None = None,
+        timeout: float | None = None,
+        metrics: SharedStateMetrics | None = None,
     ) -> None:
         self.router, self.client, self.prefix = router, client, prefix
         self.replica, self.interval, self.clock = replica, interval, clock
         self.stream_maxlen, self.read_count = stream_maxlen, read_count
+        # A store that is stopped (not gone) keeps the connection open and never answers.
+        self.timeout = timeout if timeout is not None else max(1.0, 5 * interval)
         self.membership = membership
+        self.metrics = metrics
         self.stream = f"{prefix}:routed"
+        self.epoch_key = f"{prefix}:epoch"
+        self.epoch: str | None = None  # the store's, as of this replica's last round
         self.last_id = "0-0"  # a new replica reads the whole (bounded) log: a warm index
         self.num_syncs = 0
         self.num_learned = 0  # routing decisions of other replicas applied here
-        self._unsent: dict[tuple[object, ...], list[Step]] = {}
+        self.num_resets = 0  # times the store came back without its state
+        self.in_sync = False  # the last round succeeded
+        self.last_sync = clock()  # of the last successful round (or the start)
+        self.last_failure = ""  # its kind, while out of sync
+        self.applied_key = f"{prefix}:applied"
+        self._batches: list[tuple[int, dict[tuple[object, ...], list[Step]]]] = []  # unconfirmed
+        self._next_batch = 1
+        self._snapshot: dict[tuple[object, ...], dict[Hashable, float]] = {}
+        self._own_routed: deque[tuple[object, int, float]] = deque(maxlen=stream_maxlen)
         router.routing_log = []
+        if metrics is not None:
+            metrics.watch(self)
 
     def describe(self) -> dict[str, object]:
         """This replica's view, for its /admin/replica: sync counts and ledger values."""
@@ -188,6 +254,9 @@ class SharedState:
             "replica": self.replica,
             "syncs": self.num_syncs,
             "learned": self.num_learned,
+            "resets": self.num_resets,
+            "in_sync": self.in_sync,
+            "seconds_since_sync": self.seconds_since_sync(),
             "last_id": self.last_id,
             "workers_version": self.membership.version if self.membership else None,
             "ledgers": {
@@ -196,21 +265,77 @@ class SharedState:
             },
         }
 
+    def seconds_since_sync(self) -> float:
+        return max(0.0, self.clock() - self.last_sync)
+
+    def health_note(self) -> str | None:
+        """Why this replica is degraded (/health), or None while it is in sync."""
+        if self.in_sync:
+            return None
+        return (
+            f"shared state out of sync for {self.seconds_since_sync():.1f} s "
+            f"({self.last_failure or 'not synced yet'}): fairness counters and routing "
+            "decisions are this replica's own until the store answers"
+        )
+
     def ledger_name(self, key: tuple[object, ...]) -> str:
         return f"{self.prefix}:ledger:{encode_key(key)}"
 
     async def sync(self) -> None:
+        """One round: send what changed here, read everyone's totals and decisions. On a
+        store that lost its state since the last round, a second trip re-publishes."""
         ledgers = self.router.ledgers()
-        sent = {k: self._unsent.pop(k, []) + ledger.take() for k, ledger in ledgers.items()}
-        self._unsent.clear()  # a ledger that is gone (its worker removed) sends nothing more
+        self._batches.append((self._next_batch, {k: v.take() for k, v in ledgers.items()}))
+        self._next_batch += 1
+        keys = list(ledgers)  # a ledger that is gone (its worker removed) sends nothing more
         routed = self.router.routing_log or []
         self.router.routing_log = []
-        # One script applies every step and returns every value (one reply to parse, not one
-        # per field: parsing replies is most of a round's cost on the client), then the log.
-        names, argv = [], []
-        for key, steps in sent.items():
-            names.append(self.ledger_name(key))
-            argv += encode_steps(steps)
+        first_contact = self.epoch is None
+        try:
+            # First contact: nothing to restore from, so the restore steps (none) go at once.
+            reply, results = await self._round(keys, routed, restore=first_contact)
+            if reply["again"]:  # the store lost its state: send again, with what to restore
+                self.last_id = "0-0"  # the old log is gone; read the new one whole
+                # This round's decisions went with the first trip; the earlier ones are lost.
+                republished = list(self._own_routed)
+                reply, results = await self._round(keys, republished, restore=True)
+                await self._restored(reply, len(republished))
+        except BaseException:
+            # Not applied, or not known to be: the batches go again next round (the store
+            # skips one it has applied), and so do the decisions (learning one twice is
+            # harmless).
+            self.router.routing_log = routed + (self.router.routing_log or [])
+            raise
+        self._batches.clear()
+        self.epoch = reply["e"]
+        self._own_routed.extend(routed)
+        totals = reply.get("v") or []
+        self._snapshot = {}
+        for key, flat in zip(keys, totals if isinstance(totals, list) else [], strict=True):
+            pairs = flat if isinstance(flat, list) else []  # cjson writes an empty table as {}
+            stored = {decode_key(f): float(v) for f, v in zip(pairs[::2], pairs[1::2], strict=True)}
+            ledgers[key].rebase(stored)
+            self._snapshot[key] = stored
+        if self.membership is not None:
+            self._learn(results[-2])
+            await self.membership.catch_up(int(results[-1]))
+        else:
+            self._learn(results[-1])
+        self.num_syncs += 1
+
+    async def _round(
+        self, keys: list[tuple[object, ...]], routed: list, restore: bool
+    ) -> tuple[dict, list]:
+        """One trip: the script (`restore`: with this replica's last values to raise an empty
+        store to), this replica's decisions, the others', the pool's version."""
+        names = [self.epoch_key, self.applied_key, *map(self.ledger_name, keys)]
+        argv = script_args(
+            self.epoch or "",
+            uuid.uuid4().hex,
+            self.replica,
+            [self._restore_steps(k) for k in keys] if restore else None,
+            [(n, [batch.get(k, []) for k in keys]) for n, batch in self._batches],
+        )
         pipe = self.client.pipeline(transaction=False)
         pipe.eval(APPLY_AND_READ, len(names), *names, *argv)
         if routed:
@@ -224,26 +349,30 @@ class SharedState:
         pipe.xread({self.stream: self.last_id}, count=self.read_count)
         if self.membership is not None:
             pipe.llen(self.membership.log)
-        try:
+        async with asyncio.timeout(self.timeout):
             results = await pipe.execute(raise_on_error=True)
-        except BaseException:
-            # Not applied, or not known to be: sent again next round (a reply lost after the
-            # store applied it would count those charges twice; that is the rarer error, and
-            # a lift, a clamp or a refill sent twice counts once).
-            self._unsent = sent
-            self.router.routing_log = routed + (self.router.routing_log or [])
-            raise
-        totals = json.loads(results[0])
-        for key, flat in zip(sent, totals if isinstance(totals, list) else [], strict=True):
-            pairs = flat if isinstance(flat, list) else []  # cjson writes an empty table as {}
-            stored = {decode_key(f): float(v) for f, v in zip(pairs[::2], pairs[1::2], strict=True)}
-            ledgers[key].rebase(stored)
+        return json.loads(results[0]), results
+
+    def _restore_steps(self, key: tuple[object, ...]) -> list[Step]:
+        """Raise each value to what the store held at this replica's last round."""
+        values = self._snapshot.get(key) or {}
+        return [Segment({f: (v, NONE_ABOVE, 0.0) for f, v in values.items()})] if values else []
+
+    async def _restored(self, reply: dict, republished: int) -> None:
+        self.num_resets += 1
+        if self.metrics is not None:
+            self.metrics.resets.inc()
+        log.warning(
+            "replica %s: the shared store came back without its state (epoch %s); "
+            "re-published %d ledgers' values and %d routing decisions%s",
+            self.replica,
+            reply["e"][:8],
+            len(self._snapshot),
+            republished,
+            ", and the pool" if self.membership is not None else "",
+        )
         if self.membership is not None:
-            self._learn(results[-2])
-            await self.membership.catch_up(int(results[-1]))
-        else:
-            self._learn(results[-1])
-        self.num_syncs += 1
+            await self.membership.rejoin()
 
     def _learn(self, reply: object) -> None:
         entries = _stream_entries(reply, self.stream)
@@ -258,21 +387,62 @@ class SharedState:
             self.num_learned += len(routed)
 
     async def run(self) -> None:
-        """Sync every `interval` seconds until cancelled; a failed round is logged, not fatal."""
-        failing = False
+        """Sync every `interval` seconds until cancelled; a failed round is logged (when the
+        replica falls out of sync and when it is back), counted by kind, never fatal."""
         while True:
             await asyncio.sleep(self.interval)
             try:
-                await self.sync()
-                if failing:
-                    log.info("replica %s: the shared store answers again", self.replica)
-                failing = False
-            except (redis.RedisError, OSError) as e:
-                if not failing:
-                    log.warning("replica %s: sync failed (%s); retrying", self.replica, e)
-                failing = True
-            except Exception:
-                log.exception("replica %s: sync failed", self.replica)
+                async with asyncio.timeout(2 * self.timeout):  # each trip has its own
+                    await self.sync()
+            except Exception as e:
+                self._failed(e)
+            else:
+                if not self.in_sync and self.num_syncs > 1:
+                    log.warning(
+                        "replica %s: in sync again after %.1f s",
+                        self.replica,
+                        self.seconds_since_sync(),
+                    )
+                self.in_sync, self.last_failure = True, ""
+                self.last_sync = self.clock()
+
+    def _failed(self, e: Exception) -> None:
+        kind = failure_kind(e)
+        if self.metrics is not None:
+            self.metrics.failures.labels(kind).inc()
+        if self.in_sync or not self.last_failure:
+            log.warning(
+                "replica %s: sync failed (%s: %s); routing on alone, retrying every %g s",
+                self.replica,
+                kind,
+                _redacted(e),
+                self.interval,
+            )
+        elif kind == "other":
+            log.exception("replica %s: sync failed", self.replica)
+        self.in_sync, self.last_failure = False, kind
+
+
+def failure_kind(e: BaseException) -> str:
+    """A failed round, for the failures metric: timeout (a store that does not answer),
+    connection (refused, reset), loading (restarted, loading its data), auth, response (the
+    store refused a command), other (a bug)."""
+    if isinstance(e, (TimeoutError, redis.TimeoutError)):
+        return "timeout"
+    if isinstance(e, redis.BusyLoadingError):
+        return "loading"
+    if isinstance(e, (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError)):
+        return "auth"
+    if isinstance(e, (redis.ConnectionError, OSError)):
+        return "connection"
+    if isinstance(e, redis.ResponseError):
+        return "response"
+    return "other"
+
+
+def _redacted(e: BaseException) -> str:
+    """An error's text without a URL's password (redis-py names the URL it could not reach)."""
+    return re.sub(r"(rediss?://)[^@/\s]*@", r"\1***@", str(e))
 
 
 class SharedMembership(Membership):
@@ -281,13 +451,10 @@ class SharedMembership(Membership):
     once, the others at their next round. The starting pool (the parent's workers, ids 0, 1, ...
     in its order) seeds the store; a restarted replica starts from it and replays the log."""
 
-    def __init__(
-        self, cluster: LiveCluster, client: redis.asyncio.Redis, prefix: str, initial: list[str]
-    ) -> None:
+    def __init__(self, cluster: LiveCluster, client: redis.asyncio.Redis, prefix: str) -> None:
         super().__init__(cluster)
         self.client = client
         self.keys = [f"{prefix}:workers", f"{prefix}:workers:next", f"{prefix}:workers:log"]
-        self.initial = json.dumps([same_url(u) for u in initial])
         self.version = 0  # events of the log applied here
         self._applying = asyncio.Lock()
 
@@ -296,8 +463,19 @@ class SharedMembership(Membership):
         return self.keys[2]
 
     async def join(self) -> None:
-        """Seed the store with the starting pool if no replica has, and apply the log."""
+        """Seed the store with this replica's pool if no replica has, and apply the log."""
         await self.catch_up((await self._call("join"))["version"])
+
+    async def rejoin(self) -> None:
+        """The store lost its state: seed it with the pool held here (unless another replica
+        has), and apply its new log from the start."""
+        async with self._applying:
+            self.version = 0
+        await self.join()
+
+    def _seed(self) -> str:
+        pool = [[same_url(w.url), wid] for wid, w in sorted(self.cluster.workers.items())]
+        return json.dumps({"pool": pool, "next": self.cluster.next_worker_id})
 
     async def add(self, url: str, kv_events: str | None) -> LiveWorker:
         out = await self._call("add", url, kv_events or "")
@@ -345,7 +523,7 @@ class SharedMembership(Membership):
     async def _call(self, op: str, *args: object) -> dict:
         try:
             reply = await self.client.eval(
-                MEMBERSHIP_SCRIPT, 3, *self.keys, op, self.initial, *args
+                MEMBERSHIP_SCRIPT, 3, *self.keys, op, self._seed(), *args
             )
         except (redis.RedisError, OSError) as e:
             raise APIError(
@@ -361,19 +539,27 @@ SHARED = web.AppKey("shared_state", SharedState)
 
 
 def shared_state_ctx(
-    cluster: LiveCluster, url: str, prefix: str, replica: str, interval: float, workers: list[str]
+    cluster: LiveCluster, store: Store, prefix: str, replica: str, interval: float
 ) -> Callable[[web.Application], AsyncIterator[None]]:
-    """An aiohttp cleanup context: join the shared pool (`workers`: the starting one), then
-    sync through `url` while the app runs; on the way out, one last round so the others see
-    this replica's final charges. Installs the app's MEMBERSHIP: the admin API's adds and
-    removes go through the store."""
+    """An aiohttp cleanup context: join the shared pool (seeding it with the cluster's
+    starting pool if no replica has), then sync through `store` while the app runs; on the way
+    out, one last round so the others see this replica's final charges. Installs the app's
+    MEMBERSHIP (the admin API's adds and removes go through the store), the shared-state
+    series, and a health note while the replica is out of sync."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        client = redis.asyncio.Redis.from_url(url)
-        membership = app[MEMBERSHIP] = SharedMembership(cluster, client, prefix, workers)
+        client = store.client()
+        membership = app[MEMBERSHIP] = SharedMembership(cluster, client, prefix)
         state = app[SHARED] = SharedState(
-            cluster.router, client, prefix, replica, interval, membership=membership
+            cluster.router,
+            client,
+            prefix,
+            replica,
+            interval,
+            membership=membership,
+            metrics=cluster.metrics.shared_state(),
         )
+        app[HEALTH_NOTES].append(state.health_note)
         # The store away: routing starts from the starting pool, and catches up when it answers.
         with contextlib.suppress(APIError, redis.RedisError, OSError, TimeoutError):
             async with asyncio.timeout(5.0):
@@ -393,90 +579,29 @@ def shared_state_ctx(
     return ctx
 
 
-def forget(url: str, prefix: str) -> int:
-    """Delete a run's keys from a store that outlives it. Returns how many."""
-    client = redis.Redis.from_url(url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        return client.delete(*keys) if keys else 0
-    finally:
-        client.close()
-
-
-# ------------------------------------------------------------------------- the store
-
-
-@contextlib.contextmanager
-def redis_server(scratch: Path, timeout: float = 10.0) -> Iterator[str]:
-    """A redis-server of our own on a free loopback port, without persistence, dying with this
-    process; yields its URL and stops exactly it."""
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise ValueError(
-            "redis_url: not set and no redis-server on PATH (`make test` installs Debian's "
-            "redis-server; or point redis_url at one)"
-        )
-    scratch.mkdir(parents=True, exist_ok=True)
-    for _ in range(3):  # a free port can be taken between the check and the bind
-        port = free_port()
-        argv = [
-            exe,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "yes",
-            "--daemonize",
-            "no",
-            "--dir",
-            str(scratch),
-            "--logfile",
-            str(scratch / "redis.log"),
-        ]
-        proc = subprocess.Popen(guarded(argv), stdin=subprocess.DEVNULL, start_new_session=True)
-        url = f"redis://127.0.0.1:{port}/0"
-        if _wait_ready(url, proc, timeout):
-            break
-        _stop(proc)
-    else:
-        raise RuntimeError(f"redis-server did not start: see {scratch / 'redis.log'}")
-    log.info("redis-server on %s (pid %d)", url, proc.pid)
-    try:
-        yield url
-    finally:
-        _stop(proc)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(redis.RedisError, OSError):
-                if client.ping():
-                    return True
-            time.sleep(0.05)
-        return False
-    finally:
-        client.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 # ------------------------------------------------------------------------- helpers
+
+
+def script_args(
+    epoch: str,
+    new_epoch: str,
+    replica: str,
+    restore: list[list[Step]] | None,
+    batches: list[tuple[int, list[list[Step]]]],
+) -> list[object]:
+    """APPLY_AND_READ's ARGV: `restore`, per ledger in KEYS' order, the steps to restore an
+    empty store from (None: this round sends none); `batches` (number, per ledger its steps),
+    oldest first, each with a step list per ledger."""
+    argv: list[object] = [epoch, new_epoch, "0" if restore is None else "1", replica]
+    argv.append(len(batches))
+    ledgers = len(restore) if restore is not None else len(batches[0][1]) if batches else 0
+    for steps in restore if restore is not None else [[]] * ledgers:
+        argv += encode_steps(steps)
+    for number, per_ledger in batches:
+        argv.append(number)
+        for steps in per_ledger:
+            argv += encode_steps(steps)
+    return argv
 
 
 def encode_steps(steps: list[Step]) -> list[object]:
