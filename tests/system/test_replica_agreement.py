@@ -16,19 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import shutil
+import subprocess
+import time
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
 import redis
 
-from router.ledger import Ledger, LedgerStore
+from router.ledger import Ledger, LedgerStore, Segment
 from router.proxy.bench.load import LoadSpec, run_load
 from router.proxy.fleet.shared_state import APPLY_AND_READ, decode_key, encode_key, script_args
-from router.proxy.fleet.store import redis_server
+from router.proxy.fleet.store import Store, redis_server
+from router.proxy.ports import free_port
 from tests.live_helpers import emulated_processes, run
 from tests.system.test_live_replicas import fairway_serve, replica_state
 
@@ -199,3 +203,54 @@ def random_operation(ledger: Ledger, rng: random.Random, fields: list) -> None:
         ledger.lower_to(field, rng.uniform(-500, 500) / 3)
     else:
         ledger.refill(rng.sample(fields, 2), rng.choice([2048.0, 100.0 / 3]))
+
+
+def test_a_batch_applied_late_is_not_applied_again(tmp_path) -> None:
+    """A round that timed out against a stopped store is applied when it resumes; the replica
+    sends that batch again with its next one: it counts once."""
+    with redis_server(tmp_path / "redis") as url:
+        client = redis.Redis.from_url(url)
+        keys = ["t:epoch", "t:applied", "t:k"]
+        try:
+            charge = [Segment({"alice": (-math.inf, math.inf, 5.0)})]
+            more = [Segment({"alice": (-math.inf, math.inf, 2.0)})]
+            late = script_args("", "e1", "r", [[]], [(1, [charge])])
+            client.eval(APPLY_AND_READ, len(keys), *keys, *late)  # the stopped store's late run
+            again = script_args("e1", "e2", "r", None, [(1, [charge]), (2, [more])])
+            reply = json.loads(client.eval(APPLY_AND_READ, len(keys), *keys, *again))
+            assert reply["v"][0] == ['"alice"', "7"], reply
+        finally:
+            client.close()
+
+
+def test_an_external_store_is_checked_at_start_naming_its_url(tmp_path) -> None:
+    """A password-protected Redis: the right password reaches it, a wrong one and an address
+    where nothing listens are errors naming the URL, and the password is in neither."""
+    port = free_port()
+    secret = "s3cret-password-for-the-store"
+    argv = [shutil.which("redis-server"), "--bind", "127.0.0.1", "--port", str(port), "--save",
+            "", "--appendonly", "no", "--requirepass", secret, "--dir", str(tmp_path)]  # fmt: skip
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                Store(url, secret).check()
+                break
+            except ValueError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        for store, says in [
+            (Store(url, "wrong-password"), "refused the password"),
+            (Store(url), ""),  # no password: NOAUTH, or a refusal, as the server words it
+            (Store(f"redis://127.0.0.1:{free_port()}/0", secret), "cannot reach"),
+        ]:
+            with pytest.raises(ValueError) as e:
+                store.check(timeout=2)
+            assert store.url in str(e.value) and secret not in str(e.value), e.value
+            assert says in str(e.value), e.value
+            assert "redis_url" in str(e.value)
+    finally:
+        server.terminate()
+        server.wait(10)
