@@ -32,13 +32,13 @@ import aiohttp
 
 from dashboards.tables import format_table
 from router.cost_model import CostModel, roofline
-from router.proxy.bench.proxy import throughput
+from router.proxy.bench.proxy import measured, throughput
 from router.proxy.fleet.replicas import REPLICA_HEADER
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
 from router.records import RequestRecord
 from router.request import Request
-from router.runtime.processes import process, wait_healthy
+from router.runtime.processes import cpu_seconds, process, wait_healthy
 from simulator.cluster import SimCluster, SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace, finish
@@ -66,7 +66,7 @@ class Setup:
 
 @contextlib.contextmanager
 def fairway(scratch: Path, model: Path, workers: list[str], setup: Setup, policy: str, window: int):
-    """`fairway serve` with `setup.routers` replicas (its own Redis); yields its URL."""
+    """`fairway serve` with `setup.routers` replicas (its own Redis); yields its URL and pid."""
     # Each router's own port is its admin listener (/metrics); one router has one as well.
     port, *own = free_ports(setup.routers + 1)
     config = {
@@ -83,10 +83,10 @@ def fairway(scratch: Path, model: Path, workers: list[str], setup: Setup, policy
     path = scratch / f"fairway-{setup.routers}-{setup.sync:g}-{policy}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
-    with process(argv, None, path.with_suffix(".log"), {"PYTHONPATH": str(ROOT)}):
+    with process(argv, None, path.with_suffix(".log"), {"PYTHONPATH": str(ROOT)}) as proc:
         for p in [port, *own]:
             wait_healthy(f"http://127.0.0.1:{p}", 120)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc.pid  # its replicas and Redis run below it
 
 
 @dataclass
@@ -341,10 +341,22 @@ def run_replicas_bench(quick: bool = False) -> int:
 
         base = None
         for n in (1, 2, 4):
-            with fairway(scratch, model, fast, Setup(n), "vtc", 256) as url:
-                rate = asyncio.run(throughput(url, seconds, concurrency, stream))
+            with fairway(scratch, model, fast, Setup(n), "vtc", 256) as (url, pid):
+                load0 = cpu_seconds(os.getpid(), children=False)
+                rate = measured(url, pid, seconds, concurrency, stream)
+                load = (cpu_seconds(os.getpid(), children=False) - load0) / seconds
             base = base or rate
-            throughput_rows.append({"routers": n, "streams/s": rate, "vs 1 router": rate / base})
+            throughput_rows.append(
+                {
+                    "routers": n,
+                    "streams/s": rate.streams_per_s,
+                    "vs 1 router": rate.streams_per_s / base.streams_per_s,
+                    "router cores": rate.router_cores,
+                    "streams per router CPU-s": rate.streams_per_cpu_s,
+                    "per CPU-s vs 1 router": rate.streams_per_cpu_s / base.streams_per_cpu_s,
+                    "load generator cores": load,
+                }
+            )
 
         # The flood's rate: 1.5 x what the slow workers serve here (measured, not assumed).
         probe = {
@@ -354,14 +366,14 @@ def run_replicas_bench(quick: bool = False) -> int:
             "stream": True,
             "ignore_eos": True,
         }
-        with fairway(scratch, model, slow, Setup(1), "vtc", window) as url:
+        with fairway(scratch, model, slow, Setup(1), "vtc", window) as (url, _):
             capacity = asyncio.run(throughput(url, 4.0, 4 * window, probe))
         flood_rate, calm_rate, num_calm = 1.5 * capacity, 0.05 * capacity, 4
         for k, setup in enumerate(compare):
-            with fairway(scratch, model, fast, setup, "lpm", 64) as url:
+            with fairway(scratch, model, fast, setup, "lpm", 64) as (url, _):
                 sent_docs = asyncio.run(documents_load(url, docs, per_doc, 24, f"run {k}"))
             share = max(1, window // setup.routers)
-            with fairway(scratch, model, slow, setup, "vtc", share) as url:
+            with fairway(scratch, model, slow, setup, "vtc", share) as (url, _):
                 sent_fair = asyncio.run(
                     flood_load(url, fair_seconds, flood_rate, calm_rate, num_calm, f"run {k}")
                 )
@@ -391,7 +403,11 @@ def run_replicas_bench(quick: bool = False) -> int:
     )
     print(
         f"Throughput: VTC, {WORKERS} workers ({FAST:g}x time), 16-token streams of a ~200-token "
-        f"prompt, {concurrency} concurrent for {seconds:.0f} s."
+        f"prompt, {concurrency} concurrent for {seconds:.0f} s. Router cores: CPU-seconds per "
+        f"second of `fairway serve` and all below it (replicas, Redis; from /proc); the load "
+        f"generator's (this process) apart. On {os.cpu_count()} cores shared with the workers and "
+        f"the generator, streams/s cannot scale with replicas; streams per router CPU-second "
+        f"says what each replica's core costs."
     )
     print(format_table(throughput_rows))
     print(
