@@ -37,7 +37,7 @@ from pathlib import Path
 
 import ray
 
-from router.runtime.processes import guarded
+from router.runtime.processes import guarded, stat_fields
 
 log = logging.getLogger(__name__)
 
@@ -93,23 +93,19 @@ class ServerProcess:
     def _group_alive(self) -> bool:
         """Any live process of the server's group (the guard's session), the guard gone or
         not; one started before the guard would be another group that reused the number."""
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = stat.read_text().rpartition(")")[2].split()
-                live, ours = fields[0] != "Z", int(fields[3]) == self.pid
-                if live and ours and int(fields[19]) >= self.started:
-                    return True
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or (fields := stat_fields(int(entry.name))) is None:
+                continue
+            live, ours = fields[0] != "Z", int(fields[3]) == self.pid
+            if live and ours and int(fields[19]) >= self.started:
+                return True
         return False
 
 
 def _start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
+    fields = stat_fields(pid)
     # A zombie has exited: it is not running, whatever its parent has not reaped yet.
-    return None if fields[0] == "Z" else int(fields[19])
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
 
 
 @ray.remote(num_cpus=0)

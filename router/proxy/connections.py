@@ -184,22 +184,19 @@ class ProxySite(web.BaseSite):
         room = fd_room(self.cap)
         if self.cap <= room:
             return
-        if answers_accept_errors:
-            log.warning(
-                "limits.max_connections %d is more than the open-files limit leaves room for "
-                "(%d): past that, connections are answered 503 on a spare descriptor",
-                self.cap,
-                room,
-            )
-        else:
-            log.warning(
-                "limits.max_connections %d is more than the open-files limit leaves room for "
-                "(%d): capped at %d (this event loop cannot answer a connection it has no "
-                "descriptor for)",
-                self.cap,
-                room,
-                room,
-            )
+        then = (
+            "past that, connections are answered 503 on a spare descriptor"
+            if answers_accept_errors
+            else f"capped at {room} (this event loop cannot answer a connection it has no "
+            "descriptor for)"
+        )
+        log.warning(
+            "limits.max_connections %d is more than the open-files limit leaves room for (%d): %s",
+            self.cap,
+            room,
+            then,
+        )
+        if not answers_accept_errors:
             self.cap = room
 
     async def stop(self) -> None:

@@ -52,12 +52,27 @@ def process(
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()  # reaped: no zombie left behind
+        stop(proc, 10.0)
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL if `proc` is still there after `grace` seconds; reaped either way
+    (no zombie left behind)."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first, then the parent's pid, ...,
+    utime at 11, stime at 12, the start time at 19); None for a process that is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
 
 
 def cpu_seconds(pid: int, children: bool = True) -> float:
@@ -68,8 +83,7 @@ def cpu_seconds(pid: int, children: bool = True) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for p in pids:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        if (fields := stat_fields(p)) is not None:
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
 
@@ -77,11 +91,8 @@ def cpu_seconds(pid: int, children: bool = True) -> float:
 def _descendants(pid: int) -> list[int]:
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
     out, todo = [], [pid]
     while todo:
         kids = parents.get(todo.pop(), [])

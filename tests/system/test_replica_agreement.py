@@ -15,6 +15,7 @@ replicas' Redis script give the same values, to the bit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -111,36 +113,39 @@ def redis_url_of(log_text: str) -> str:
     return re.search(r"redis-server on (redis://\S+)", log_text)[1]  # type: ignore[index]
 
 
-async def load_through(own: list[str], num_requests: int, num_tenants: int) -> None:
-    """`num_requests` in all, split evenly over the replicas' own ports, all at once."""
-    specs = [
-        LoadSpec(
-            num_requests=num_requests // len(own),
-            concurrency=12,
-            duration=90.0,
-            max_tokens=32,
-            num_tenants=num_tenants,
-            timeout=30.0,
-            seed=i,
+async def load_through(own: list[str], num_requests: int, **spec: object) -> None:
+    """`num_requests` in all, split evenly over the replicas' own ports, all at once (each
+    replica's load a LoadSpec of `spec`, seeded by its index); every one answered ok."""
+    results = await asyncio.gather(
+        *(
+            run_load(url, LoadSpec(num_requests=num_requests // len(own), seed=i, **spec))  # type: ignore[arg-type]
+            for i, url in enumerate(own)
         )
-        for i in range(len(own))
-    ]
-    results = await asyncio.gather(*(run_load(u, s) for u, s in zip(own, specs, strict=True)))
+    )
     for r in results:
         assert r.counts["ok"] == len(r.outcomes), r.summary()
+
+
+@contextlib.asynccontextmanager
+async def vtc_replicas(tmp_path: Path):
+    """Two emulated workers behind `fairway serve --routers 2` (VTC, syncing every SYNC s);
+    yields (own URLs, the serve log, a client session)."""
+    async with (
+        emulated_processes(2, speed=SPEED) as servers,
+        fairway_serve(
+            tmp_path, [x.url for x in servers], 2, policy={"name": "vtc"}, router_sync=SYNC
+        ) as (_, own, _, log_path),
+        aiohttp.ClientSession() as session,
+    ):
+        yield own, log_path, session
 
 
 @pytest.mark.slow
 def test_replicas_agree_two_syncs_after_the_load(tmp_path) -> None:
     async def go() -> None:
-        async with (
-            emulated_processes(2, speed=SPEED) as servers,
-            fairway_serve(
-                tmp_path, [x.url for x in servers], 2, policy={"name": "vtc"}, router_sync=SYNC
-            ) as (base, own, proc, log_path),
-            aiohttp.ClientSession() as session,
-        ):
-            await load_through(own, 300, 3)
+        async with vtc_replicas(tmp_path) as (own, log_path, session):
+            load = {"concurrency": 12, "duration": 90.0, "max_tokens": 32, "timeout": 30.0}
+            await load_through(own, 300, num_tenants=3, **load)
             await asyncio.sleep(2 * SYNC + 0.05)  # two sync intervals, and their round trips
             agreement = await read_agreement(session, own, redis_url_of(log_path.read_text()))
             worst, where = agreement.worst_between_replicas

@@ -318,7 +318,7 @@ def main() -> None:
     )
     from router.proxy.connections import run_on_loop
 
-    run_on_loop(serve_replica(spec), spec.config.get("event_loop", "uvloop"))
+    run_on_loop(serve_replica(spec), spec.config["event_loop"])  # the parent's, validated
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from redis.backoff import NoBackoff
 
 from router.proxy.ports import free_port
 from router.runtime.processes import guarded
+from router.runtime.processes import stop as stop_process
 
 log = logging.getLogger("fairway.store")
 
@@ -152,7 +153,7 @@ class OwnRedis:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc, 5.0)
             self.proc = None
 
     def _died(self, now: float, how: str) -> None:
@@ -196,7 +197,7 @@ class OwnRedis:
         self.started = time.monotonic()
         if _wait_ready(self.url, self.proc, self.ready_timeout):
             return True
-        _stop(self.proc)
+        stop_process(self.proc, 5.0)
         return False
 
 
@@ -233,12 +234,3 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
         return False
     finally:
         client.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
