@@ -77,7 +77,7 @@ def runs(tmp_path_factory) -> dict[Setup, list[Sent]]:
         for url in urls:
             wait_healthy(url)
         for k, setup in enumerate((ONE, NEVER, FAST_SYNC)):
-            with fairway(scratch, model, urls, setup, "lpm", 64) as url:
+            with fairway(scratch, model, urls, setup, "lpm", 64) as (url, _):
                 load = documents_load(url, DOCS, PER_DOC, CONCURRENCY, f"test {k}", fresh=True)
                 out[setup] = asyncio.run(asyncio.wait_for(load, 120))
     return out
