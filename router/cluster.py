@@ -27,6 +27,7 @@ class WorkerState:
     tokens_in_flight: int = 0
     kv_used_blocks: int = 0
     kv_capacity_blocks: int = 0
+    model: str | None = None  # its model group; None in a fleet of one model
 
     @property
     def num_outstanding(self) -> int:
@@ -148,6 +149,10 @@ class ClusterView:
     _orders: dict[OrderKey, WorkerOrder | LeastFirst] = field(default_factory=dict, repr=False)
     _healthy_ids: list[WorkerId] | None = field(default=None, repr=False)
     _healthy_set: frozenset[WorkerId] | None = field(default=None, repr=False)
+    # Views over a part of the fleet (a model group's) sharing these WorkerStates: told of
+    # every change to their workers here, so each keeps its own orders current.
+    _parts: list[ClusterView] = field(default_factory=list, repr=False)
+    _part_of: dict[WorkerId, ClusterView] = field(default_factory=dict, repr=False)
 
     def healthy_workers(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]
@@ -180,6 +185,28 @@ class ClusterView:
     def roster_changed(self) -> None:
         """A worker joined or left, or went down or came back (a tracked view's owner calls it)."""
         self._healthy_ids = self._healthy_set = None
+        for part in self._parts:
+            part.roster_changed()
+
+    def new_part(self) -> ClusterView:
+        """An empty view over a part of this one's workers (`join_part` fills it), sharing its
+        index and cost model and hearing of every change to its workers made through here."""
+        view = ClusterView(self.now, {}, self.index, self.block_size, self.cost, self.tracked)
+        self._parts.append(view)
+        return view
+
+    def join_part(self, wid: WorkerId, part: ClusterView) -> None:
+        part.workers[wid] = self.workers[wid]
+        self._part_of[wid] = part
+        part.changed(wid)
+        part.roster_changed()
+
+    def leave_part(self, wid: WorkerId) -> None:
+        part = self._part_of.pop(wid, None)
+        if part is not None:
+            part.workers.pop(wid, None)
+            part.changed(wid)
+            part.roster_changed()
 
     def routable_workers(self) -> list[WorkerState]:
         """The healthy workers; a policy's `route` starts here, so none means an error."""
@@ -206,10 +233,15 @@ class ClusterView:
         """What the view knows of `wid` changed: re-key it in every order before the next read."""
         for order in self._orders.values():
             order.pending.add(wid)
+        part = self._part_of.get(wid)
+        if part is not None:
+            part.changed(wid)
 
     def changed_all(self) -> None:
         for order in self._orders.values():
             order.pending.update(self.workers)
+        for part in self._parts:
+            part.changed_all()
 
     def _end(self, key: OrderKey, end: int) -> WorkerState:
         if self.tracked:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from mypy_extensions import mypyc_attr
 
+from router.adapters import AdapterSlots
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 @mypyc_attr(native_class=False)  # compiled, a class may not extend a builtin exception
 class NoHealthyWorker(RuntimeError):
     """Nothing to route to: every worker (not excluded) is down."""
+
+
+@mypyc_attr(native_class=False)
+class UnknownModel(LookupError):
+    """The request names a model group no worker serves."""
 
 
 @dataclass(slots=True)
@@ -63,6 +69,7 @@ class Routed:
     hit_blocks: int  # the routing index's expected hit on the chosen worker
     approximate_hit_blocks: int  # the approximate index's, when both are kept (else the same)
     released: list[Request]  # what the chosen worker's queue lets go now (this one, or others)
+    adapter_load: bool = False  # the worker was not believed to hold the request's adapter
 
 
 class Router:
@@ -85,6 +92,7 @@ class Router:
         keep_approximate: bool = False,
         kv_capacity_blocks: int = 1 << 20,
         strict: bool = True,
+        adapter_load_time: float = 0.0,
     ) -> None:
         self.policy = policy
         # Token hooks run once per sequence per step: skip the ones that do nothing.
@@ -124,20 +132,42 @@ class Router:
         self.hook_errors = 0
         # A replica among several logs what it routed, for the others' approximate indexes.
         self.routing_log: list[tuple[list[int], WorkerId, float]] | None = None
+        # A request naming a model is routed among that group's workers (router.adapters for
+        # the adapter among them); a fleet whose workers name no model serves every request.
+        self._groups: dict[str, ClusterView] = {}
+        self.adapters = AdapterSlots(adapter_load_time)
 
     # ------------------------------------------------------------ membership
 
-    def add_worker(self, wid: WorkerId, kv_capacity_blocks: int | None = None) -> DispatchQueue:
+    def add_worker(
+        self,
+        wid: WorkerId,
+        kv_capacity_blocks: int | None = None,
+        model: str | None = None,
+        adapter_slots: int = 0,
+    ) -> DispatchQueue:
+        """`model`: the model group it serves (None: the fleet's one model); `adapter_slots`:
+        how many LoRA adapters it holds at once (0: no limit)."""
         if wid in self.queues:
             raise ValueError(f"worker {wid} is already known")
         queue = DispatchQueue(wid, self.local_factory(), self.window)
         self.queues[wid] = queue
         self._queues_count_tokens |= queue.counts_tokens
         capacity = self.default_capacity if kv_capacity_blocks is None else kv_capacity_blocks
-        self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity)
+        self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity, model=model)
+        if model is not None:
+            group = self._groups.get(model)
+            if group is None:
+                group = self._groups[model] = self.view.new_part()
+            self.view.join_part(wid, group)
+        self.adapters.add_worker(wid, adapter_slots)
         self.view.changed(wid)
         self.view.roster_changed()
         return queue
+
+    def models(self) -> list[str]:
+        """The model groups some worker serves (known workers, healthy or not)."""
+        return sorted(m for m, group in self._groups.items() if group.workers)
 
     def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
         """Stop routing to `wid` and forget what it cached. Its queued requests are withdrawn
@@ -151,6 +181,7 @@ class Router:
         self.view.roster_changed()
         for index in self._indexes():
             index.remove_worker(wid)
+        self.adapters.report(wid, ())  # a server that comes back has loaded none
         queued = list(self.queues[wid].discipline)
         for request in queued:
             self.withdraw(request, now)
@@ -166,6 +197,8 @@ class Router:
         """As `worker_down`, then forget the worker; its requests in flight may still finish."""
         queued = self.worker_down(wid, now)
         self.queues.pop(wid, None)
+        self.view.leave_part(wid)
+        self.adapters.remove_worker(wid)
         self.view.workers.pop(wid, None)
         self.view.changed(wid)
         self.view.roster_changed()
@@ -197,16 +230,26 @@ class Router:
     # --------------------------------------------------------------- routing
 
     def route(self, request: Request, now: float, exclude: Iterable[WorkerId] = ()) -> Routed:
-        """Choose a worker (not in `exclude`) for `request` and queue it there."""
+        """Choose a worker (not in `exclude`) for `request` and queue it there: among its
+        model group's workers, and those holding its adapter unless a load elsewhere would
+        start it sooner."""
         view = self.view
         view.now = now
-        excluded = set(exclude)
         candidates = view
+        if request.model is not None and self._groups:
+            group = self._groups.get(request.model)
+            if group is None or not group.workers:
+                raise UnknownModel(f"no worker serves model {request.model!r}")
+            group.now = now
+            candidates = group
+        excluded = set(exclude)
         if excluded:
-            workers = {k: v for k, v in view.workers.items() if k not in excluded}
+            workers = {k: v for k, v in candidates.workers.items() if k not in excluded}
             candidates = ClusterView(now, workers, view.index, view.block_size, view.cost)
         if not any(w.healthy for w in candidates.workers.values()):
             raise NoHealthyWorker("no healthy worker")
+        if request.adapter is not None:
+            candidates = self.adapters.candidates(request.adapter, candidates)
         decision = self.policy.route(request, candidates)
         wid = decision.worker
         state = candidates.workers.get(wid)
@@ -239,10 +282,11 @@ class Router:
         self._flights[request.id] = Flight(request, wid, queue, work, predicted, best)
         state.tokens_in_flight += work
         view.changed(wid)
+        load = request.adapter is not None and not self.adapters.use(wid, request.adapter)
         self._hook(self.policy.on_dispatch, request, wid, view)
         queue.push(request)
         released = self._release(wid, now)
-        return Routed(decision, hit, approximate if self.approx_index else hit, released)
+        return Routed(decision, hit, approximate if self.approx_index else hit, released, load)
 
     def _insert_routed(
         self, index: PrefixIndex | None, hashes: list[int], wid: WorkerId, now: float

@@ -2,8 +2,11 @@
 
 vLLM names blocks by its own hashes; events carry each stored block's token ids and its
 parent, so the router re-hashes the tokens with its chained block hash (the one it uses for
-prompts) and remembers vLLM's name for each block to place later events. A removed block takes
-everything below it on that worker with it: a prefix match could not reach past it.
+prompts) and remembers vLLM's name for each block to place later events. A chain's first block
+is hashed under the cache identity the event names (its `lora_name`, the `cache_salt` among its
+`extra_keys`) and the worker's model group, as the proxy hashes a prompt for that identity.
+A removed block takes everything below it on that worker with it: a prefix match could not
+reach past it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Callable, Iterable
 import msgpack
 
 from router.prefix_index import PrefixIndex, WorkerId
-from router.request import BlockHash, hash_token_blocks
+from router.request import BlockHash, cache_root, hash_token_blocks
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,8 @@ class KVEventIndexer:
     """`block_size`: the router's. Blocks of another size (a worker configured apart from the
     router) can never match a prompt's hashes: they are not indexed, and a warning says why.
     `changed(worker)` is told after each change to what the index says the worker holds (the
-    router's view re-keys the worker in the orders policies read)."""
+    router's view re-keys the worker in the orders policies read). `model`: the worker's model
+    group in a fleet of several (router.request.cache_root)."""
 
     def __init__(
         self,
@@ -31,9 +35,11 @@ class KVEventIndexer:
         worker: WorkerId,
         block_size: int | None = None,
         changed: Callable[[WorkerId], None] | None = None,
+        model: str | None = None,
     ) -> None:
         self.index = index
         self.worker = worker
+        self.model = model
         self.changed = changed or (lambda _: None)
         self.block_size = block_size
         self.other_sizes: set[int] = set()  # block sizes heard of and ignored
@@ -106,7 +112,12 @@ class KVEventIndexer:
         prefix = self._path(parent) if parent is not None else []
         if parent is not None and not prefix:
             return  # its parent was never seen (we joined late): nothing to chain it to
-        ours = hash_token_blocks(tokens[: size * len(names)], size, prefix[-1] if prefix else None)
+        if prefix:
+            root = prefix[-1]
+        else:
+            lora = fields.get("lora_name")
+            root = cache_root(self.model, lora, _salt(fields.get("extra_keys"), lora))
+        ours = hash_token_blocks(tokens[: size * len(names)], size, root)
         self._store(names, parent, prefix, ours, now)
 
     def _store(
@@ -138,6 +149,17 @@ class KVEventIndexer:
         return path
 
 
+def _salt(extra_keys: object, lora: object) -> str | None:
+    """The cache salt among a chain's first block's extra keys: in order, the LoRA name (when
+    there is one), (mm identifier, offset) pairs, the salt, prompt-embedding digests."""
+    if not isinstance(extra_keys, list) or not extra_keys or not extra_keys[0]:
+        return None
+    keys = list(extra_keys[0])
+    if lora is not None and keys and keys[0] == lora:
+        keys = keys[1:]
+    return next((k for k in keys if isinstance(k, str)), None)
+
+
 def _normalize(event: object) -> tuple[str, dict]:
     """vLLM sends events as maps with a `type`; older builds as tagged arrays."""
     if isinstance(event, dict):
@@ -145,7 +167,16 @@ def _normalize(event: object) -> tuple[str, dict]:
     if isinstance(event, list) and event:
         kind = str(event[0])
         names = {
-            "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size"],
+            "BlockStored": [
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+                "extra_keys",
+            ],
             "BlockRemoved": ["block_hashes"],
         }.get(kind, [])
         return kind, dict(zip(names, event[1:], strict=False))

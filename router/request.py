@@ -4,6 +4,12 @@ A prompt is seen by the router as a chain of block hashes: block i covers tokens
 [i * block_size, (i + 1) * block_size) and its hash folds in the hash of block i - 1, so two
 prompts share hash i exactly when they share their first (i + 1) * block_size tokens. Only full
 blocks are hashed; the tail of a prompt shorter than a block is never cached or indexed.
+
+A block's identity is more than its tokens: vLLM keys its prefix cache by the LoRA adapter and
+the request's `cache_salt` as well, so the same tokens under another adapter or salt are a miss.
+The chain's first block folds in a root made of the model group (in a fleet of several), the
+adapter and the salt (`cache_root`), so every later block differs too; a request with none of
+them hashes exactly as before.
 """
 
 from __future__ import annotations
@@ -37,6 +43,32 @@ def hash_token_blocks(
     return hashes
 
 
+def cache_root(
+    model: str | None = None, adapter: str | None = None, cache_salt: str | None = None
+) -> BlockHash | None:
+    """The parent a prompt's chain starts from under this cache identity; None for none."""
+    if model is None and adapter is None and cache_salt is None:
+        return None
+    name = repr((model, adapter, cache_salt)).encode()  # unambiguous, None apart from ""
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
+
+
+def rekey_blocks(hashes: Sequence[BlockHash], root: BlockHash | None) -> list[BlockHash]:
+    """Hashes computed without a cache identity (a trace's ids), keyed under `root`: equal
+    prefixes under the same root stay equal, and nothing matches across roots."""
+    if root is None:
+        return list(hashes)
+    key = root.to_bytes(8, "little")
+    mask = (1 << 64) - 1
+    return [
+        int.from_bytes(
+            hashlib.blake2b((h & mask).to_bytes(8, "little"), digest_size=8, key=key).digest(),
+            "little",
+        )
+        for h in hashes
+    ]
+
+
 @dataclass(slots=True)
 class Request:
     """One inference request as the router and the simulator see it.
@@ -44,6 +76,10 @@ class Request:
     `block_hashes` are the chained hashes of the prompt's full blocks (see module doc);
     `output_len` is the number of tokens the request will generate (known in a trace, an estimate
     live). `weight` divides the service charged to the client by fairness policies.
+
+    `model` names the model group that must serve it (None: a fleet of one model), `adapter` the
+    LoRA adapter it runs under (None: the base model); both and `cache_salt` are part of its
+    blocks' identity (see `cache_root`), which `block_hashes` already carry.
     """
 
     id: int
@@ -58,6 +94,9 @@ class Request:
     # Closed-loop sessions: this turn is sent `think_time` after the previous turn of the same
     # session finishes, instead of at `arrival`.
     think_time: float | None = None
+    model: str | None = None
+    adapter: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_len > 0, f"request {self.id}: prompt_len must be positive"

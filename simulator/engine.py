@@ -43,6 +43,10 @@ class EngineConfig:
     fast_forward: bool = True
     max_run_steps: int = 4096
     check_invariants: bool = False  # tests: verify block accounting after every change
+    # LoRA: adapters resident at once (vLLM's --max-loras; 0: adapters are not modelled) and
+    # the seconds a step takes longer for each adapter it loads.
+    adapter_slots: int = 0
+    adapter_load_time: float = 0.0
 
     def __reduce__(self) -> tuple[type, tuple]:
         # Compiled, a frozen dataclass cannot be unpickled field by field (experiments send
@@ -182,6 +186,11 @@ class Engine:
         self.num_preemptions = 0
         self.peak_used_blocks = 0
         self.tokens_processed = 0
+        # Resident adapters, least recently admitted first, and the running sequences of each.
+        self.adapters: dict[str, None] = {}
+        self._adapter_users: dict[str, int] = {}
+        self._load_due = 0.0  # adapter loads the step being planned waits for
+        self.adapter_loads = 0
 
     # ------------------------------------------------------------- interface
 
@@ -347,7 +356,7 @@ class Engine:
         # blocked while they run, unless the discipline reorders: as tokens are served (after
         # any step), or by what is cached (after a step that evicts).
         reorders = self.local.traits.reorders_on
-        stays_blocked = stopped_by == "seqs" or (
+        stays_blocked = stopped_by in ("seqs", "adapters") or (
             stopped_by == "memory" and reorders is not ReordersOn.TOKENS
         )
         free = blocks.num_empty if stopped_by == "memory" and reorders is ReordersOn.CACHE else None
@@ -393,6 +402,9 @@ class Engine:
                     durations += self.cost.decode_step_times(len(batch), context, num_steps - 1)
         if durations is None:
             durations = [self.cost.step_time(self._shape(batch))]
+        if self._load_due:
+            durations[0] += self._load_due
+            self._load_due = 0.0
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
         run = _Run(batch, ends, decoding)
         if decoding is not None and self._on_progress is not None and len(ends) > 1:
@@ -449,6 +461,9 @@ class Engine:
             need = blocks.blocks_for(cached + num_new) - hit
             if need > blocks.num_free_after_hit(seq.hashes, hit):
                 return budget, "memory"
+            if req.adapter is not None and cfg.adapter_slots:
+                if not self._hold_adapter(req.adapter):  # after the memory check: it loads
+                    return budget, "adapters"
             self.local.pop(req, cached)
             del self.waiting[req.id]
             blocks.pin_prefix(seq.table, seq.hashes, hit)
@@ -458,9 +473,35 @@ class Engine:
                 seq.admitted_at = self.clock
                 seq.num_cached_tokens = cached
             self.running.append(seq)
+            self._use_adapter(seq, 1)
             batch.append((seq, num_new))
             budget -= num_new
         return budget, None
+
+    def _hold_adapter(self, adapter: str) -> bool:
+        """Make `adapter` resident for a sequence about to start: loaded into a free slot or
+        the least recently used one no running sequence uses (the step waits for the load).
+        False if every slot is in use: admission stops until a sequence finishes, where vLLM's
+        scheduler would admit later requests of resident adapters past it."""
+        resident = self.adapters
+        if adapter in resident:
+            del resident[adapter]
+            resident[adapter] = None
+            return True
+        if len(resident) >= self.config.adapter_slots:
+            victim = next((a for a in resident if not self._adapter_users.get(a)), None)
+            if victim is None:
+                return False
+            del resident[victim]
+        resident[adapter] = None
+        self._load_due += self.config.adapter_load_time
+        self.adapter_loads += 1
+        return True
+
+    def _use_adapter(self, seq: Seq, delta: int) -> None:
+        adapter = seq.req.adapter
+        if adapter is not None and self.config.adapter_slots:
+            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + delta
 
     def _plan_decode_run(self, batch: list[tuple[Seq, int]], free: int | None = None) -> int:
         """How many steps, step 1 then decode steps, can run with this batch before something
@@ -621,6 +662,7 @@ class Engine:
             return
         for seq in finished:
             self.running.remove(seq)
+            self._use_adapter(seq, -1)
             self.blocks.free(seq.table)
             self._set_computed(seq, 0)
             self._tokens_total -= seq.req.prompt_len + seq.req.output_len
@@ -629,6 +671,7 @@ class Engine:
             self.listener.on_finish(seq, now)
 
     def _preempt(self, seq: Seq) -> None:
+        self._use_adapter(seq, -1)
         self.blocks.free(seq.table)
         self._set_computed(seq, 0)
         seq.num_preemptions += 1

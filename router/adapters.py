@@ -1,0 +1,110 @@
+"""LoRA adapters on workers: which ones each worker holds, and where a request should go.
+
+A worker holds at most `slots` adapters (vLLM's `--max-loras`; the simulated engine's adapter
+slots): using one it lacks costs a load (seconds) and evicts its least recently used. The
+router's belief follows what it routes, as the approximate prefix index does, and a worker's
+own report (vLLM's /v1/models, the engine's state) replaces it when one comes.
+
+Placement weighs the load against queueing: the request goes among the workers holding its
+adapter unless some other worker would start it sooner even after loading it,
+
+    min over holders of wait(w)  >  min over the others of wait(w) + load_time
+
+with wait(w) the cost model's time to prefill the work `w` has in flight. The global policy then
+chooses among those candidates as it always does, so every policy keeps its meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from router.cluster import ClusterView, WorkerState
+from router.prefix_index import WorkerId
+
+
+class AdapterSlots:
+    """Per worker, its adapters from least to most recently used, and each adapter's holders."""
+
+    def __init__(self, load_time: float = 0.0) -> None:
+        self.load_time = load_time
+        self._held: dict[WorkerId, dict[str, None]] = {}
+        self._slots: dict[WorkerId, int] = {}
+        self.holders: dict[str, set[WorkerId]] = {}
+        self.loads = 0  # placements on a worker believed not to hold the adapter
+
+    def add_worker(self, wid: WorkerId, slots: int = 0) -> None:
+        """`slots`: how many adapters the worker holds at once (0: no limit)."""
+        self._held[wid] = {}
+        self._slots[wid] = slots
+
+    def remove_worker(self, wid: WorkerId) -> None:
+        for adapter in self._held.pop(wid, {}):
+            self._forget(wid, adapter)
+        self._slots.pop(wid, None)
+
+    def holds(self, wid: WorkerId, adapter: str) -> bool:
+        return adapter in self._held.get(wid, ())
+
+    def held_by(self, wid: WorkerId) -> list[str]:
+        return list(self._held.get(wid, ()))
+
+    def use(self, wid: WorkerId, adapter: str) -> bool:
+        """A request for `adapter` goes to `wid`: it is the most recently used there (loaded
+        if it was not, evicting the least recently used beyond the slots). True if it was held."""
+        held = self._held.setdefault(wid, {})
+        was_held = adapter in held
+        if was_held:
+            del held[adapter]  # re-inserted last: most recently used
+        else:
+            self.loads += 1
+            self.holders.setdefault(adapter, set()).add(wid)
+            slots = self._slots.get(wid, 0)
+            while slots and len(held) >= slots:
+                victim = next(iter(held))
+                del held[victim]
+                self._forget(wid, victim)
+        held[adapter] = None
+        return was_held
+
+    def report(self, wid: WorkerId, adapters: Iterable[str]) -> None:
+        """What the worker says it holds now; the order of use is kept where known."""
+        if wid not in self._held:
+            return
+        now_held = set(adapters)
+        held = self._held[wid]
+        for adapter in [a for a in held if a not in now_held]:
+            del held[adapter]
+            self._forget(wid, adapter)
+        for adapter in now_held:
+            if adapter not in held:
+                held[adapter] = None
+                self.holders.setdefault(adapter, set()).add(wid)
+
+    def candidates(self, adapter: str, view: ClusterView) -> ClusterView:
+        """The view a policy should route a request for `adapter` in: its healthy holders in
+        `view`, or all of `view` when another worker would start it sooner after a load."""
+        held_by = self.holders.get(adapter, ())
+        holders = [view.workers[w] for w in held_by if w in view.workers]
+        holders = [w for w in holders if w.healthy]
+        if not holders:
+            return view
+        if self.load_time > 0 and view.cost is not None:
+            best_holder = min(_wait(view, w) for w in holders)
+            others = [w for w in view.workers.values() if w.healthy and w.id not in held_by]
+            if others and min(_wait(view, w) for w in others) + self.load_time < best_holder:
+                return view
+        workers = {w.id: w for w in holders}
+        return ClusterView(view.now, workers, view.index, view.block_size, view.cost)
+
+    def _forget(self, wid: WorkerId, adapter: str) -> None:
+        holders = self.holders.get(adapter)
+        if holders is not None:
+            holders.discard(wid)
+            if not holders:
+                del self.holders[adapter]
+
+
+def _wait(view: ClusterView, worker: WorkerState) -> float:
+    """Seconds before `worker` would start a new request: its work in flight, as prefill."""
+    assert view.cost is not None
+    return view.cost.prefill_time(worker.tokens_in_flight, 0) if worker.tokens_in_flight else 0.0
