@@ -461,9 +461,10 @@ class Engine:
             need = blocks.blocks_for(cached + num_new) - hit
             if need > blocks.num_free_after_hit(seq.hashes, hit):
                 return budget, "memory"
-            if req.adapter is not None and cfg.adapter_slots:
-                if not self._hold_adapter(req.adapter):  # after the memory check: it loads
-                    return budget, "adapters"
+            # After the memory check: holding the adapter loads it.
+            lora = req.adapter
+            if lora is not None and cfg.adapter_slots and not self._hold_adapter(lora):
+                return budget, "adapters"
             self.local.pop(req, cached)
             del self.waiting[req.id]
             blocks.pin_prefix(seq.table, seq.hashes, hit)
