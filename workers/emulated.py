@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from policies.fcfs import FCFS
 from router.cost_model import roofline
+from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError
 from router.proxy.openai_request import build_request, parse_body
 from router.proxy.prompts import PromptEncoder
@@ -162,8 +163,8 @@ class RecordingEncoder(PromptEncoder):
 
     publisher: KVEventPublisher | None = None
 
-    def block_hashes(self, ids: list[int]) -> list[BlockHash]:
-        hashes = super().block_hashes(ids)
+    def block_hashes(self, ids: list[int], root: BlockHash | None = None) -> list[BlockHash]:
+        hashes = super().block_hashes(ids, root)
         if self.publisher is not None:
             self.publisher.learn(hashes, ids)
         return hashes
@@ -262,6 +263,7 @@ ENCODER = web.AppKey("encoder", PromptEncoder)
 KV_EVENTS = web.AppKey("kv_events", KVEventPublisher)
 MODEL = web.AppKey("model", str)
 LIMITS = web.AppKey("limits", ProxySettings)
+CATALOG = web.AppKey("catalog", Catalog)
 VOCAB = web.AppKey("vocab", list)
 
 
@@ -269,7 +271,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     try:  # the proxy's own validation: one definition of a well-formed request
         body = await parse_body(request, max_bytes=64 * 1024 * 1024)  # vLLM sets no limit
-        req = build_request(request, body, app[ENCODER], app[LIMITS], chat)
+        req = build_request(request, body, app[CATALOG], app[LIMITS], chat)
     except APIError as e:
         return e.response()
 
@@ -426,6 +428,7 @@ def create_app(
     app[ENCODER] = encoder
     app[MODEL] = model_name
     app[LIMITS] = ProxySettings(model_name=model_name, max_model_len=encoder.max_model_len)
+    app[CATALOG] = Catalog.single(model_name, encoder, encoder.max_model_len)
     size = min(2000, encoder.tokenizer.get_vocab_size())
     vocab = [encoder.tokenizer.decode([i]) for i in range(size)]
     app[VOCAB] = [v for v in vocab if v.strip()] or ["x"]

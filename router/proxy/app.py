@@ -18,7 +18,9 @@ import aiohttp
 from aiohttp import web
 
 from router.proxy import drain
+from router.proxy.adapters import ADAPTERS, AdapterLoader
 from router.proxy.capture import TraceCapture
+from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError, openai_errors
 from router.proxy.exposure import public_scope
 from router.proxy.forward import (
@@ -54,7 +56,7 @@ UPSTREAM_KEEPALIVE_S = 3.0  # idle upstream connections kept below the servers' 
 RUNNER_OPTIONS: dict[str, object] = {"handler_cancellation": True}
 
 # What only the handlers read from the app; what a request's trip reads: forward.py.
-ENCODER = web.AppKey("encoder", PromptEncoder)
+CATALOG = web.AppKey("catalog", Catalog)
 POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
 
 
@@ -62,7 +64,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     settings: ProxySettings = app[SETTINGS]
     try:
-        body, req = await read_request(request, app[ENCODER], settings, chat, app[POOL])
+        body, req = await read_request(request, app[CATALOG], settings, chat, app[POOL])
     except APIError as e:  # rejected before routing: no worker was involved
         app[CLUSTER].metrics.requests.labels(
             settings.policy_name, "rejected", "none", f"http_{e.status}"
@@ -97,14 +99,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    s: ProxySettings = request.app[SETTINGS]
-    card = {
-        "id": s.model_name,
-        "object": "model",
-        "owned_by": "fairway",
-        "max_model_len": s.max_model_len,
-    }
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response({"object": "list", "data": request.app[CATALOG].cards()})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -165,8 +160,13 @@ def _describe(cluster: LiveCluster, w: LiveWorker) -> dict[str, object]:
 
 
 def create_app(
-    cluster: LiveCluster, encoder: PromptEncoder, settings: ProxySettings, monitor: bool = True
+    cluster: LiveCluster,
+    served: Catalog | PromptEncoder,
+    settings: ProxySettings,
+    monitor: bool = True,
 ) -> web.Application:
+    """The proxy's application. `served`: what it serves (a PromptEncoder: the one model
+    `settings.model_name`)."""
     # Errors in the OpenAI shape, aiohttp's own too; header sizes checked below the parser's
     # limits, so that the answer to oversized headers has that shape as well; /metrics and
     # /admin/* only on the admin listener (exposure.py).
@@ -177,7 +177,10 @@ def create_app(
     )
     app[CLUSTER] = cluster
     cluster.metrics.label_clients(*metric_labels(settings))
-    app[ENCODER] = encoder
+    if isinstance(served, PromptEncoder):
+        served = Catalog.single(settings.model_name, served, settings.max_model_len)
+    app[CATALOG] = served
+    app[ADAPTERS] = AdapterLoader(served.adapter_paths, cluster.metrics)
     app[SETTINGS] = settings
     app[STARTED] = time.monotonic()
     app[HEALTH_NOTES] = []

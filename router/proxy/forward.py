@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.proxy.adapters import ADAPTERS, AdapterLoadFailed
 from router.proxy.capture import TraceCapture
 from router.proxy.errors import APIError, unavailable
 from router.proxy.live import LiveCluster, LiveWorker, WorkerDown
@@ -80,6 +81,7 @@ class Forward:
         self.cluster: LiveCluster = app[CLUSTER]
         self.settings: ProxySettings = app[SETTINGS]
         self.session = app[SESSION]
+        self.adapters = app[ADAPTERS]
         self.http, self.body, self.req = http, body, req
         self.upstream_body = with_usage_requested(body)
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -126,7 +128,15 @@ class Forward:
                 tried.add(worker.id)
                 continue
             try:
+                if self.req.adapter is not None:
+                    await self.adapters.ensure(self.session, worker, self.req.adapter)
                 upstream, head, stream = await self._send(worker, path)
+            except AdapterLoadFailed as e:  # the worker is fine; the adapter will not load there
+                self._book(self.cluster.release, worker, self.req, 0)
+                self._count(reason, worker, "retried")
+                tried.add(worker.id)
+                last_error = e
+                continue
             except APIError as e:  # nothing reached the client yet: try elsewhere
                 self._book(self.cluster.release, worker, self.req, 0)
                 self._book(self.cluster.mark_failure, worker)

@@ -125,6 +125,15 @@ class RouterMetrics:
                 registry=r,
             )
         )
+        # No adapter label: an adapter's name can name the customer it was tuned for.
+        self.adapter_loads = Labelled(
+            Counter(
+                "fairway_adapter_loads",
+                "LoRA adapters the proxy loaded onto a worker, by outcome (loaded, failed)",
+                ["worker", "outcome"],
+                registry=r,
+            )
+        )
         self.queue_depth = Labelled(
             Gauge(
                 "fairway_router_queue_depth",

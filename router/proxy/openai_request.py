@@ -29,11 +29,12 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError, bad_request
 from router.proxy.identity import authenticate, client_identity
-from router.proxy.prompts import PromptEncoder, PromptError
+from router.proxy.prompts import PromptError
 from router.proxy.settings import BODY_TIMEOUT, MAX_BODY_BYTES, ProxySettings, Tenant
-from router.request import Request
+from router.request import Request, cache_root
 
 MAX_HEADER_BYTES = 8190  # one header line (aiohttp's own default), answered in the OpenAI shape
 PARSER_LIMIT = 64 * 1024  # aiohttp's parser refuses (text/plain) only beyond this
@@ -168,7 +169,7 @@ async def parse_body(
 
 
 async def read_request(
-    http: web.Request, encoder: PromptEncoder, s: ProxySettings, chat: bool, pool: Executor
+    http: web.Request, catalog: Catalog, s: ProxySettings, chat: bool, pool: Executor
 ) -> tuple[dict, Request]:
     """Authenticate, read, parse and tokenize one generation request. A large body is parsed
     and tokenized on `pool` (the tokenizer releases the GIL), so the event loop stays free."""
@@ -177,7 +178,7 @@ async def read_request(
 
     def work() -> tuple[dict, Request]:
         body = parse_json(raw)
-        return body, build_request(http, body, encoder, s, chat, tenant)
+        return body, build_request(http, body, catalog, s, chat, tenant)
 
     if len(raw) <= INLINE_BYTES:
         return work()
@@ -207,7 +208,7 @@ def session_of(http: web.Request) -> str | None:
 def build_request(
     http: web.Request,
     body: dict,
-    encoder: PromptEncoder,
+    catalog: Catalog,
     s: ProxySettings,
     chat: bool,
     tenant: Tenant | None = None,
@@ -215,14 +216,16 @@ def build_request(
     """The router's Request for a parsed body. A batch of prompts (/v1/completions with a list
     of strings or token-id lists) is routed as one request, as the worker runs it: prompt_len is
     the whole batch's, the prefix hashed is the longest prompt's, and the output is max_tokens
-    for each prompt and each of the `n` choices."""
+    for each prompt and each of the `n` choices. The model named (a base model or an adapter)
+    and `cache_salt` make the prompt's cache identity (router.request.cache_root)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise bad_request("'model' is required", "model")
-    if model != s.model_name:
-        raise APIError(
-            404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found"
-        )
+    served = catalog.resolve(model)
+    encoder, max_model_len = served.encoder, served.max_model_len
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("'cache_salt' must be a non-empty string if provided", "cache_salt")
     client, weight = client_identity(http, body, tenant, s)
     _optional(body, "stream", lambda v: isinstance(v, bool), "true or false")
     _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
@@ -233,23 +236,23 @@ def build_request(
         raise bad_request("'best_of' is not supported (the vLLM workers ignore it)", "best_of")
     try:
         if chat:
-            prompts = [encoder.chat_ids(body.get("messages"), s.max_model_len)]
+            prompts = [encoder.chat_ids(body.get("messages"), max_model_len)]
         else:
             if "prompt" not in body:
                 raise bad_request("'prompt' is required", "prompt")
-            prompts = encoder.completion_prompts(body["prompt"], s.max_model_len)
+            prompts = encoder.completion_prompts(body["prompt"], max_model_len)
     except PromptError as e:
         raise bad_request(str(e), e.param) from None
     ids = max(prompts, key=len)  # the first longest
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is None:
-        max_tokens = s.max_model_len - len(ids) if chat else s.default_max_tokens
+        max_tokens = max_model_len - len(ids) if chat else s.default_max_tokens
     if not _is_int(max_tokens) or max_tokens < 1:
         raise bad_request(f"'{key}' must be a positive integer", key)
-    if len(ids) + max_tokens > s.max_model_len:
+    if len(ids) + max_tokens > max_model_len:
         raise bad_request(
-            f"This model's maximum context length is {s.max_model_len} tokens. However, you "
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
             f"{max_tokens} in the completion). Please reduce the length.",
             key,
@@ -259,8 +262,11 @@ def build_request(
         arrival=time.monotonic(),
         prompt_len=sum(len(p) for p in prompts),
         output_len=max_tokens * n * len(prompts),
-        block_hashes=encoder.block_hashes(ids),
+        block_hashes=encoder.block_hashes(ids, cache_root(served.group, served.adapter, salt)),
         client=client,
         session=session_of(http),
         weight=weight,
+        model=served.group,
+        adapter=served.adapter,
+        cache_salt=salt,
     )

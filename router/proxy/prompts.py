@@ -143,8 +143,9 @@ class PromptEncoder:
         # The template already wrote the BOS token: do not let the tokenizer add another.
         return self.encode(text, add_special_tokens=False)
 
-    def block_hashes(self, ids: list[int]) -> list[BlockHash]:
-        return hash_token_blocks(ids, self.block_size)
+    def block_hashes(self, ids: list[int], root: BlockHash | None = None) -> list[BlockHash]:
+        """`root`: the cache identity's (router.request.cache_root)."""
+        return hash_token_blocks(ids, self.block_size, root)
 
     def _text_ids(self, text: str, max_tokens: int) -> list[int]:
         self.check_text(text, max_tokens, "prompt")

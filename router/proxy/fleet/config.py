@@ -209,6 +209,41 @@ class TenantConfig(Strict):
         return v
 
 
+ServedName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s]+$")]
+
+
+class AdapterConfig(Strict):
+    """A LoRA adapter clients request by `name` (as vLLM serves it), loaded from `path` onto a
+    worker of its group when routing places a request for it there."""
+
+    name: ServedName
+    path: str
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        folder = Path(v).expanduser()
+        if not (folder / "adapter_config.json").is_file():
+            raise ValueError(f"{v}: no adapter_config.json there (a PEFT LoRA adapter folder)")
+        return str(folder.resolve())
+
+
+class ModelGroupConfig(Strict):
+    """One base model and the workers serving it (and its adapters)."""
+
+    served_model_name: ServedName
+    model: str | None = Field(None, description="model folder; none: build the tiny test model")
+    max_model_len: int = Field(4096, gt=0)
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    adapters: list[AdapterConfig] = Field(default_factory=list)
+    adapter_slots: int = Field(
+        4, ge=1, le=256, description="adapters a worker holds at once (vLLM's --max-loras)"
+    )
+    adapter_load_time: float = Field(
+        0.5, ge=0, description="seconds a load takes, weighed against queueing when placing"
+    )
+
+
 class ClusterConfig(Strict):
     model: str | None = Field(None, description="model folder; none: build the tiny test model")
     served_model_name: str = "tiny"
@@ -262,6 +297,50 @@ class ClusterConfig(Strict):
         default_factory=list,
         description="each replica's own (admin) port; none: admin_port .. admin_port+N-1",
     )
+    models: list[ModelGroupConfig] = Field(
+        default_factory=list,
+        description="several model groups; instead of model, served_model_name, "
+        "max_model_len and workers",
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> ClusterConfig:
+        if not self.models:
+            return self
+        single = {"model", "served_model_name", "max_model_len", "workers"} & self.model_fields_set
+        if single:
+            raise ValueError(f"models: give {', '.join(sorted(single))} inside each group")
+        names: set[str] = set()
+        ports: dict[int, int] = {}
+        for i, group in enumerate(self.models):
+            for name in [group.served_model_name, *(a.name for a in group.adapters)]:
+                if name in names:
+                    raise ValueError(f"models.{i}: the name {name!r} is served twice")
+                names.add(name)
+            w = group.workers
+            if w.urls:
+                continue
+            for port in range(w.first_port, w.first_port + w.count):
+                if port in ports:
+                    raise ValueError(
+                        f"models.{i}.workers.first_port: port {port} is models.{ports[port]}'s"
+                    )
+                ports[port] = i
+        return self
+
+    @property
+    def groups(self) -> list[ModelGroupConfig]:
+        """The model groups: `models`, or the one the single-model fields describe."""
+        if self.models:
+            return list(self.models)
+        return [
+            ModelGroupConfig(
+                served_model_name=self.served_model_name,
+                model=self.model,
+                max_model_len=self.max_model_len,
+                workers=self.workers,
+            )
+        ]
 
     @model_validator(mode="before")
     @classmethod
