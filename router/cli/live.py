@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import tempfile
 
     from router.proxy.fleet.config import ClusterConfig
-    from router.proxy.fleet.serve import build_cluster, run_proxy, shut_down
+    from router.proxy.fleet.serve import add_workers, build_cluster, run_proxy, shut_down
     from router.proxy.overload import raise_fd_limit
     from workers.launch import model_dir_of, running_workers
 
@@ -25,17 +25,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     raise_fd_limit()  # before the workers and replicas start: they inherit it
     cluster = build_cluster(config)  # first: a bad policy parameter fails before any work
-    model_dir = model_dir_of(config)
+    model_dirs = {g.served_model_name: model_dir_of(config, g) for g in config.groups}
     scratch = Path(tempfile.mkdtemp(prefix="fairway-"))
     try:
-        with running_workers(config, model_dir, scratch, on_lost=shut_down) as workers:
+        with running_workers(config, scratch, on_lost=shut_down) as workers:
             if config.routers > 1:  # N proxy processes on one port
                 from router.proxy.fleet.replicas import run_replicas
 
-                return run_replicas(config, model_dir, workers, scratch)
-            for url, kv_events in workers:
-                cluster.add_worker(url, kv_events)
-            return run_proxy(config, cluster, model_dir)
+                return run_replicas(config, model_dirs, workers, scratch)
+            add_workers(cluster, workers)
+            return run_proxy(config, cluster, model_dirs)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

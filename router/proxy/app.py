@@ -201,7 +201,9 @@ def create_app(
         async with aiohttp.ClientSession(connector=connector) as session:
             app[SESSION] = session
             app[POOL] = ThreadPoolExecutor(2, thread_name_prefix="fairway-tokenize")
-            watcher = Monitor(cluster, session, interval=settings.health_interval)
+            watcher = Monitor(
+                cluster, session, interval=settings.health_interval, adapters=app[ADAPTERS]
+            )
             if monitor:
                 watcher.start()
             yield

@@ -43,6 +43,7 @@ class LiveWorker:
     url: str
     dispatch: DispatchQueue
     kv_events: str | None = None  # ZMQ endpoint publishing vLLM KV events, if any
+    model: str | None = None  # its model group, in a fleet of several
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     waiters: dict[int, asyncio.Future[LiveWorker]] = field(default_factory=dict)
@@ -73,6 +74,7 @@ class LiveCluster:
         fall: int = 2,
         clock: Callable[[], float] = time.monotonic,
         drift: DriftGuard | None = None,
+        adapter_load_time: float = 0.0,
     ) -> None:
         self.fall = fall
         self.clock = clock
@@ -88,6 +90,7 @@ class LiveCluster:
             keep_approximate=True,
             kv_capacity_blocks=kv_capacity_blocks,
             strict=False,
+            adapter_load_time=adapter_load_time,
         )
         self.view = self.router.view
         self.policy = policy
@@ -112,16 +115,22 @@ class LiveCluster:
     # ------------------------------------------------------------ membership
 
     def add_worker(
-        self, url: str, kv_events: str | None = None, wid: WorkerId | None = None
+        self,
+        url: str,
+        kv_events: str | None = None,
+        wid: WorkerId | None = None,
+        model: str | None = None,
+        adapter_slots: int = 0,
     ) -> LiveWorker:
         """Add the worker at `url` as `wid`, by default the next id of this cluster's own
-        (router replicas take ids from their store, so that every replica names it alike)."""
+        (router replicas take ids from their store, so that every replica names it alike).
+        `model`: its model group in a fleet of several; `adapter_slots`: its --max-loras."""
         if wid is None:
             wid = self._next_id
         assert wid not in self.workers, f"worker id {wid} is taken"
         self._next_id = max(self._next_id, wid + 1)
-        dispatch = self.router.add_worker(wid)
-        worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events)
+        dispatch = self.router.add_worker(wid, model=model, adapter_slots=adapter_slots)
+        worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events, model)
         self.workers[wid] = worker
         self.metrics.healthy.labels(worker.label).set(1)
         self.metrics.retries.labels(worker.label)  # a zero series from the start, not on demand

@@ -14,6 +14,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.kv_events import KVEventIndexer
+from router.proxy.adapters import AdapterLoader
 from router.proxy.live import LiveCluster, LiveWorker
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,10 @@ class Monitor:
         timeout: float = 2.0,
         fall: int = 2,
         rise: int = 2,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self.cluster, self.session = cluster, session
+        self.adapters = adapters  # learns what each worker has registered (its /v1/models)
         self.interval, self.timeout, self.fall, self.rise = interval, timeout, fall, rise
         self._tasks: list[asyncio.Task] = []
         self._subscribed: dict[int, asyncio.Task] = {}
@@ -125,6 +128,8 @@ class Monitor:
         if ok:
             try:
                 await self._scrape(worker)
+                if self.adapters is not None and self.adapters.paths:
+                    await self._registered(worker, self.adapters)
             except Exception as e:  # gauges only: a bad scrape is not a failed health check
                 log.debug("worker %s: /metrics scrape failed: %r", worker.id, e)
         if worker.id not in self.cluster.workers:
@@ -137,6 +142,8 @@ class Monitor:
                     self.cluster.mark_up(worker.id)
             else:
                 self._capacity_known.discard(worker.id)  # it may come back restarted
+                if self.adapters is not None:
+                    self.adapters.forget(worker.id)  # restarted, it has registered none
                 worker.consecutive_successes = 0
                 worker.consecutive_failures += 1
                 if worker.consecutive_failures >= self.fall:
@@ -152,6 +159,16 @@ class Monitor:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+    async def _registered(self, worker: LiveWorker, adapters: AdapterLoader) -> None:
+        """The adapters the worker lists: entries of /v1/models with a parent."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with self.session.get(f"{worker.url}/v1/models", timeout=timeout) as resp:
+            if resp.status != 200:
+                return
+            cards = (await resp.json()).get("data") or []
+        names = {c["id"] for c in cards if isinstance(c, dict) and c.get("parent") is not None}
+        adapters.learn(worker.id, names)
 
     async def _scrape(self, worker: LiveWorker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
@@ -205,7 +222,9 @@ class Monitor:
         # or the load-only index, and the precise one, scored for recovery, never hear it.
         router = self.cluster.router
         view = self.cluster.view
-        indexer = KVEventIndexer(router.held, worker.id, view.block_size, changed=view.changed)
+        indexer = KVEventIndexer(
+            router.held, worker.id, view.block_size, changed=view.changed, model=worker.model
+        )
         socket = self._zmq.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         try:

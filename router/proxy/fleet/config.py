@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -242,6 +243,17 @@ class ModelGroupConfig(Strict):
     adapter_load_time: float = Field(
         0.5, ge=0, description="seconds a load takes, weighed against queueing when placing"
     )
+
+
+@dataclass(frozen=True)
+class FleetWorker:
+    """A worker of the fleet as started: where it answers, its KV events, its model group (in
+    a fleet of several) and how many adapters it holds at once."""
+
+    url: str
+    kv_events: str | None = None
+    model: str | None = None
+    adapter_slots: int = 0
 
 
 class ClusterConfig(Strict):

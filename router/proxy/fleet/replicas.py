@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from router.proxy.fleet.config import FleetWorker
+
 if TYPE_CHECKING:
     from router.proxy.fleet.config import ClusterConfig
 
@@ -56,8 +58,8 @@ class ReplicaSpec:
 
     index: int
     config: dict
-    model_dir: str
-    workers: list[tuple[str, str | None]]  # (url, KV-event endpoint), in the parent's order
+    model_dirs: dict[str, str]  # each model group's folder (its tokenizer)
+    workers: list[FleetWorker]  # in the parent's order
     redis_url: str
     prefix: str  # this run's Redis keys
     own_port: int
@@ -69,7 +71,7 @@ def replica_ports(config: ClusterConfig) -> list[int]:
 
 
 def run_replicas(
-    config: ClusterConfig, model_dir: Path, workers: list[tuple[str, str | None]], scratch: Path
+    config: ClusterConfig, model_dirs: dict[str, Path], workers: list[FleetWorker], scratch: Path
 ) -> int:
     """Start Redis and keep it (unless the user's is configured: then check it answers), then
     keep `config.routers` replicas until stopped."""
@@ -91,7 +93,7 @@ def run_replicas(
             ReplicaSpec(
                 i,
                 _config_of(config, i),
-                str(model_dir),
+                {name: str(folder) for name, folder in model_dirs.items()},
                 workers,
                 store.url,
                 prefix,
@@ -239,19 +241,17 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     from router.proxy.app import CLUSTER, create_app
     from router.proxy.errors import APIError
     from router.proxy.fleet.config import validate_config
-    from router.proxy.fleet.serve import build_cluster, settings_of
+    from router.proxy.fleet.serve import add_workers, build_cluster, catalog_of, settings_of
     from router.proxy.fleet.shared_state import SHARED, shared_state_ctx
     from router.proxy.fleet.store import Store
     from router.proxy.identity import check_admin
-    from router.proxy.prompts import PromptEncoder
 
     config = validate_config(spec.config, source=f"replica {spec.index}")
     cluster = build_cluster(config)
-    for url, kv_events in spec.workers:
-        cluster.add_worker(url, kv_events)
-    encoder = PromptEncoder(Path(spec.model_dir), config.block_size)
+    add_workers(cluster, spec.workers)
+    catalog = catalog_of(config, {name: Path(d) for name, d in spec.model_dirs.items()})
     # Its own port is its admin listener (exposure.py): /metrics and /admin/* answer there only.
-    app = create_app(cluster, encoder, replace(settings_of(config), admin_port=spec.own_port))
+    app = create_app(cluster, catalog, replace(settings_of(config), admin_port=spec.own_port))
     token = f"{spec.index}-{os.getpid()}"  # a restarted replica reads its predecessor's log
 
     async def tag(request: web.Request, response: web.StreamResponse) -> None:
@@ -311,7 +311,7 @@ def _die_with(parent: int) -> None:
 
 def main() -> None:
     raw = json.loads(sys.stdin.read())
-    spec = ReplicaSpec(**{**raw, "workers": [tuple(w) for w in raw["workers"]]})
+    spec = ReplicaSpec(**{**raw, "workers": [FleetWorker(**w) for w in raw["workers"]]})
     _die_with(spec.supervisor)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s replica {spec.index} %(name)s %(message)s"

@@ -15,8 +15,9 @@ import policies
 from router.cost_model import FittedCost, roofline
 from router.proxy import connections
 from router.proxy.app import RUNNER_OPTIONS, create_app
+from router.proxy.catalog import Catalog
 from router.proxy.exposure import admin_socket
-from router.proxy.fleet.config import ClusterConfig
+from router.proxy.fleet.config import ClusterConfig, FleetWorker
 from router.proxy.live import LiveCluster
 from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import SHUTDOWN_GRACE, ProxySettings, Tenant, keyed, new_salt
@@ -44,15 +45,34 @@ def build_cluster(config: ClusterConfig) -> LiveCluster:
             else roofline(config.cost_preset, config.cost_gpu)
         ),
         precise=config.index_mode == "precise",
+        # One router weighs loads for every group: the slowest group's load time.
+        adapter_load_time=max((g.adapter_load_time for g in config.groups), default=0.0),
     )
+
+
+def catalog_of(config: ClusterConfig, model_dirs: dict[str, Path]) -> Catalog:
+    """What the proxy serves: each group's model (its tokenizer from `model_dirs[name]`) and
+    adapters."""
+    catalog = Catalog()
+    several = len(config.groups) > 1
+    for g in config.groups:
+        encoder = PromptEncoder(model_dirs[g.served_model_name], config.block_size)
+        adapters = {a.name: a.path for a in g.adapters}
+        catalog.add_group(g.served_model_name, encoder, g.max_model_len, adapters, several)
+    return catalog
+
+
+def add_workers(cluster: LiveCluster, workers: list[FleetWorker]) -> None:
+    for w in workers:
+        cluster.add_worker(w.url, w.kv_events, model=w.model, adapter_slots=w.adapter_slots)
 
 
 def settings_of(config: ClusterConfig) -> ProxySettings:
     t = config.timeouts
     labels, salt = config.limits.client_labels, _clear(config.client_salt)
     return ProxySettings(
-        model_name=config.served_model_name,
-        max_model_len=config.max_model_len,
+        model_name=config.groups[0].served_model_name,
+        max_model_len=config.groups[0].max_model_len,
         max_retries=config.max_retries,
         queue_timeout=t.queue,
         connect_timeout=t.connect,
@@ -82,10 +102,10 @@ def _clear(secret: SecretStr | None) -> str | None:
     return secret.get_secret_value() if secret is not None else None
 
 
-def run_proxy(config: ClusterConfig, cluster: LiveCluster, model_dir: Path) -> int:
+def run_proxy(config: ClusterConfig, cluster: LiveCluster, model_dirs: dict[str, Path]) -> int:
     """Serve until SIGTERM or SIGINT, then give in-flight requests SHUTDOWN_GRACE to finish."""
     settings = settings_of(config)
-    app = create_app(cluster, PromptEncoder(model_dir, config.block_size), settings)
+    app = create_app(cluster, catalog_of(config, model_dirs), settings)
     admin = admin_socket(config.admin_host, config.admin_ports[0])  # /metrics, /admin/*
     log.info(
         "Fairway proxy on http://%s:%d, admin on http://%s:%d (policy %s)",
