@@ -66,6 +66,13 @@ class AdapterSlots:
         held[adapter] = None
         return was_held
 
+    def drop(self, wid: WorkerId, adapter: str) -> None:
+        """The worker does not hold `adapter` after all (it failed to load there)."""
+        held = self._held.get(wid)
+        if held is not None and adapter in held:
+            del held[adapter]
+            self._forget(wid, adapter)
+
     def report(self, wid: WorkerId, adapters: Iterable[str]) -> None:
         """What the worker says it holds now; the order of use is kept where known."""
         if wid not in self._held:

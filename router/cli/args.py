@@ -95,6 +95,13 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--workers", type=int, default=8)
     g.add_argument(
+        "--fleet",
+        metavar="FLEET.yaml",
+        help="model groups, each with its workers, model, gpu, tp or profile and LoRA adapter "
+        "slots (see simulator/fleet.py); replaces --workers, --model, --gpu, --tp and --cost. "
+        "With several groups every request must name its group (the trace's `model` field)",
+    )
+    g.add_argument(
         "--index",
         choices=[mode.value for mode in IndexMode],
         default=IndexMode.APPROXIMATE.value,
@@ -196,10 +203,16 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
     from router.cost_model import FittedCost, roofline
     from simulator.cluster import SimConfig, simulate
     from simulator.engine import EngineConfig
+    from simulator.fleet import load_fleet
 
-    cost = FittedCost.load(args.cost) if args.cost else roofline(args.model, args.gpu, args.tp)
+    if args.fleet:  # each group brings its own cost model
+        cost, groups = None, load_fleet(args.fleet).groups
+    else:
+        cost = FittedCost.load(args.cost) if args.cost else roofline(args.model, args.gpu, args.tp)
+        groups = ()
     config = SimConfig(
         num_workers=args.workers,
+        groups=groups,
         policy=policy or args.policy,
         local_policy=args.local_policy,
         policy_params=key_values(args.param, "--param"),

@@ -17,11 +17,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     trace = load_workload(args)
     result = run_simulation(args, trace)
     print(format_table([summary_row(args.policy, result.summary)]))
+    if args.fleet:
+        print(format_table(group_rows(result.summary)))
+        print(f"adapter loads (all engines): {result.summary['adapter_loads']}")
     if args.out:
         out = Path(args.out)
         write_results(out, result.summary, result.records)
         print(f"wrote {out / 'summary.json'} and {out / 'requests.csv'}")
     return 0
+
+
+def group_rows(summary: dict) -> list[dict[str, object]]:
+    """Per model group: its workers, requests and TTFT."""
+    return [
+        {
+            "model group": name,
+            "workers": group["workers"],
+            "requests": group["requests"],
+            "TTFT p50 s": group["ttft"]["p50"],
+            "TTFT p99 s": group["ttft"]["p99"],
+        }
+        for name, group in summary["model_groups"].items()
+    ]
 
 
 def _simulate_one(args: argparse.Namespace, policy: str, out: str) -> str:

@@ -132,6 +132,7 @@ class Forward:
                     await self.adapters.ensure(self.session, worker, self.req.adapter)
                 upstream, head, stream = await self._send(worker, path)
             except AdapterLoadFailed as e:  # the worker is fine; the adapter will not load there
+                self._book(self.cluster.router.adapters.drop, worker.id, self.req.adapter)
                 self._book(self.cluster.release, worker, self.req, 0)
                 self._count(reason, worker, "retried")
                 tried.add(worker.id)
