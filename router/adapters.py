@@ -90,18 +90,25 @@ class AdapterSlots:
     def candidates(self, adapter: str, view: ClusterView) -> ClusterView:
         """The view a policy should route a request for `adapter` in: its healthy holders in
         `view`, or all of `view` when another worker would start it sooner after a load."""
-        held_by = self.holders.get(adapter, ())
-        holders = [view.workers[w] for w in held_by if w in view.workers]
-        holders = [w for w in holders if w.healthy]
+        held_by = self.holders.get(adapter)
+        if not held_by:
+            return view
+        holders = [w for w in (view.workers.get(h) for h in held_by) if w is not None and w.healthy]
         if not holders:
             return view
         if self.load_time > 0 and view.cost is not None:
-            best_holder = min(_wait(view, w) for w in holders)
-            others = [w for w in view.workers.values() if w.healthy and w.id not in held_by]
-            if others and min(_wait(view, w) for w in others) + self.load_time < best_holder:
-                return view
-        workers = {w.id: w for w in holders}
-        return ClusterView(view.now, workers, view.index, view.block_size, view.cost)
+            # The least loaded worker of all: a holder wins outright; another is the best
+            # non-holder (wait grows with the work in flight), read from a kept order.
+            least = view.least(least_work)
+            if least.id not in held_by:
+                best_holder = min(_wait(view, w) for w in holders)
+                if _wait(view, least) + self.load_time < best_holder:
+                    return view
+        if len(holders) == len(view.workers):
+            return view
+        return ClusterView(
+            view.now, {w.id: w for w in holders}, view.index, view.block_size, view.cost
+        )
 
     def _forget(self, wid: WorkerId, adapter: str) -> None:
         holders = self.holders.get(adapter)
@@ -109,6 +116,10 @@ class AdapterSlots:
             holders.discard(wid)
             if not holders:
                 del self.holders[adapter]
+
+
+def least_work(view: ClusterView, worker: WorkerState) -> tuple[int, int]:
+    return (worker.tokens_in_flight, worker.id)
 
 
 def _wait(view: ClusterView, worker: WorkerState) -> float:
