@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from router.proxy.fleet.config import load_config, validate_config
 
@@ -161,3 +162,49 @@ class TestAdminListener:
         for bad in (-1, [""], "alice"):
             with pytest.raises(ValueError, match="limits.client_labels"):
                 validate_config({"limits": {"client_labels": bad}})
+
+
+def test_the_example_models_block_is_valid(tmp_path: Path) -> None:
+    """The commented `models:` block of the example, in place of its one model."""
+    text = EXAMPLE.read_text()
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# models:"))
+    adapter = tmp_path / "support-bot"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    block = "\n".join(line[2:] for line in lines[start:])
+    raw = yaml.safe_load(text)
+    for field in ("model", "served_model_name", "max_model_len", "workers"):
+        raw.pop(field, None)
+    raw.update(yaml.safe_load(block.replace("/adapters/support-bot", str(adapter))))
+    config = validate_config(raw)
+    assert [g.served_model_name for g in config.groups] == ["llama", "qwen"]
+    assert config.groups[0].adapters[0].path == str(adapter)
+
+
+def test_one_model_is_one_group() -> None:
+    (group,) = validate_config({"served_model_name": "m", "workers": {"count": 3}}).groups
+    assert group.served_model_name == "m" and group.workers.count == 3 and not group.adapters
+
+
+@pytest.mark.parametrize(
+    "models, message",
+    [
+        ([{"served_model_name": "a"}, {"served_model_name": "a", "workers": {"first_port": 9000}}],
+         "models.1: the name 'a' is served twice"),
+        ([{"served_model_name": "a"}, {"served_model_name": "b"}],
+         "models.1.workers.first_port: port 8100 is models.0's"),
+        ([{"served_model_name": "a", "adapters": [{"name": "x", "path": "/nonexistent"}]}],
+         "models.0.adapters.0.path"),
+        ([{"served_model_name": "a", "adapters": [{"name": "a", "path": "."}]}],
+         "models.0.adapters.0.path"),
+    ],
+)  # fmt: skip
+def test_model_group_errors_name_the_field(models: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        validate_config({"models": models})
+
+
+def test_models_exclude_the_one_model_fields() -> None:
+    with pytest.raises(ValueError, match="models: give served_model_name inside each group"):
+        validate_config({"served_model_name": "x", "models": [{"served_model_name": "a"}]})
