@@ -10,8 +10,11 @@ adapter unless some other worker would start it sooner even after loading it,
 
     min over holders of wait(w)  >  min over the others of wait(w) + load_time
 
-with wait(w) the cost model's time to prefill the work `w` has in flight. The global policy then
-chooses among those candidates as it always does, so every policy keeps its meaning.
+with wait(w) the work `w` has in flight, in tokens, at the cost model's per-token prefill time
+(linear: the work is many requests, not one prompt of that length, whose attention would make
+it quadratic). The global policy then chooses among those candidates as it always does, so
+every policy keeps its meaning. `affinity=False` routes as if blind to adapters (a baseline):
+loads are still counted.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from router.prefix_index import WorkerId
 class AdapterSlots:
     """Per worker, its adapters from least to most recently used, and each adapter's holders."""
 
-    def __init__(self, load_time: float = 0.0) -> None:
+    def __init__(self, load_time: float = 0.0, affinity: bool = True) -> None:
         self.load_time = load_time
+        self.affinity = affinity
+        self._per_token: float | None = None  # the cost model's prefill seconds per token
         self._held: dict[WorkerId, dict[str, None]] = {}
         self._slots: dict[WorkerId, int] = {}
         self.holders: dict[str, set[WorkerId]] = {}
@@ -91,7 +96,7 @@ class AdapterSlots:
         """The view a policy should route a request for `adapter` in: its healthy holders in
         `view`, or all of `view` when another worker would start it sooner after a load."""
         held_by = self.holders.get(adapter)
-        if not held_by:
+        if not held_by or not self.affinity:
             return view
         holders = [w for w in (view.workers.get(h) for h in held_by) if w is not None and w.healthy]
         if not holders:
@@ -101,8 +106,10 @@ class AdapterSlots:
             # non-holder (wait grows with the work in flight), read from a kept order.
             least = view.least(least_work)
             if least.id not in held_by:
-                best_holder = min(_wait(view, w) for w in holders)
-                if _wait(view, least) + self.load_time < best_holder:
+                if self._per_token is None:
+                    self._per_token = view.cost.prefill_time(PER_TOKEN_AT, 0) / PER_TOKEN_AT
+                best_holder = min(w.tokens_in_flight for w in holders) * self._per_token
+                if least.tokens_in_flight * self._per_token + self.load_time < best_holder:
                     return view
         if len(holders) == len(view.workers):
             return view
@@ -118,11 +125,8 @@ class AdapterSlots:
                 del self.holders[adapter]
 
 
+PER_TOKEN_AT = 2048  # a typical prefill chunk: the per-token time the waits are priced at
+
+
 def least_work(view: ClusterView, worker: WorkerState) -> tuple[int, int]:
     return (worker.tokens_in_flight, worker.id)
-
-
-def _wait(view: ClusterView, worker: WorkerState) -> float:
-    """Seconds before `worker` would start a new request: its work in flight, as prefill."""
-    assert view.cost is not None
-    return view.cost.prefill_time(worker.tokens_in_flight, 0) if worker.tokens_in_flight else 0.0

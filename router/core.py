@@ -93,6 +93,7 @@ class Router:
         kv_capacity_blocks: int = 1 << 20,
         strict: bool = True,
         adapter_load_time: float = 0.0,
+        adapter_affinity: bool = True,
     ) -> None:
         self.policy = policy
         # Token hooks run once per sequence per step: skip the ones that do nothing.
@@ -135,7 +136,7 @@ class Router:
         # A request naming a model is routed among that group's workers (router.adapters for
         # the adapter among them); a fleet whose workers name no model serves every request.
         self._groups: dict[str, ClusterView] = {}
-        self.adapters = AdapterSlots(adapter_load_time)
+        self.adapters = AdapterSlots(adapter_load_time, adapter_affinity)
 
     # ------------------------------------------------------------ membership
 

@@ -38,6 +38,7 @@ from router.records import RequestRecord
 from router.request import BlockHash, Request
 from router.traits import IndexMode, Placement
 from simulator.engine import Engine, EngineConfig, Seq
+from simulator.fleet import ModelGroup, check_requests, parse_fleet
 from simulator.results import WorkerRecord, summarize
 from traces.schema import Trace
 from traces.transform import InfiniteCache
@@ -73,10 +74,21 @@ class SimConfig:
     # `router_sync` seconds (0: a store written through at once, the replicas as one).
     routers: int = 1
     router_sync: float = 0.0
+    # Model groups (simulator.fleet), their workers in order: each group's engines run its own
+    # cost model and adapter slots, and `num_workers` is set to their sum. Empty: one group of
+    # `num_workers` engines on the cost model `simulate` is given, with `engine`'s slots.
+    groups: tuple[ModelGroup, ...] = ()
+    # Off: routing ignores which worker holds a request's adapter (the adapter-blind baseline);
+    # engines load adapters as ever.
+    adapter_affinity: bool = True
     seed: int = 0
     show_progress: bool = False
 
     def __post_init__(self) -> None:
+        if self.groups:
+            fleet = parse_fleet({"groups": list(self.groups)}, source="config")
+            object.__setattr__(self, "groups", fleet.groups)
+            object.__setattr__(self, "num_workers", fleet.num_workers)
         if self.num_workers <= 0:
             raise ValueError(f"workers: must be positive, got {self.num_workers}")
         if self.policy not in policies.global_policies:
@@ -117,10 +129,43 @@ class SimResult:
     summary: dict[str, object]
 
 
-class SimCluster:
-    """The simulator's driver of the router core: SimPy time, engines as workers."""
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """What one worker is: its model group (None in a fleet of one), cost model and engine."""
 
-    def __init__(self, trace: Trace, cost: CostModel, config: SimConfig) -> None:
+    group: str | None
+    cost: CostModel
+    engine: EngineConfig
+
+
+def _placements(config: SimConfig, block_size: int, cost: CostModel | None) -> list[_Placement]:
+    """Each worker's model group, cost model and engine config, in worker order."""
+    engine = replace(config.engine, block_size=block_size)
+    if not config.groups:
+        if cost is None:
+            raise ValueError("simulate: give a cost model, or model groups (SimConfig.groups)")
+        return [_Placement(None, cost, engine)] * config.num_workers
+    several = len(config.groups) > 1  # one group: requests name no group (see Request.model)
+    out: list[_Placement] = []
+    for g in config.groups:
+        slots = replace(
+            engine, adapter_slots=g.adapter_slots, adapter_load_time=g.adapter_load_time
+        )
+        out += [_Placement(g.name if several else None, g.cost(), slots)] * g.workers
+    return out
+
+
+class SimCluster:
+    """The simulator's driver of the router core: SimPy time, engines as workers.
+
+    `cost`: the step costs of every engine, and the router's estimates. With model groups each
+    group's engines run the group's own; `cost` (None: the first group's) stays the router's,
+    as a live router has one cost model for every worker."""
+
+    def __init__(self, trace: Trace, cost: CostModel | None, config: SimConfig) -> None:
+        check_requests(config.groups, trace.requests)
+        placements = _placements(config, trace.block_size, cost)
+        cost = placements[0].cost if cost is None else cost
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
         self.policy: GlobalPolicy = self._global_policy()
@@ -140,12 +185,16 @@ class SimCluster:
                 window=config.window if in_router else None,
                 cost=cost,
                 precise=self.precise,
+                # One load time per router, the longest of any group's: it never spills a
+                # request to a load it believes cheaper than it is (a group loading faster
+                # keeps to its holders a little longer than it need).
+                adapter_load_time=max(p.engine.adapter_load_time for p in placements),
+                adapter_affinity=config.adapter_affinity,
             )
             for r in range(config.routers)
         ]
         self.router = self.routers[0]
         self.view = self.router.view
-        engine_config = replace(config.engine, block_size=trace.block_size)
         counting_queues = in_router and self.local_factory().traits.counts_tokens  # no queue yet
         # Decode progress in sum mid-run (engines settle each sequence at the run's end) when
         # nothing reads tokens per request before it finishes: one router, whose policy and
@@ -156,7 +205,7 @@ class SimCluster:
         self.engines: list[Engine] = []
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
         self._last_due: list[float | None] = [None] * config.num_workers  # its newest entry
-        for i in range(config.num_workers):
+        for i, placement in enumerate(placements):
             # Precise: every replica subscribes to every engine's KV events.
             indexers = [
                 KVEventIndexer(r.view.index, i, changed=r.view.changed) for r in self.routers
@@ -164,10 +213,17 @@ class SimCluster:
             sink = DelayedKVEvents(self, i, indexers) if self.precise else None
             # Router placement: a stock vLLM behind the router's queue, first come first served.
             local = fcfs() if in_router else self.local_factory()
-            engine = Engine(self.env, i, cost, engine_config, local, self, sink)
+            engine = Engine(self.env, i, placement.cost, placement.engine, local, self, sink)
             self.engines.append(engine)
             for router in self.routers:
-                router.add_worker(i, engine.blocks.num_blocks)
+                router.add_worker(
+                    i,
+                    engine.blocks.num_blocks,
+                    model=placement.group,
+                    adapter_slots=placement.engine.adapter_slots,
+                )
+        self._group_of = [g.name for g in config.groups for _ in range(g.workers)]
+        self._several_groups = len(config.groups) > 1
         self._owner: dict[int, Router] = {}  # request id -> the replica that routed it
         self._next_router = 0
         if len(self.routers) > 1:
@@ -337,7 +393,11 @@ class SimCluster:
         router = self.routers[self._next_router]
         self._next_router = (self._next_router + 1) % len(self.routers)
         if self._lazy:  # bring up to date what this decision reads, and nothing else
-            read = router.policy.progress_read(req, router.view)
+            # A request routed among a part of the fleet (its group, its adapter's holders) is
+            # decided in a view the router makes inside route(): a policy asked what it reads
+            # in the whole one may answer for, and remember, the wrong workers. Read all.
+            partial = req.adapter is not None or (req.model is not None and self._several_groups)
+            read = None if partial else router.policy.progress_read(req, router.view)
             for wid in range(len(self.engines)) if read is None else read:
                 self.engines[wid].sync(now)
         routed = router.route(req, now)
@@ -354,7 +414,7 @@ class SimCluster:
         """Hand `req` to its engine, after the server's per-request overhead if the cost model
         has one (a fitted profile measures it)."""
         engine = self.engines[worker]
-        delay = self.cost.request_overhead
+        delay = engine.cost.request_overhead
         if delay <= 0:
             engine.submit(req)
         else:
@@ -430,6 +490,8 @@ class SimCluster:
             evictions=e.blocks.num_evictions,
             steps=e.num_steps,
             events=e.num_events,
+            adapter_loads=e.adapter_loads,
+            group=self._group_of[e.id] if self._group_of else None,
         )
 
     def _config_summary(self) -> dict[str, object]:
@@ -446,6 +508,8 @@ class SimCluster:
             "local_params": dict(self.config.local_params),
             "workers": self.config.num_workers,
             "cost_model": self.cost.name,
+            "groups": [g.model_dump() for g in self.config.groups],
+            "adapter_affinity": self.config.adapter_affinity,
             "block_size": self.trace.block_size,
             "kv_blocks_per_worker": e.blocks.num_blocks,
             "max_num_seqs": e.config.max_num_seqs,
@@ -507,5 +571,6 @@ def collector_for_a_run() -> Iterator[None]:
             gc.unfreeze()
 
 
-def simulate(trace: Trace, cost: CostModel, config: SimConfig) -> SimResult:
+def simulate(trace: Trace, cost: CostModel | None, config: SimConfig) -> SimResult:
+    """Replay `trace`; `cost` may be None when `config.groups` give each group's."""
     return SimCluster(trace, cost, config).run()

@@ -23,6 +23,8 @@ class WorkerRecord:
     evictions: int
     steps: int
     events: int
+    adapter_loads: int = 0
+    group: str | None = None  # its model group, when the fleet was given as groups
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -101,6 +103,11 @@ def summarize(
         }
         for client, rs in sorted(by_client.items())
     }
+    group_of = {w.id: w.group for w in workers if w.group is not None}
+    by_group: dict[str, list[RequestRecord]] = {g: [] for g in dict.fromkeys(group_of.values())}
+    for r in records:
+        if r.worker in group_of:
+            by_group[group_of[r.worker]].append(r)
     work = [w.tokens_processed for w in workers]
     mean_work = float(np.mean(work)) if work else 0.0
     return {
@@ -121,6 +128,15 @@ def summarize(
             "bound": cache_bound,
         },
         "preemptions": sum(r.preemptions for r in records),
+        "adapter_loads": sum(w.adapter_loads for w in workers),
+        "model_groups": {
+            group: {
+                "workers": sum(1 for g in group_of.values() if g == group),
+                "requests": len(rs),
+                "ttft": _stats([r.ttft for r in rs]),
+            }
+            for group, rs in by_group.items()
+        },
         "load_imbalance": (max(work) / mean_work) if mean_work else None,
         "workers": [asdict(w) for w in workers],
         "per_client": per_client,

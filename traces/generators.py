@@ -4,6 +4,7 @@ Prompts are built as token-id sequences and hashed like live prompts, so shared 
 from shared content, never from hand-placed hashes:
 
     shared_prefix   tenants, each with a long system prompt/document and many questions
+    lora_tenants    many tenants, each with its own LoRA adapter and system prompt, Zipf popularity
     few_shot        a pool of few-shot templates shared across tenants, then a question
     chat_sessions   multi-turn chats: turn k = turn k-1's prompt + its answer + a new message
     agent_loops     tool loops: a long tool preamble, then call, tool output, call, ...
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from router.request import Request, hash_token_blocks
+from router.request import Request, cache_root, hash_token_blocks
 from traces.schema import DEFAULT_BLOCK_SIZE, Trace, finish, renumber
 
 VOCAB = 32000
@@ -52,12 +53,15 @@ def _poisson_times(rng: random.Random, rate: float, n: int) -> list[float]:
 def _request(
     i: int, t: float, prompt: np.ndarray, out_len: int, block_size: int, **kw: object
 ) -> Request:
+    """A request for `prompt`, its blocks hashed under the cache identity `kw` gives it (a
+    model, adapter or cache_salt), as a live prompt is."""
+    root = cache_root(kw.get("model"), kw.get("adapter"), kw.get("cache_salt"))  # type: ignore[arg-type]
     return Request(
         id=i,
         arrival=t,
         prompt_len=len(prompt),
         output_len=out_len,
-        block_hashes=hash_token_blocks(prompt, block_size),
+        block_hashes=hash_token_blocks(prompt, block_size, parent=root),
         **kw,  # type: ignore[arg-type]
     )
 
@@ -71,6 +75,7 @@ def shared_prefix(
     rate: float = 20.0,
     prefixes_per_tenant: int = 2,
     tenant_skew: float = 0.0,
+    adapters: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
 ) -> Trace:
@@ -78,7 +83,8 @@ def shared_prefix(
 
     Tenant k sends a share of the requests in proportion to 1/(k+1)^tenant_skew: 0 (the
     default) gives every tenant the same demand; 1 gives tenant-0 twice tenant-1's demand and
-    three times tenant-2's, down a Zipf tail."""
+    three times tenant-2's, down a Zipf tail. `adapters`: tenant k's requests run under its own
+    LoRA adapter `lora-k`, so its prompts hit only its own blocks."""
     rng, tokens = random.Random(seed), _Tokens(seed)
     prefixes = {
         (t, p): tokens.take(_lognormal_int(rng, prefix_tokens, 0.3, block_size))
@@ -97,8 +103,42 @@ def shared_prefix(
         prefix = prefixes[(tenant, rng.randrange(prefixes_per_tenant))]
         prompt = np.concatenate([prefix, tokens.take(_lognormal_int(rng, question_tokens))])
         out = _lognormal_int(rng, output_tokens)
-        reqs.append(_request(i, t, prompt, out, block_size, client=f"tenant-{tenant}"))
+        adapter = f"lora-{tenant}" if adapters else None
+        client = f"tenant-{tenant}"
+        reqs.append(_request(i, t, prompt, out, block_size, client=client, adapter=adapter))
     return finish(Trace(reqs, block_size, source="generated:shared_prefix"))
+
+
+def lora_tenants(
+    num_requests: int = 3000,
+    num_tenants: int = 48,
+    zipf: float = 1.0,
+    system_tokens: int = 2000,
+    question_tokens: int = 200,
+    output_tokens: int = 128,
+    rate: float = 20.0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Many tenants, each with its own LoRA adapter (`lora-k`) and system prompt, tenant k's
+    share of the requests in proportion to 1/(k+1)^zipf; Poisson arrivals. A tenant's system
+    prompt is cached only under its adapter, so where its adapter is held and where its prefix
+    is cached are the same workers when routing keeps them together."""
+    trace = shared_prefix(
+        num_requests=num_requests,
+        num_tenants=num_tenants,
+        prefix_tokens=system_tokens,
+        question_tokens=question_tokens,
+        output_tokens=output_tokens,
+        rate=rate,
+        prefixes_per_tenant=1,
+        tenant_skew=zipf,
+        adapters=True,
+        block_size=block_size,
+        seed=seed,
+    )
+    trace.source = "generated:lora_tenants"
+    return trace
 
 
 def few_shot(
@@ -301,6 +341,7 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
     "late_joiner": late_joiner,
     "flood": flood,
     "shared_prefix": shared_prefix,
+    "lora_tenants": lora_tenants,
     "few_shot": few_shot,
     "chat_sessions": chat_sessions,
     "agent_loops": agent_loops,

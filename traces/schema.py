@@ -1,12 +1,17 @@
 """Fairway's native trace: JSON Lines, one request a line, after an optional header line.
 
-    {"fairway_trace": 1, "block_size": 16}
+    {"fairway_trace": 1, "block_size": 16, "keyed": true}
     {"arrival": 0.0, "prompt_len": 812, "output_len": 64, "block_hashes": [...], "client": "a"}
     {"arrival": 0.4, "prompt_len": 95, "output_len": 12, "session": "s1", "think_time": 2.0}
+    {"arrival": 0.5, "prompt_len": 95, "output_len": 12, "model": "8b", "adapter": "sql"}
 
 `arrival` is in seconds. `block_hashes` are the chained hashes of the prompt's full blocks of
-`block_size` tokens (router.request.hash_token_blocks). Every loader returns a `Trace`; every
-error names the file and line.
+`block_size` tokens (router.request.hash_token_blocks). `model` (the model group), `adapter`
+(a LoRA adapter) and `cache_salt` are part of a block's identity: a header that says `keyed`
+promises the hashes already include them (as `write_native` writes them); otherwise each
+request's hashes are re-keyed under its identity on reading (`router.request.rekey_blocks`), so
+a trace of plain token hashes, such as a converted public one, needs no hashing of its own.
+Every loader returns a `Trace`; every error names the file and line.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from router.request import Request
+from router.request import Request, cache_root, rekey_blocks
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -55,6 +60,7 @@ class TraceHeader(BaseModel):
     model_config = ConfigDict(extra="forbid")
     fairway_trace: int = Field(1, ge=1, le=1)
     block_size: int = Field(DEFAULT_BLOCK_SIZE, gt=0)
+    keyed: bool = False  # block_hashes already carry each request's cache identity
 
 
 class TraceLine(BaseModel):
@@ -69,6 +75,9 @@ class TraceLine(BaseModel):
     priority: int = 0
     weight: float = Field(1.0, gt=0)
     think_time: float | None = Field(None, ge=0)
+    model: str | None = Field(None, min_length=1)
+    adapter: str | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM refuses an empty salt too
     # A proxy's recording (router/proxy/capture.py) also says who served each request; a replay
     # ignores it, a comparison of routing decisions reads it from Trace.meta["served_by"].
     worker: int | None = None
@@ -102,7 +111,7 @@ def load_native(path: Path) -> Trace:
 
 def read_native(path: Path) -> Trace:
     """A native trace as written: not yet sorted, rebased or checked (see `finish`)."""
-    block_size = DEFAULT_BLOCK_SIZE
+    block_size, keyed = DEFAULT_BLOCK_SIZE, False
     requests: list[Request] = []
     served_by: dict[int, int] = {}
     policies: set[str] = set()
@@ -111,7 +120,8 @@ def read_native(path: Path) -> Trace:
             if "fairway_trace" in obj:
                 if requests:
                     raise TraceError(path, lineno, "the header must be the first line")
-                block_size = TraceHeader.model_validate(obj).block_size
+                header = TraceHeader.model_validate(obj)
+                block_size, keyed = header.block_size, header.keyed
                 continue
             line = TraceLine.model_validate(obj)
         except ValidationError as e:
@@ -119,6 +129,9 @@ def read_native(path: Path) -> Trace:
         fields = line.model_dump()
         worker, policy = fields.pop("worker"), fields.pop("policy")
         fields["id"] = len(requests) if line.id is None else line.id
+        root = None if keyed else cache_root(line.model, line.adapter, line.cache_salt)
+        if root is not None:
+            fields["block_hashes"] = rekey_blocks(line.block_hashes, root)
         requests.append(Request(**fields))
         if worker is not None:
             served_by[fields["id"]] = worker
@@ -133,9 +146,22 @@ def read_native(path: Path) -> Trace:
     return Trace(requests, block_size, source=str(path), meta=meta)
 
 
+# Written only where they differ from their default.
+OPTIONAL_FIELDS = (
+    ("session", None),
+    ("priority", 0),
+    ("weight", 1.0),
+    ("model", None),
+    ("adapter", None),
+    ("cache_salt", None),
+)
+
+
 def write_native(trace: Trace, path: Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"fairway_trace": 1, "block_size": trace.block_size}) + "\n")
+        # A Request's block_hashes include its cache identity already: written as keyed.
+        header = {"fairway_trace": 1, "block_size": trace.block_size, "keyed": True}
+        f.write(json.dumps(header) + "\n")
         for r in trace.requests:
             line = {
                 "id": r.id,
@@ -145,7 +171,7 @@ def write_native(trace: Trace, path: Path) -> None:
                 "block_hashes": r.block_hashes,
                 "client": r.client,
             }
-            for key, default in (("session", None), ("priority", 0), ("weight", 1.0)):
+            for key, default in OPTIONAL_FIELDS:
                 if getattr(r, key) != default:
                     line[key] = getattr(r, key)
             if r.think_time is not None:
