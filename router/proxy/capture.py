@@ -65,6 +65,12 @@ class TraceCapture:
         }
         if session:
             line["session"] = session
+        # The hashes carry the cache identity already (the header says `keyed`). The salt is not
+        # written: it keeps one tenant's cache from being probed by another, a secret.
+        if request.model is not None:
+            line["model"] = request.model
+        if request.adapter is not None:
+            line["adapter"] = request.adapter
         if request.weight != 1.0:
             line["weight"] = request.weight
         text = json.dumps(line, separators=(",", ":")) + "\n"
@@ -81,7 +87,8 @@ class TraceCapture:
             self._file = None
 
     def _header(self) -> str:
-        return json.dumps({"fairway_trace": 1, "block_size": self.block_size}) + "\n"
+        header = {"fairway_trace": 1, "block_size": self.block_size, "keyed": True}
+        return json.dumps(header) + "\n"
 
     def _open(self) -> None:
         path = self.folder / TRACE_FILE
