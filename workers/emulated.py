@@ -14,7 +14,7 @@ With `--kv-events` it publishes vLLM's KV events over ZMQ, and can lose some or 
 purpose (what a router's precise index must survive).
 
 With `--enable-lora` it serves LoRA adapters as vLLM does with VLLM_ALLOW_RUNTIME_LORA_UPDATING
-(docs/lora-notes.draft.md): registered at start (`--lora-modules`) or by
+(docs/vllm-lora.md): registered at start (`--lora-modules`) or by
 /v1/load_lora_adapter, listed by /v1/models, run in the engine's `--max-loras` adapter slots,
 named in KV events and in vllm:lora_requests_info. It reads no weights: a folder with an
 adapter_config.json is an adapter.
