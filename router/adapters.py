@@ -50,9 +50,6 @@ class AdapterSlots:
     def holds(self, wid: WorkerId, adapter: str) -> bool:
         return adapter in self._held.get(wid, ())
 
-    def held_by(self, wid: WorkerId) -> list[str]:
-        return list(self._held.get(wid, ()))
-
     def use(self, wid: WorkerId, adapter: str) -> bool:
         """A request for `adapter` goes to `wid`: it is the most recently used there (loaded
         if it was not, evicting the least recently used beyond the slots). True if it was held."""
@@ -65,14 +62,12 @@ class AdapterSlots:
             self.holders.setdefault(adapter, set()).add(wid)
             slots = self._slots.get(wid, 0)
             while slots and len(held) >= slots:
-                victim = next(iter(held))
-                del held[victim]
-                self._forget(wid, victim)
+                self.drop(wid, next(iter(held)))
         held[adapter] = None
         return was_held
 
     def drop(self, wid: WorkerId, adapter: str) -> None:
-        """The worker does not hold `adapter` after all (it failed to load there)."""
+        """The worker no longer holds `adapter` (evicted, unloaded, or it failed to load)."""
         held = self._held.get(wid)
         if held is not None and adapter in held:
             del held[adapter]
@@ -85,8 +80,7 @@ class AdapterSlots:
         now_held = set(adapters)
         held = self._held[wid]
         for adapter in [a for a in held if a not in now_held]:
-            del held[adapter]
-            self._forget(wid, adapter)
+            self.drop(wid, adapter)
         for adapter in now_held:
             if adapter not in held:
                 held[adapter] = None
@@ -113,9 +107,7 @@ class AdapterSlots:
                     return view
         if len(holders) == len(view.workers):
             return view
-        return ClusterView(
-            view.now, {w.id: w for w in holders}, view.index, view.block_size, view.cost
-        )
+        return view.among({w.id: w for w in holders})
 
     def _forget(self, wid: WorkerId, adapter: str) -> None:
         holders = self.holders.get(adapter)

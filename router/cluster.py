@@ -195,6 +195,11 @@ class ClusterView:
         self._parts.append(view)
         return view
 
+    def among(self, workers: dict[WorkerId, WorkerState]) -> ClusterView:
+        """A view over `workers` (some of this one's) for one decision: untracked, so it keeps
+        no orders and a policy reading it takes a pass over them."""
+        return ClusterView(self.now, workers, self.index, self.block_size, self.cost)
+
     def join_part(self, wid: WorkerId, part: ClusterView) -> None:
         part.workers[wid] = self.workers[wid]
         self._part_of[wid] = part

@@ -245,8 +245,9 @@ class Router:
             candidates = group
         excluded = set(exclude)
         if excluded:
-            workers = {k: v for k, v in candidates.workers.items() if k not in excluded}
-            candidates = ClusterView(now, workers, view.index, view.block_size, view.cost)
+            candidates = candidates.among(
+                {k: v for k, v in candidates.workers.items() if k not in excluded}
+            )
         if not any(w.healthy for w in candidates.workers.values()):
             raise NoHealthyWorker("no healthy worker")
         if request.adapter is not None:
