@@ -13,7 +13,7 @@ import html
 import io
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import matplotlib
@@ -64,6 +64,7 @@ def load_run(path: str | Path) -> Run:
 
 def read_records(path: Path) -> list[RequestRecord]:
     types = {f.name: f.type for f in fields(RequestRecord)}
+    defaulted = {f.name for f in fields(RequestRecord) if f.default is not MISSING}
     out = []
     with open(path, newline="") as f:
         for lineno, row in enumerate(csv.DictReader(f), 2):
@@ -71,6 +72,8 @@ def read_records(path: Path) -> list[RequestRecord]:
                 values = {}
                 for name, kind in types.items():
                     raw = row.get(name, "")
+                    if name in defaulted and not raw:
+                        continue  # its default: an older file, or nothing known
                     if name == "session":
                         values[name] = raw or None
                     elif name == "client":
@@ -78,7 +81,7 @@ def read_records(path: Path) -> list[RequestRecord]:
                     elif "int" in str(kind):
                         values[name] = int(float(raw))
                     else:
-                        values[name] = float(raw) if raw else 1.0
+                        values[name] = float(raw)
                 out.append(RequestRecord(**values))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{lineno}: cannot read row ({e})") from None

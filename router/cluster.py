@@ -9,6 +9,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
+from router.cost_model import StepShape
 from router.prefix_index import PrefixIndex, WorkerId
 
 
@@ -44,6 +45,8 @@ class CostEstimates(Protocol):
     def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float: ...
 
     def decode_time(self, num_seqs: int, context_tokens: int) -> float: ...
+
+    def step_time(self, shape: StepShape) -> float: ...
 
 
 # A worker's place in an order: a tuple ending in its id (so ties break by id and the id can be

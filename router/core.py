@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from mypy_extensions import mypyc_attr
 
 from router.adapters import AdapterSlots
+from router.bands import Banded
+from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
 from router.cluster import ClusterView, CostEstimates, WorkerState
+from router.cost_model import StepShape
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
 from router.ledger import Ledger, ledgers_of
@@ -60,6 +63,8 @@ class Flight:
     remaining: int  # tokens of work not yet done: the prompt until its first token, then output
     predicted: dict[str, int]  # hit tokens each index expected, for the drift guard
     best: int  # hit tokens the best index kept expected (scored even while not routed by)
+    prefill: int = 0  # prompt tokens it will compute, until its first token (ahead of others)
+    predicted_ttft: float | None = None  # at routing, with classes on
     released: bool = False
 
 
@@ -70,6 +75,7 @@ class Routed:
     approximate_hit_blocks: int  # the approximate index's, when both are kept (else the same)
     released: list[Request]  # what the chosen worker's queue lets go now (this one, or others)
     adapter_load: bool = False  # the worker was not believed to hold the request's adapter
+    predicted_ttft: float | None = None  # seconds from now, on the chosen worker (classes on)
 
 
 class Router:
@@ -78,6 +84,13 @@ class Router:
     `window=None` releases every request at once: the engine's own scheduler runs the local
     discipline (the simulator's engine placement). `strict` re-raises what a policy hook raises;
     live, a faulty hook is logged and counted, and the request goes on.
+
+    `classes` (router.classes) puts each worker's queue discipline in strict priority bands and
+    predicts each request's time to first token. `latency_routing`: a request whose class has
+    a TTFT target is routed among the workers predicted to meet it, by the global policy's own
+    preference, or to the best predicted if none does. `admission`: refuse a request no worker
+    is predicted to serve within its target (`Refused`), and let drivers time requests out of
+    the queues after their class's `max_queue_time` (`queue_limit`, `time_out`).
     """
 
     def __init__(
@@ -94,6 +107,10 @@ class Router:
         strict: bool = True,
         adapter_load_time: float = 0.0,
         adapter_affinity: bool = True,
+        classes: ClassTable | None = None,
+        latency_routing: bool = False,
+        admission: bool = False,
+        step_tokens: int = 2048,
     ) -> None:
         self.policy = policy
         # Token hooks run once per sequence per step: skip the ones that do nothing.
@@ -137,6 +154,19 @@ class Router:
         # the adapter among them); a fleet whose workers name no model serves every request.
         self._groups: dict[str, ClusterView] = {}
         self.adapters = AdapterSlots(adapter_load_time, adapter_affinity)
+        # Traffic classes: bands in every queue, predicted TTFT, admission control.
+        self.classes = classes if classes is not None else ClassTable()
+        self.banded = classes is not None
+        if (latency_routing or admission) and cost is None:
+            raise ValueError("latency routing and admission control need a step-cost model")
+        self.latency_routing = latency_routing
+        self.admission = admission
+        self.step_tokens = step_tokens  # a step's token budget: prefills are chunked by it
+        self._request_overhead = float(getattr(cost, "request_overhead", 0.0))
+        # Prompt tokens each worker will compute before the first token of what it was sent,
+        # by priority: what a new request waits behind in its band and the ones above.
+        self._prefill_ahead: dict[WorkerId, dict[int, int]] = {}
+        self.refusals: Counter[tuple[str, str]] = Counter()  # (class, reason)
 
     # ------------------------------------------------------------ membership
 
@@ -151,8 +181,13 @@ class Router:
         how many LoRA adapters it holds at once (0: no limit)."""
         if wid in self.queues:
             raise ValueError(f"worker {wid} is already known")
-        queue = DispatchQueue(wid, self.local_factory(), self.window)
+        if self.banded:
+            discipline: LocalPolicy = Banded(self.local_factory, self.classes.priorities())
+        else:
+            discipline = self.local_factory()
+        queue = DispatchQueue(wid, discipline, self.window, banded=self.banded)
         self.queues[wid] = queue
+        self._prefill_ahead[wid] = {}
         self._queues_count_tokens |= queue.counts_tokens
         capacity = self.default_capacity if kv_capacity_blocks is None else kv_capacity_blocks
         self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity, model=model)
@@ -204,6 +239,7 @@ class Router:
         self.view.changed(wid)
         self.view.roster_changed()
         self._reported_waiting.pop(wid, None)
+        self._prefill_ahead.pop(wid, None)
         return queued
 
     def report(
@@ -252,6 +288,12 @@ class Router:
             raise NoHealthyWorker("no healthy worker")
         if request.adapter is not None:
             candidates = self.adapters.candidates(request.adapter, candidates)
+        predicted: dict[WorkerId, float] | None = None
+        if self.banded:
+            traffic = self.classes.of_request(request)
+            if traffic.ttft is not None and (self.latency_routing or self.admission):
+                predicted = self._predict_all(request, candidates)
+                candidates = self._meeting_target(request, traffic, candidates, predicted)
         decision = self.policy.route(request, candidates)
         wid = decision.worker
         state = candidates.workers.get(wid)
@@ -271,24 +313,147 @@ class Router:
         )
         # Capped as an engine caps a hit: the last prompt token is always computed.
         cap = (request.prompt_len - 1) // bs
-        predicted: dict[str, int] = {IndexLevel.APPROXIMATE: min(approximate, cap) * bs}
+        predicted_hits: dict[str, int] = {IndexLevel.APPROXIMATE: min(approximate, cap) * bs}
         if self.precise:
-            predicted[IndexLevel.PRECISE] = min(precise, cap) * bs
+            predicted_hits[IndexLevel.PRECISE] = min(precise, cap) * bs
         hits = {IndexLevel.PRECISE: precise, IndexLevel.APPROXIMATE: approximate}
         hit = hits.get(self.index_level, 0)
         self.predicted_hit_tokens += min(hit, cap) * bs
 
         queue = self.queues[wid]
         work = request.prompt_len + request.output_len
-        best = predicted.get(IndexLevel.PRECISE, predicted[IndexLevel.APPROXIMATE])
-        self._flights[request.id] = Flight(request, wid, queue, work, predicted, best)
+        best = predicted_hits.get(IndexLevel.PRECISE, predicted_hits[IndexLevel.APPROXIMATE])
+        flight = Flight(request, wid, queue, work, predicted_hits, best)
+        if self.banded:
+            ttft = predicted.get(wid) if predicted is not None else None
+            if ttft is None:
+                ttft = self._predict(request, state, min(hit, cap))
+            flight.predicted_ttft = ttft
+            flight.prefill = request.prompt_len - min(hit, cap) * bs
+            ahead = self._prefill_ahead[wid]
+            ahead[request.priority] = ahead.get(request.priority, 0) + flight.prefill
+        self._flights[request.id] = flight
         state.tokens_in_flight += work
         view.changed(wid)
         load = request.adapter is not None and not self.adapters.use(wid, request.adapter)
         self._hook(self.policy.on_dispatch, request, wid, view)
         queue.push(request)
         released = self._release(wid, now)
-        return Routed(decision, hit, approximate if self.approx_index else hit, released, load)
+        return Routed(
+            decision,
+            hit,
+            approximate if self.approx_index else hit,
+            released,
+            load,
+            flight.predicted_ttft,
+        )
+
+    # ------------------------------------------------------ latency targets
+
+    def predict_ttft(self, request: Request, wid: WorkerId) -> float | None:
+        """Seconds until `request` would have its first token on `wid` if sent there now: the
+        prompt tokens it would wait behind (its band's and higher ones' not yet prefilled),
+        plus its own missed prefix, chunked into steps that also advance the running decodes,
+        priced by the step-cost model. None without a cost model or for an unknown worker."""
+        state = self.view.workers.get(wid)
+        if state is None or self.view.cost is None:
+            return None
+        bs = self.view.block_size
+        hit = self.view.index.match_of(request.block_hashes, wid)
+        return self._predict(request, state, min(hit, (request.prompt_len - 1) // bs))
+
+    def _predict(self, request: Request, state: WorkerState, hit_blocks: int) -> float:
+        cost = self.view.cost
+        assert cost is not None
+        cached = hit_blocks * self.view.block_size
+        ahead = 0
+        for priority, tokens in self._prefill_ahead[state.id].items():
+            if priority <= request.priority:
+                ahead += tokens
+        new = ahead + request.prompt_len - cached
+        # Chunked into steps of the engine's token budget, each also decoding what runs there
+        # (a decoding sequence takes a token of each step's budget first).
+        running = state.num_running
+        steps = -(-new // max(self.step_tokens - running, self.step_tokens // 4))
+        prefill = StepShape.prefill(new, cached)
+        context = state.kv_used_blocks * self.view.block_size if running else 0
+        step = StepShape(
+            -(-new // steps) + running,
+            prefill.attention_pairs / steps + context,
+            -(-prefill.kv_read_tokens // steps) + context,
+            num_decode_seqs=running,
+        )
+        seconds = steps * cost.step_time(step) + self._request_overhead
+        if running:  # it joins at the end of the step in progress, half of one on average
+            seconds += 0.5 * cost.step_time(StepShape.decode(running, context))
+        return seconds
+
+    def _predict_all(self, request: Request, view: ClusterView) -> dict[WorkerId, float]:
+        """Predicted TTFT on each healthy worker of `view`, from one walk of the index."""
+        cap = (request.prompt_len - 1) // view.block_size
+        hits = view.index.match(request.block_hashes[:cap])
+        return {
+            w.id: self._predict(request, w, hits.get(w.id, 0))
+            for w in view.workers.values()
+            if w.healthy
+        }
+
+    def _meeting_target(
+        self,
+        request: Request,
+        traffic: TrafficClass,
+        view: ClusterView,
+        predicted: dict[WorkerId, float],
+    ) -> ClusterView:
+        """The workers of `view` predicted to meet the class's TTFT target (routing by
+        latency), or the best predicted if none does; admission control refuses then."""
+        target = traffic.ttft
+        assert target is not None
+        meeting = [wid for wid, t in predicted.items() if t <= target]
+        if not meeting:
+            best = min(predicted, key=lambda wid: (predicted[wid], wid))
+            if self.admission:
+                self.refusals[(traffic.name, UNMEETABLE)] += 1
+                excess = predicted[best] - target
+                raise Refused(
+                    UNMEETABLE,
+                    f"no worker can start this {traffic.name} request within its "
+                    f"{target:g} s target (best predicted {predicted[best]:.3g} s)",
+                    retry_after=max(1.0, excess),
+                )
+            meeting = [best]
+        if not self.latency_routing or len(meeting) == len(view.workers):
+            return view
+        return view.among({wid: view.workers[wid] for wid in meeting})
+
+    def queue_limit(self, request: Request) -> float | None:
+        """How long `request` may wait in a queue before admission control refuses it."""
+        if not self.admission:
+            return None
+        return self.classes.of_request(request).max_queue_time
+
+    def time_out(self, request: Request, now: float) -> bool:
+        """`request` has waited its class's limit: withdrawn and counted as refused if it has
+        not been released to its worker (False: it has, and goes on)."""
+        if not self.withdraw(request, now):
+            return False
+        self.refusals[(self.classes.of_request(request).name, QUEUE_TIME)] += 1
+        return True
+
+    def never_started(self, request: Request, now: float) -> list[Request]:
+        """A released request its worker dropped from its own queue before starting it (the
+        simulated engine placement's queue-time limit): freed and charged nothing, as a
+        withdrawal. Returns what the worker's queue releases next."""
+        flight = self._flights.pop(request.id, None)
+        if flight is None:
+            return []
+        self.refusals[(self.classes.of_request(request).name, QUEUE_TIME)] += 1
+        self._work_done(flight, flight.remaining)
+        self._prefilled(flight)
+        self._hook(flight.queue.done, request)
+        self.view.now = now
+        self._hook(self.policy.on_withdraw, request, flight.worker, self.view)
+        return self._release(flight.worker, now)
 
     def _insert_routed(
         self, index: PrefixIndex | None, hashes: list[int], wid: WorkerId, now: float
@@ -309,6 +474,7 @@ class Router:
         if flight is None:
             return
         self._work_done(flight, min(request.prompt_len, flight.remaining))
+        self._prefilled(flight)
         self._hook(self.policy.on_first_token, request, flight.worker, now)
 
     def tokens(self, request: Request, num_tokens: int, now: float) -> None:
@@ -378,6 +544,7 @@ class Router:
             return []
         del self._flights[request.id]
         self._work_done(flight, flight.remaining)
+        self._prefilled(flight)
         self._hook(flight.queue.done, request)
         self.view.now = now
         self._hook(self.policy.on_finish, request, flight.worker, self.view)
@@ -391,6 +558,7 @@ class Router:
             return False
         del self._flights[request.id]
         self._work_done(flight, flight.remaining)
+        self._prefilled(flight)
         self._hook(flight.queue.withdraw, request)
         self._count(flight.worker)
         self.view.now = now
@@ -413,7 +581,13 @@ class Router:
             ("global", name): ledger for name, ledger in ledgers_of(self.policy).items()
         }
         for wid, queue in self.queues.items():
-            for name, ledger in ledgers_of(queue.discipline).items():
+            discipline = queue.discipline
+            if isinstance(discipline, Banded):  # each band keeps its own counters
+                for priority, band in discipline.bands.items():
+                    for name, ledger in ledgers_of(band).items():
+                        out[("queue", wid, priority, name)] = ledger
+                continue
+            for name, ledger in ledgers_of(discipline).items():
                 out[("queue", wid, name)] = ledger
         return out
 
@@ -487,6 +661,14 @@ class Router:
         if waiting != state.num_waiting or running != state.num_running:
             state.num_waiting, state.num_running = waiting, running
             self.view.changed(wid)
+
+    def _prefilled(self, flight: Flight) -> None:
+        """Its prompt is no longer ahead of anyone on its worker."""
+        if flight.prefill:
+            ahead = self._prefill_ahead.get(flight.worker)
+            if ahead is not None:
+                ahead[flight.request.priority] -= flight.prefill
+            flight.prefill = 0
 
     def _work_done(self, flight: Flight, tokens: int) -> None:
         tokens = max(tokens, 0)

@@ -7,9 +7,9 @@ plus the KV cache read, over achievable HBM bandwidth), plus a fixed per-step ov
 sampling, kernel launches) and, under tensor parallelism, two all-reduces per layer.
 
 The engine describes a step by a `StepShape`, which is all a cost model may look at. The fitted
-model is the sum of a per-step overhead and one cost per token, per attention pair and per KV
-entry read, with non-negative coefficients; how well it predicts a real worker is the simulator's
-error against that worker.
+model is the sum of a per-step overhead, one cost per prefill token, one per decoding sequence,
+one per attention pair and one per KV entry read, with non-negative coefficients; how well it
+predicts a real worker is the simulator's error against that worker.
 """
 
 from __future__ import annotations
@@ -31,16 +31,30 @@ class StepShape:
     attention_pairs: (query, key) pairs attended over, summed over sequences; a chunk of q tokens
         after c cached/computed ones contributes q*c + q*(q+1)/2, a decode token its context.
     kv_read_tokens: KV cache entries read (each sequence's context once).
+    num_decode_seqs: of `num_tokens`, the sequences that decode (one token after the last one
+        they sampled); the rest are prefill tokens. 0, the default, counts every token as
+        prefill: a cost model that prices all tokens alike (the roofline) need not tell them.
     """
 
     num_tokens: int
     attention_pairs: float
     kv_read_tokens: int
+    num_decode_seqs: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_seqs
 
     @staticmethod
     def prefill(num_new: int, num_context: int) -> StepShape:
         pairs = num_new * num_context + num_new * (num_new + 1) / 2
         return StepShape(num_new, pairs, num_context + num_new)
+
+    @staticmethod
+    def decode(num_seqs: int, context_tokens: int) -> StepShape:
+        """`num_seqs` sequences decoding one token each, over `context_tokens` in all (each
+        one's context, its new token included)."""
+        return StepShape(num_seqs, context_tokens, context_tokens, num_seqs)
 
 
 class CostModel(Protocol):
@@ -128,7 +142,7 @@ class StepCost:
     def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
         end = context_tokens + num_seqs * num_steps
         return [
-            self.step_time(StepShape(num_seqs, ctx, ctx))
+            self.step_time(StepShape.decode(num_seqs, ctx))
             for ctx in range(context_tokens, end, num_seqs)
         ]
 
@@ -151,7 +165,7 @@ class StepCost:
         return seconds
 
     def decode_time(self, num_seqs: int, context_tokens: int) -> float:
-        return self.step_time(StepShape(num_seqs, context_tokens, context_tokens))
+        return self.step_time(StepShape.decode(num_seqs, context_tokens))
 
 
 @dataclass(frozen=True)
@@ -166,38 +180,62 @@ class Measurement:
 
 
 class FittedCost(StepCost):
-    """step time = overhead + per_token x tokens + per_pair x attention pairs + per_kv_token x
-    KV entries read, least squares with non-negative coefficients over a worker's measurements.
-    `request_overhead` (fitted too) is what a whole request costs beyond its steps."""
+    """step time = overhead + per_token x prefill tokens + per_decode_seq x decoding sequences
+    + per_pair x attention pairs + per_kv_token x KV entries read, least squares with
+    non-negative coefficients over a worker's measurements. `request_overhead` (fitted too) is
+    what a whole request costs beyond its steps.
+
+    A prefill token and a decoding sequence are priced apart because they cost differently: a
+    prefill chunk's tokens go through the weights together, compute-bound, while a decode step
+    reads the weights once however many sequences it holds (that is `overhead`), and each
+    sequence adds its token's compute, its sampling and its output on the host. Reading its KV
+    is `per_kv_token`'s, as for a prefill."""
 
     COEFFICIENTS: ClassVar[tuple[str, ...]] = (
         "overhead",
         "per_token",
+        "per_decode_seq",
         "per_pair",
         "per_kv_token",
         "request_overhead",
     )
+    # A coefficient that profiles written before it existed lack, and the one that priced its
+    # work then: a decode token cost per_token like any token, so such a profile loads with the
+    # predictions it was fitted to make. A fit that measured no decode step prices it so too.
+    STANDS_IN: ClassVar[dict[str, str]] = {"per_decode_seq": "per_token"}
 
     def __init__(self, coefficients: dict[str, float], kv_capacity_tokens: int, name: str) -> None:
-        missing = [c for c in self.COEFFICIENTS if c not in coefficients]
+        given = dict(coefficients)
+        for term, old in self.STANDS_IN.items():
+            if term not in given and old in given:
+                given[term] = given[old]
+        missing = [c for c in self.COEFFICIENTS if c not in given]
         if missing:
             raise ValueError(f"profile: coefficients missing {missing}")
-        if any(v < 0 for v in coefficients.values()):
-            raise ValueError(f"profile: coefficients must be >= 0, got {coefficients}")
+        if any(v < 0 for v in given.values()):
+            raise ValueError(f"profile: coefficients must be >= 0, got {given}")
         if kv_capacity_tokens <= 0:
             raise ValueError(f"profile: kv_capacity_tokens must be positive: {kv_capacity_tokens}")
-        self.coefficients = {c: float(coefficients[c]) for c in self.COEFFICIENTS}
+        self.coefficients = {c: float(given[c]) for c in self.COEFFICIENTS}
         self.kv_capacity_tokens = kv_capacity_tokens
         self.name = name
         self.request_overhead = self.coefficients["request_overhead"]
         c = self.coefficients
-        self._terms = (c["overhead"], c["per_token"], c["per_pair"], c["per_kv_token"])
+        self._terms = (
+            c["overhead"],
+            c["per_token"],
+            c["per_decode_seq"],
+            c["per_pair"],
+            c["per_kv_token"],
+        )
 
     def step_time(self, shape: StepShape) -> float:
-        overhead, per_token, per_pair, per_kv = self._terms
+        overhead, per_token, per_decode_seq, per_pair, per_kv = self._terms
+        decodes = shape.num_decode_seqs
         return (
             overhead
-            + per_token * shape.num_tokens
+            + per_token * (shape.num_tokens - decodes)
+            + per_decode_seq * decodes
             + per_pair * shape.attention_pairs
             + per_kv * shape.kv_read_tokens
         )
@@ -211,27 +249,29 @@ class FittedCost(StepCost):
         scale: Sequence[float] | None = None,
     ) -> FittedCost:
         """Non-negative least squares over the measurements; with `scale`, each measurement's
-        error counts relative to its scale (so short steps weigh as much as long ones)."""
-        if len(measurements) < len(cls.COEFFICIENTS):
-            raise ValueError(f"profile: {len(measurements)} measurements cannot fit 5 terms")
-        x = np.array(
-            [
-                (
-                    1.0,
-                    m.shape.num_tokens,
-                    m.shape.attention_pairs,
-                    m.shape.kv_read_tokens,
-                    float(m.request),
-                )
-                for m in measurements
-            ]
-        )
+        error counts relative to its scale (so short steps weigh as much as long ones).
+
+        Each term needs measurements that move it apart from the others: prefill-only steps
+        of several lengths, some after a cached prefix (per_token, per_pair, per_kv_token),
+        and decode steps at several batch sizes and contexts (per_decode_seq against the
+        step's overhead and its KV reads). Without any decode step, per_decode_seq is
+        per_token (`STANDS_IN`)."""
+        terms = [
+            t
+            for t in cls.COEFFICIENTS
+            if t != "per_decode_seq" or any(m.shape.num_decode_seqs for m in measurements)
+        ]
+        if len(measurements) < len(terms):
+            raise ValueError(
+                f"profile: {len(measurements)} measurements cannot fit {len(terms)} terms"
+            )
+        x = np.array([[_feature(m, t) for t in terms] for m in measurements])
         y = np.array([m.seconds for m in measurements])
         if scale is not None:
             w = 1 / np.array(scale)
             x, y = x * w[:, None], y * w
         return cls(
-            dict(zip(cls.COEFFICIENTS, _nonnegative_lstsq(x, y), strict=True)),
+            dict(zip(terms, _nonnegative_lstsq(x, y).tolist(), strict=True)),
             kv_capacity_tokens,
             name,
         )
@@ -263,9 +303,28 @@ class FittedCost(StepCost):
             raise ValueError(f"{path}: not a Fairway profile ({type(e).__name__}: {e})") from None
 
 
+def _feature(m: Measurement, term: str) -> float:
+    """What `term`'s coefficient multiplies in measurement `m`."""
+    shape = m.shape
+    if term == "overhead":
+        return 1.0
+    if term == "per_token":
+        return float(shape.num_prefill_tokens)
+    if term == "per_decode_seq":
+        return float(shape.num_decode_seqs)
+    if term == "per_pair":
+        return shape.attention_pairs
+    if term == "per_kv_token":
+        return float(shape.kv_read_tokens)
+    if term == "request_overhead":
+        return float(m.request)
+    raise AssertionError(f"no feature for term {term!r}")
+
+
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: drop the most negative term and refit until
-    none is negative (enough for five terms; columns scaled so their sizes do not matter)."""
+    none is negative (enough for a handful of terms; columns scaled so their sizes do not
+    matter)."""
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     xs = x / scale

@@ -6,6 +6,11 @@ where the discipline can still reorder them. A stock vLLM admits whatever it is 
 order, so the window is the lever: small keeps the discipline in charge, large hands the order to
 the server. `window=None` sends everything at once (the simulator's engine placement, where the
 engine's scheduler runs the discipline itself).
+
+With priority bands (router.bands) a request counts against the window only with those of its
+own band and higher ones: lower bands' requests in flight never hold a higher band back, so a
+worker may have up to a window per band in flight. Without that, a window full of batch work
+would make an interactive request wait for a batch request to finish.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from router.request import Request
 
 
 class DispatchQueue:
-    def __init__(self, worker: WorkerId, discipline: LocalPolicy, window: int | None) -> None:
+    def __init__(
+        self, worker: WorkerId, discipline: LocalPolicy, window: int | None, banded: bool = False
+    ) -> None:
         if window is not None and window < 1:
             raise ValueError(f"window: must be at least 1, got {window}")
         self.worker = worker
@@ -26,6 +33,8 @@ class DispatchQueue:
         self.counts_tokens = discipline.traits.counts_tokens
         self.window = window
         self.in_flight = 0
+        # Banded: in flight by priority, for each band's own window.
+        self._in_flight_by: dict[int, int] | None = {} if banded and window is not None else None
         self.queued_tokens = 0  # prompt + output tokens of the requests waiting here
 
     def push(self, request: Request) -> None:
@@ -42,10 +51,16 @@ class DispatchQueue:
                 matched[r.id] = held.match_of(r.block_hashes, self.worker)
             return matched[r.id]
 
-        while self.window is None or self.in_flight < self.window:
+        window, by = self.window, self._in_flight_by
+        while window is None or by is not None or self.in_flight < window:
             request = self.discipline.peek(cached_blocks)
             if request is None:
                 return
+            if by is not None and window is not None:
+                p = request.priority
+                if sum(n for q, n in by.items() if q <= p) >= window:
+                    return  # lower bands come after this one: they would wait too
+                by[p] = by.get(p, 0) + 1
             self.discipline.pop(request, cached_blocks(request) * block_size)
             self.queued_tokens -= request.prompt_len + request.output_len
             self.in_flight += 1
@@ -54,6 +69,8 @@ class DispatchQueue:
     def done(self, request: Request) -> None:
         """A released request finished (answered, failed, or never sent): free its slot."""
         self.in_flight -= 1
+        if self._in_flight_by is not None:
+            self._in_flight_by[request.priority] -= 1
         self.discipline.on_finish(request)
 
     def withdraw(self, request: Request) -> None:

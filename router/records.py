@@ -26,6 +26,8 @@ class RequestRecord:
     output_tokens: int
     preemptions: int
     weight: float = 1.0
+    priority: int = 0
+    predicted_ttft: float | None = None  # the router's, at routing (classes on)
 
     @property
     def queue_time(self) -> float:
@@ -44,6 +46,17 @@ class RequestRecord:
         if self.output_tokens <= 1:
             return None
         return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request admission control or a tenant budget turned away (router.classes reasons)."""
+
+    id: int
+    client: str
+    priority: int
+    reason: str
+    at: float
 
 
 def weighted_tokens(prompt_tokens: int, output_tokens: int) -> float:

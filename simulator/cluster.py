@@ -21,7 +21,7 @@ import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import TypeVar
 
@@ -29,12 +29,14 @@ import simpy
 from tqdm import tqdm
 
 import policies
+from router.bands import Banded
+from router.classes import QUEUE_TIME, ClassTable, Refused, TrafficClass
 from router.core import Router
 from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
 from router.ledger import LedgerStore
 from router.policy import GlobalPolicy, LocalPolicy
-from router.records import RequestRecord
+from router.records import Refusal, RequestRecord
 from router.request import BlockHash, Request
 from router.traits import IndexMode, Placement
 from simulator.engine import Engine, EngineConfig, Seq
@@ -81,6 +83,16 @@ class SimConfig:
     # Off: routing ignores which worker holds a request's adapter (the adapter-blind baseline);
     # engines load adapters as ever.
     adapter_affinity: bool = True
+    # Traffic classes (router.classes), found by each request's priority: strict bands in
+    # every queue, latency targets in the summary. Bands are kept as soon as classes are
+    # named or the trace carries more than one priority. `latency_routing` routes a class with
+    # a TTFT target among the workers predicted to meet it; `admission` refuses requests no
+    # worker is predicted to serve in time and those waiting past their class's queue limit.
+    # `priority_scheduling`: banded engines preempt as vLLM's --scheduling-policy priority.
+    classes: tuple[TrafficClass, ...] = ()
+    latency_routing: bool = False
+    admission: bool = False
+    priority_scheduling: bool = True
     seed: int = 0
     show_progress: bool = False
 
@@ -177,6 +189,16 @@ class SimCluster:
         fcfs = policies.local_policies.get("fcfs")
         in_router = config.placement is Placement.ROUTER
         self.precise = config.index is IndexMode.PRECISE
+        self.classes = ClassTable(config.classes)
+        banded = bool(self.classes) or len({r.priority for r in trace.requests}) > 1
+        bands = self.classes.priorities()
+        # What waits inside an engine: the discipline itself (engine placement), or a stock
+        # vLLM's order: arrival, by priority when it runs priority scheduling.
+        engine_local: Callable[[], LocalPolicy] = self.local_factory if not in_router else fcfs
+        if banded and (not in_router or config.priority_scheduling):
+            unbanded = engine_local
+            engine_local = lambda: Banded(unbanded, bands)  # noqa: E731
+        by_priority = banded and config.priority_scheduling
         self.routers = [
             Router(
                 self.policy if r == 0 else self._global_policy(),
@@ -190,6 +212,10 @@ class SimCluster:
                 # keeps to its holders a little longer than it need).
                 adapter_load_time=max(p.engine.adapter_load_time for p in placements),
                 adapter_affinity=config.adapter_affinity,
+                classes=self.classes if banded else None,
+                latency_routing=config.latency_routing,
+                admission=config.admission,
+                step_tokens=config.engine.max_num_batched_tokens,
             )
             for r in range(config.routers)
         ]
@@ -211,9 +237,15 @@ class SimCluster:
                 KVEventIndexer(r.view.index, i, changed=r.view.changed) for r in self.routers
             ]
             sink = DelayedKVEvents(self, i, indexers) if self.precise else None
-            # Router placement: a stock vLLM behind the router's queue, first come first served.
-            local = fcfs() if in_router else self.local_factory()
-            engine = Engine(self.env, i, placement.cost, placement.engine, local, self, sink)
+            engine = Engine(
+                self.env,
+                i,
+                placement.cost,
+                replace(placement.engine, priority_preemption=by_priority),
+                engine_local(),
+                self,
+                sink,
+            )
             self.engines.append(engine)
             for router in self.routers:
                 router.add_worker(
@@ -239,6 +271,8 @@ class SimCluster:
         self._lazy = names_workers and not (self.precise or counting_queues)
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
+        self.refusals: list[Refusal] = []
+        self._predicted_ttft: dict[int, float | None] = {}
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
 
@@ -284,7 +318,7 @@ class SimCluster:
                 return
 
     def _done(self) -> bool:
-        return len(self.records) >= len(self.trace)
+        return len(self.records) + len(self.refusals) >= len(self.trace)
 
     # ----------------------------------------------------------------- driving
 
@@ -316,6 +350,8 @@ class SimCluster:
             simulated_seconds=self.env.now,
             wall_seconds=wall,
             config=self._config_summary(),
+            classes=self.classes,
+            refusals=self.refusals,
         )
         decisions = sum((r.decisions for r in self.routers), Counter())
         summary["decisions"] = dict(sorted(decisions.items(), key=lambda kv: -kv[1]))
@@ -397,14 +433,53 @@ class SimCluster:
             # decided in a view the router makes inside route(): a policy asked what it reads
             # in the whole one may answer for, and remember, the wrong workers. Read all.
             partial = req.adapter is not None or (req.model is not None and self._several_groups)
-            read = None if partial else router.policy.progress_read(req, router.view)
+            # Predicting its TTFT reads every worker's prompts not yet prefilled.
+            read = (
+                None if partial or router.banded else router.policy.progress_read(req, router.view)
+            )
             for wid in range(len(self.engines)) if read is None else read:
                 self.engines[wid].sync(now)
-        routed = router.route(req, now)
+        try:
+            routed = router.route(req, now)
+        except Refused as refused:
+            self._refused(req, refused.reason)
+            return
         if len(self.routers) > 1:
             self._owner[req.id] = router
+        if routed.predicted_ttft is not None:
+            self._predicted_ttft[req.id] = routed.predicted_ttft
         self.bound.observe(req)
         self._submit_all(routed.decision.worker, routed.released)
+        limit = router.queue_limit(req)
+        if limit is not None:
+            self.env.timeout(limit).callbacks.append(
+                lambda _: self._queue_time_up(req, router, routed.decision.worker)
+            )
+
+    def _queue_time_up(self, req: Request, router: Router, worker: int) -> None:
+        """`req` has waited its class's limit: refused if it never started (in the router's
+        queue, or in its engine's before admission), else it goes on."""
+        now = self.env.now
+        if router.time_out(req, now):
+            self._owner.pop(req.id, None)
+            self._refused(req, QUEUE_TIME)
+            return
+        engine = self.engines[worker]
+        engine.sync(now)
+        seq = engine.waiting.get(req.id)
+        if seq is None or seq.admitted_at is not None or not router.is_released(req):
+            return  # started (or done): a started request is never refused
+        engine.abort(req.id)
+        self._owner.pop(req.id, None)
+        self._submit_all(worker, router.never_started(req, now))
+        self._refused(req, QUEUE_TIME)
+
+    def _refused(self, req: Request, reason: str) -> None:
+        self.refusals.append(Refusal(req.id, req.client, req.priority, reason, self.env.now))
+        self._predicted_ttft.pop(req.id, None)
+        if self._progress is not None:
+            self._progress.update()
+        self._next_turn(req)
 
     def _submit_all(self, worker: int, requests: list[Request]) -> None:
         for req in requests:
@@ -465,12 +540,19 @@ class SimCluster:
                 output_tokens=seq.num_output,
                 preemptions=seq.num_preemptions,
                 weight=req.weight,
+                priority=req.priority,
+                predicted_ttft=self._predicted_ttft.pop(req.id, None),
             )
         )
         router = self._owner.pop(req.id, self.router) if self._owner else self.router
         self._submit_all(seq.worker, router.finish(req, now))
         if self._progress is not None:
             self._progress.update()
+        self._next_turn(req)
+
+    def _next_turn(self, req: Request) -> None:
+        """Closed loop: the session's next turn, after its think time (a refused turn too:
+        its user goes on)."""
         if self.config.closed_loop and req.session is not None:
             queue = self._next_turns.get(req.session)
             if queue:
@@ -510,6 +592,9 @@ class SimCluster:
             "cost_model": self.cost.name,
             "groups": [g.model_dump() for g in self.config.groups],
             "adapter_affinity": self.config.adapter_affinity,
+            "classes": [asdict(c) for c in self.classes],
+            "latency_routing": self.config.latency_routing,
+            "admission": self.config.admission,
             "block_size": self.trace.block_size,
             "kv_blocks_per_worker": e.blocks.num_blocks,
             "max_num_seqs": e.config.max_num_seqs,

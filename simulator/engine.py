@@ -3,8 +3,9 @@
 One step, as vLLM's (V1) scheduler makes it:
   1. running sequences first, in admission order: a decoding one takes 1 token, a prefilling one
      the rest of its prompt up to the remaining token budget (chunked prefill). If the KV blocks
-     for that do not fit, the most recently admitted running sequence is preempted (its blocks
-     freed, to be recomputed later) until they do;
+     for that do not fit, the most recently admitted running sequence (with priority
+     scheduling, the lowest-priority one) is preempted (its blocks freed, to be recomputed
+     later) until they do. Like vLLM, a waiting request never preempts a running one;
   2. then, unless something was preempted, waiting requests in the local policy's order while
      budget and `max_num_seqs` allow; each starts from its longest cached prefix.
 A sequence whose every known token has been computed samples one new token at the end of a step.
@@ -47,6 +48,10 @@ class EngineConfig:
     # the seconds a step takes longer for each adapter it loads.
     adapter_slots: int = 0
     adapter_load_time: float = 0.0
+    # vLLM's --scheduling-policy priority: when running sequences need blocks that are not
+    # free, the victim is the lowest-priority one (largest (priority, arrival)), not the last
+    # admitted. (The waiting order is the local discipline's: router.bands for priorities.)
+    priority_preemption: bool = False
 
     def __reduce__(self) -> tuple[type, tuple]:
         # Compiled, a frozen dataclass cannot be unpickled field by field (experiments send
@@ -138,6 +143,10 @@ class _Run:
     @property
     def is_multi_step(self) -> bool:
         return len(self.ends) - self.applied > 1
+
+
+def _lowest_priority(seq: Seq) -> tuple[int, float]:
+    return seq.req.priority, seq.req.arrival
 
 
 class Engine:
@@ -429,6 +438,14 @@ class Engine:
                 num_new = budget
             need = (computed + num_new + bs - 1) // bs - (computed + bs - 1) // bs
             if need:
+                if need > free and self.config.priority_preemption:
+                    budget, at = self._preempt_by_priority(seq, need, batch, budget, i)
+                    preempted, free, n = True, blocks.num_free, len(running)
+                    if at < 0:
+                        # vLLM ends this step's running pass here and takes up the rest next
+                        # step; going on with them now saves a step that would run nothing.
+                        continue
+                    i = at
                 while need > free and running[-1] is not seq:
                     self._preempt(running.pop())
                     preempted, free, n = True, blocks.num_free, n - 1
@@ -441,6 +458,30 @@ class Engine:
             budget -= num_new
             i += 1
         return budget, preempted
+
+    def _preempt_by_priority(
+        self, seq: Seq, need: int, batch: list[tuple[Seq, int]], budget: int, i: int
+    ) -> tuple[int, int]:
+        """vLLM's priority victims for `seq` (at `i` in the running list) needing `need` blocks:
+        the lowest-priority running sequence, again while blocks are short. A victim already
+        scheduled this step gives its tokens back. Returns the budget and `seq`'s new index,
+        -1 when `seq` itself was the victim."""
+        running, blocks = self.running, self.blocks
+        while need > blocks.num_free:
+            victim = max(running, key=_lowest_priority)
+            j = running.index(victim)
+            del running[j]
+            self._preempt(victim)
+            if victim is seq:
+                return budget, -1
+            if j < i:
+                i -= 1
+                for k, (scheduled, tokens) in enumerate(batch):
+                    if scheduled is victim:
+                        del batch[k]
+                        budget += tokens
+                        break
+        return budget, i
 
     def _admit_waiting(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, str | None]:
         """Step 2: waiting requests in the local policy's order, each from its longest cached
@@ -533,14 +574,18 @@ class Engine:
         return lo
 
     def _shape(self, batch: list[tuple[Seq, int]]) -> StepShape:
-        num_tokens = kv_read = 0
+        num_tokens = kv_read = num_decodes = 0
         pairs = 0.0
         for seq, num_new in batch:
             context = seq.num_computed
             num_tokens += num_new
             pairs += num_new * context + num_new * (num_new + 1) / 2
             kv_read += context + num_new
-        return StepShape(num_tokens, pairs, kv_read)
+            # Decoding: one token after those it sampled. A prompt's last token alone is a
+            # prefill; a recomputation left with one token costs as a decode and counts as one.
+            if num_new == 1 and seq.num_output > 0:
+                num_decodes += 1
+        return StepShape(num_tokens, pairs, kv_read, num_decodes)
 
     # ---------------------------------------------------------------- applying
 

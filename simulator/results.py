@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from router.records import RecordWriter, RequestRecord, service
+from router.classes import REFUSAL_REASONS, ClassTable
+from router.records import RecordWriter, Refusal, RequestRecord, service
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ def summarize(
     simulated_seconds: float,
     wall_seconds: float,
     config: dict[str, object],
+    classes: ClassTable | None = None,
+    refusals: Sequence[Refusal] = (),
 ) -> dict[str, object]:
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
@@ -110,7 +113,7 @@ def summarize(
             by_group[group_of[r.worker]].append(r)
     work = [w.tokens_processed for w in workers]
     mean_work = float(np.mean(work)) if work else 0.0
-    return {
+    out = {
         "config": config,
         "completed": len(records),
         "total": total,
@@ -147,6 +150,59 @@ def summarize(
         },
         "simulated_seconds": simulated_seconds,
         "wall_seconds": wall_seconds,
+    }
+    if classes or refusals or any(r.priority for r in records):
+        out["refusals"] = {reason: sum(1 for x in refusals if x.reason == reason)
+                           for reason in REFUSAL_REASONS}  # fmt: skip
+        out["classes"] = class_summary(records, refusals, classes or ClassTable(), span)
+        out["ttft_prediction"] = ttft_prediction(records)
+    return out
+
+
+def class_summary(
+    records: Sequence[RequestRecord],
+    refusals: Sequence[Refusal],
+    classes: ClassTable,
+    span: float,
+) -> dict[str, dict[str, object]]:
+    """Per traffic class, highest band first: what arrived, what was refused and why, SLO
+    attainment (the share of the class's requests, refused ones included, that met both its
+    targets) and goodput (such requests per second of the run)."""
+    priorities = sorted({r.priority for r in records} | {x.priority for x in refusals}
+                        | set(classes.priorities()))  # fmt: skip
+    out: dict[str, dict[str, object]] = {}
+    for priority in priorities:
+        traffic = classes.of_priority(priority)
+        done = [r for r in records if r.priority == priority]
+        refused = [x for x in refusals if x.priority == priority]
+        met = sum(1 for r in done if traffic.meets(r.ttft, r.tpot))
+        arrived = len(done) + len(refused)
+        out[traffic.name] = {
+            "priority": priority,
+            "ttft_target": traffic.ttft,
+            "tpot_target": traffic.tpot,
+            "requests": arrived,
+            "completed": len(done),
+            "refused": {
+                reason: sum(1 for x in refused if x.reason == reason) for reason in REFUSAL_REASONS
+            },  # fmt: skip
+            "met_targets": met,
+            "attainment": met / arrived if arrived else None,
+            "goodput": met / span if span > 0 else None,
+            "ttft": _stats([r.ttft for r in done]),
+            "tpot": _stats([t for r in done if (t := r.tpot) is not None]),
+        }
+    return out
+
+
+def ttft_prediction(records: Sequence[RequestRecord]) -> dict[str, object]:
+    """How far the router's predicted time to first token was from the actual: the error
+    (predicted - actual, seconds) and its size relative to the actual."""
+    pairs = [(r.predicted_ttft, r.ttft) for r in records if r.predicted_ttft is not None]
+    return {
+        "requests": len(pairs),
+        "error": _stats([p - a for p, a in pairs]),
+        "relative_error": _stats([abs(p - a) / a for p, a in pairs if a > 0]),
     }
 
 

@@ -9,6 +9,7 @@ from shared content, never from hand-placed hashes:
     chat_sessions   multi-turn chats: turn k = turn k-1's prompt + its answer + a new message
     agent_loops     tool loops: a long tool preamble, then call, tool output, call, ...
     flood           one client floods over a long shared prefix next to calm clients
+    priority_mix    interactive tenants at a steady rate beside batch tenants (two priorities)
 
 Sessions (chat, agent) carry `think_time`, so they also replay closed-loop. Every generator
 takes `seed` and draws from its own streams.
@@ -337,7 +338,52 @@ def late_joiner(
     return finish(Trace(renumber(reqs), block_size, source="generated:late_joiner"))
 
 
+def priority_mix(
+    duration: float = 120.0,
+    interactive_rate: float = 4.0,
+    batch_rate: float = 8.0,
+    num_interactive: int = 4,
+    num_batch: int = 2,
+    system_tokens: int = 1000,
+    question_tokens: int = 100,
+    interactive_output: int = 128,
+    document_tokens: int = 2000,
+    batch_output: int = 256,
+    interactive_priority: int = 0,
+    batch_priority: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Two traffic classes. Interactive tenants (`chat-k`) ask short questions over their own
+    system prompt at `interactive_rate` in all; batch tenants (`batch-k`) send long distinct
+    documents at `batch_rate` in all, at a lower priority (a larger value). Poisson arrivals."""
+    rng, tokens = random.Random(seed), _Tokens(seed)
+    systems = [tokens.take(system_tokens) for _ in range(num_interactive)]
+    reqs = []
+    t = rng.expovariate(interactive_rate)
+    while t < duration:
+        k = rng.randrange(num_interactive)
+        prompt = np.concatenate([systems[k], tokens.take(_lognormal_int(rng, question_tokens))])
+        out = _lognormal_int(rng, interactive_output)
+        reqs.append(
+            _request(
+                0, t, prompt, out, block_size, client=f"chat-{k}", priority=interactive_priority
+            )  # fmt: skip
+        )
+        t += rng.expovariate(interactive_rate)
+    t = rng.expovariate(batch_rate) if batch_rate > 0 else duration
+    while t < duration:
+        prompt = tokens.take(_lognormal_int(rng, document_tokens, 0.3, block_size))
+        out = _lognormal_int(rng, batch_output, 0.3)
+        client = f"batch-{rng.randrange(num_batch)}"
+        reqs.append(_request(0, t, prompt, out, block_size, client=client, priority=batch_priority))
+        t += rng.expovariate(batch_rate)
+    reqs.sort(key=lambda r: r.arrival)
+    return finish(Trace(renumber(reqs), block_size, source="generated:priority_mix"))
+
+
 GENERATORS: dict[str, Callable[..., Trace]] = {
+    "priority_mix": priority_mix,
     "late_joiner": late_joiner,
     "flood": flood,
     "shared_prefix": shared_prefix,

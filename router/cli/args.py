@@ -163,6 +163,49 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
 
+    c = p.add_argument_group("traffic classes")
+    c.add_argument(
+        "--class",
+        dest="classes",
+        action="append",
+        default=[],
+        metavar="NAME:K=V,...",
+        help="a traffic class found by its priority (lower served first), with optional "
+        "targets: e.g. interactive:priority=0,ttft=1,tpot=0.1,max_queue_time=5",
+    )
+    c.add_argument(
+        "--latency-routing",
+        action="store_true",
+        help="route a class with a TTFT target among the workers predicted to meet it",
+    )
+    c.add_argument(
+        "--admission",
+        action="store_true",
+        help="refuse requests no worker is predicted to serve within their class's TTFT "
+        "target, and those waiting past its max_queue_time",
+    )
+    c.add_argument(
+        "--no-priority-scheduling",
+        action="store_true",
+        help="engines preempt the latest admitted, not the lowest priority (vLLM's fcfs)",
+    )
+
+
+def traffic_classes(items: Sequence[str]):  # -> tuple[TrafficClass, ...]
+    """`--class NAME:K=V,...` as traffic classes; errors name the class and field."""
+    from router.classes import ClassTable
+
+    raw: dict[str, dict[str, object]] = {}
+    for item in items:
+        name, _, fields = item.partition(":")
+        if not name:
+            raise SystemExit(f"fairway: --class: expected NAME:K=V,..., got {item!r}")
+        raw[name] = key_values([f for f in fields.split(",") if f], f"--class {name}")
+    try:
+        return tuple(ClassTable.of(raw))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"fairway: --class: {e}") from None
+
 
 def load_workload(args: argparse.Namespace):  # -> Trace
     from traces import transform
@@ -230,6 +273,10 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
         window=args.dispatch_window,
         routers=args.routers,
         router_sync=args.router_sync,
+        classes=traffic_classes(args.classes),
+        latency_routing=args.latency_routing,
+        admission=args.admission,
+        priority_scheduling=not args.no_priority_scheduling,
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )
