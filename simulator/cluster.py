@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 import policies
 from router.bands import Banded
-from router.classes import QUEUE_TIME, ClassTable, Refused, TrafficClass
+from router.budgets import Budgets, RateLimit
+from router.classes import QUEUE_TIME, RATE_LIMIT, ClassTable, Refused, TrafficClass
 from router.core import Router
 from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
@@ -93,6 +94,9 @@ class SimConfig:
     latency_routing: bool = False
     admission: bool = False
     priority_scheduling: bool = True
+    # Tenant budgets (router.budgets): a client's requests past its token buckets are refused
+    # at arrival, as the proxy answers them 429.
+    rate_limits: dict[str, RateLimit] = field(default_factory=dict)
     seed: int = 0
     show_progress: bool = False
 
@@ -272,6 +276,7 @@ class SimCluster:
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self.refusals: list[Refusal] = []
+        self.budgets = Budgets(config.rate_limits) if config.rate_limits else None
         self._predicted_ttft: dict[int, float | None] = {}
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
@@ -389,7 +394,7 @@ class SimCluster:
         self._sync(self.env.now)
         for router in self.routers:  # each replica's health checks see it fail
             for req in router.worker_down(worker, self.env.now):
-                self.dispatch(req)  # as the proxy does: a queued request goes elsewhere
+                self.dispatch(req, rerouted=True)  # as the proxy: a queued one goes elsewhere
         yield self.env.timeout(end - start)
         for router in self.routers:
             router.worker_up(worker)
@@ -423,7 +428,7 @@ class SimCluster:
             self._last_due[engine.id] = end
             heapq.heappush(self._due, (end, engine.id))
 
-    def dispatch(self, req: Request) -> None:
+    def dispatch(self, req: Request, rerouted: bool = False) -> None:
         now = self.env.now
         self._sync(now)
         router = self.routers[self._next_router]
@@ -439,6 +444,10 @@ class SimCluster:
             )
             for wid in range(len(self.engines)) if read is None else read:
                 self.engines[wid].sync(now)
+        budgets = self.budgets if not rerouted else None  # its tenant paid on arrival
+        if budgets is not None and not budgets.admit(req.client, req.prompt_len, now).ok:
+            self._refused(req, RATE_LIMIT)
+            return
         try:
             routed = router.route(req, now)
         except Refused as refused:
@@ -544,6 +553,8 @@ class SimCluster:
                 predicted_ttft=self._predicted_ttft.pop(req.id, None),
             )
         )
+        if self.budgets is not None:
+            self.budgets.charge_output(req.client, seq.num_output, now)
         router = self._owner.pop(req.id, self.router) if self._owner else self.router
         self._submit_all(seq.worker, router.finish(req, now))
         if self._progress is not None:

@@ -185,6 +185,14 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         "target, and those waiting past its max_queue_time",
     )
     c.add_argument(
+        "--rate-limit",
+        action="append",
+        default=[],
+        metavar="CLIENT:K=V,...",
+        help="a tenant's budget, e.g. team-a:requests_per_s=2,burst=4,input_tokens_per_min="
+        "60000,output_tokens_per_min=20000; requests past it are refused (429 live)",
+    )
+    c.add_argument(
         "--no-priority-scheduling",
         action="store_true",
         help="engines preempt the latest admitted, not the lowest priority (vLLM's fcfs)",
@@ -205,6 +213,23 @@ def traffic_classes(items: Sequence[str]):  # -> tuple[TrafficClass, ...]
         return tuple(ClassTable.of(raw))
     except (TypeError, ValueError) as e:
         raise SystemExit(f"fairway: --class: {e}") from None
+
+
+def rate_limits(items: Sequence[str]):  # -> dict[str, RateLimit]
+    """`--rate-limit CLIENT:K=V,...` as tenant budgets; errors name the client and field."""
+    from router.budgets import RateLimit
+
+    out = {}
+    for item in items:
+        client, _, fields = item.partition(":")
+        if not client:
+            raise SystemExit(f"fairway: --rate-limit: expected CLIENT:K=V,..., got {item!r}")
+        params = key_values([f for f in fields.split(",") if f], f"--rate-limit {client}")
+        try:
+            out[client] = RateLimit(**params)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"fairway: --rate-limit {client}: {e}") from None
+    return out
 
 
 def load_workload(args: argparse.Namespace):  # -> Trace
@@ -277,6 +302,7 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
         latency_routing=args.latency_routing,
         admission=args.admission,
         priority_scheduling=not args.no_priority_scheduling,
+        rate_limits=rate_limits(args.rate_limit),
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )
