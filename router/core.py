@@ -288,13 +288,23 @@ class Router:
             raise NoHealthyWorker("no healthy worker")
         if request.adapter is not None:
             candidates = self.adapters.candidates(request.adapter, candidates)
-        predicted: dict[WorkerId, float] | None = None
-        if self.banded:
-            traffic = self.classes.of_request(request)
-            if traffic.ttft is not None and (self.latency_routing or self.admission):
-                predicted = self._predict_all(request, candidates)
-                candidates = self._meeting_target(request, traffic, candidates, predicted)
         decision = self.policy.route(request, candidates)
+        ttft: float | None = None  # predicted on the chosen worker
+        if self.banded and (self.latency_routing or self.admission):
+            traffic = self.classes.of_request(request)
+            target = traffic.ttft
+            if target is not None:
+                ttft = self._predict_on(request, candidates, decision.worker)
+            if target is not None and ttft is not None and ttft > target:
+                # The policy's choice would miss: it chooses again among those that would not
+                # (its preference among them), and admission control refuses if none would.
+                # (A policy keeping a turn, round robin, moves on twice.)
+                predicted = self._predict_all(request, candidates)
+                meeting = self._meeting_target(request, traffic, candidates, predicted)
+                if meeting is not candidates:
+                    candidates = meeting
+                    decision = self.policy.route(request, candidates)
+                ttft = predicted.get(decision.worker)
         wid = decision.worker
         state = candidates.workers.get(wid)
         if state is None or not state.healthy:
@@ -325,7 +335,6 @@ class Router:
         best = predicted_hits.get(IndexLevel.PRECISE, predicted_hits[IndexLevel.APPROXIMATE])
         flight = Flight(request, wid, queue, work, predicted_hits, best)
         if self.banded:
-            ttft = predicted.get(wid) if predicted is not None else None
             if ttft is None:
                 ttft = self._predict(request, state, min(hit, cap))
             flight.predicted_ttft = ttft
@@ -355,12 +364,14 @@ class Router:
         prompt tokens it would wait behind (its band's and higher ones' not yet prefilled),
         plus its own missed prefix, chunked into steps that also advance the running decodes,
         priced by the step-cost model. None without a cost model or for an unknown worker."""
-        state = self.view.workers.get(wid)
-        if state is None or self.view.cost is None:
+        if wid not in self.view.workers or self.view.cost is None:
             return None
-        bs = self.view.block_size
-        hit = self.view.index.match_of(request.block_hashes, wid)
-        return self._predict(request, state, min(hit, (request.prompt_len - 1) // bs))
+        return self._predict_on(request, self.view, wid)
+
+    def _predict_on(self, request: Request, view: ClusterView, wid: WorkerId) -> float:
+        hit = view.index.match_of(request.block_hashes, wid)
+        cap = (request.prompt_len - 1) // view.block_size
+        return self._predict(request, view.workers[wid], min(hit, cap))
 
     def _predict(self, request: Request, state: WorkerState, hit_blocks: int) -> float:
         cost = self.view.cost
@@ -375,17 +386,17 @@ class Router:
         # (a decoding sequence takes a token of each step's budget first).
         running = state.num_running
         steps = -(-new // max(self.step_tokens - running, self.step_tokens // 4))
-        prefill = StepShape.prefill(new, cached)
+        pairs = new * cached + new * (new + 1) / 2  # as StepShape.prefill(new, cached) counts
         context = state.kv_used_blocks * self.view.block_size if running else 0
         step = StepShape(
             -(-new // steps) + running,
-            prefill.attention_pairs / steps + context,
-            -(-prefill.kv_read_tokens // steps) + context,
-            num_decode_seqs=running,
+            pairs / steps + context,
+            -(-(cached + new) // steps) + context,
+            running,
         )
         seconds = steps * cost.step_time(step) + self._request_overhead
         if running:  # it joins at the end of the step in progress, half of one on average
-            seconds += 0.5 * cost.step_time(StepShape.decode(running, context))
+            seconds += 0.5 * cost.decode_time(running, context)
         return seconds
 
     def _predict_all(self, request: Request, view: ClusterView) -> dict[WorkerId, float]:

@@ -381,6 +381,87 @@ def decision_groups(
     return rows
 
 
+def decision_classes(num_requests: int = 20_000, workers: int = 64) -> list[dict[str, object]]:
+    """Router.route end to end on `workers` with lpm, plain and with traffic classes on: two
+    strict bands with a TTFT prediction for every request, then routing by that prediction
+    (every healthy worker's predicted TTFT, one index walk), then each request's tenant budget
+    checked first (router.budgets, as the proxy does before routing), timed together."""
+    import policies
+    from router.budgets import Budgets, RateLimit
+    from router.classes import ClassTable, TrafficClass
+    from router.core import Router
+
+    bs = 16
+    rng = random.Random(3)
+    docs = [[rng.getrandbits(63) for _ in range(rng.randint(16, 128))] for _ in range(512)]
+    chosen = [rng.randrange(len(docs)) for _ in range(num_requests)]
+    classes = ClassTable(
+        [TrafficClass("interactive", 0, ttft=2.0, tpot=0.1), TrafficClass("batch", 1)]
+    )
+    limit = RateLimit(requests_per_s=1e6, input_tokens_per_min=1e9, output_tokens_per_min=1e9)
+    modes = ("plain lpm", "classes", "classes + latency routing", "... + tenant budgets")
+    rows = []
+    for mode in modes:
+        on = mode != modes[0]
+        router = Router(
+            policies.global_policies.create("lpm"),
+            lambda: policies.local_policies.create("fcfs"),
+            bs,
+            window=4,
+            cost=roofline("llama-3-8b", "a100-80g"),
+            classes=classes if on else None,
+            latency_routing=mode in modes[2:],
+        )
+        budgets = Budgets({f"c{k}": limit for k in range(8)}) if mode == modes[3] else None
+        for w in range(workers):
+            router.add_worker(w, 20_000)
+        wall = np.empty(num_requests)
+        for i in range(num_requests):
+            now, doc = 0.001 * i, docs[chosen[i]]
+            client = f"c{i % 8}"
+            request = Request(i, now, len(doc) * bs + 7, 64, _rehashed(doc), client,
+                              priority=(i % 5 == 0) if on else 0)  # fmt: skip
+            started = time.perf_counter_ns()
+            if budgets is not None:
+                budgets.admit(client, request.prompt_len, now)
+            routed = router.route(request, now)
+            wall[i] = time.perf_counter_ns() - started
+            for r in routed.released:
+                router.finish(r, now)
+        us = wall / 1000
+        rows.append({"mode": mode, "p50 us": float(np.percentile(us, 50)),
+                     "p99 us": float(np.percentile(us, 99))})  # fmt: skip
+    for row in rows:
+        row["p99 / plain lpm"] = row["p99 us"] / rows[0]["p99 us"]
+    return rows
+
+
+def replay_classes(path: Path, limit: int | None = None) -> list[dict[str, object]]:
+    """The Mooncake replay (8 workers, lpm) with and without traffic classes: every fifth
+    request in a batch band, a TTFT target on the other, routed by predicted latency."""
+    from router.classes import TrafficClass
+
+    classes = (TrafficClass("interactive", 0, ttft=2.0, tpot=0.1), TrafficClass("batch", 1))
+    rows = []
+    for mode in ("plain", "classes + latency routing"):
+        trace = load_trace(path)
+        if limit:
+            trace.requests = trace.requests[:limit]
+        on = mode != "plain"
+        if on:
+            for r in trace.requests:
+                r.priority = int(r.id % 5 == 0)
+        config = SimConfig(num_workers=8, policy="lpm", classes=classes if on else (),
+                           latency_routing=on)  # fmt: skip
+        started = time.process_time()
+        result = simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
+        cpu = time.process_time() - started
+        rows.append({"mode": mode, "requests": result.summary["completed"],
+                     "req / CPU s": result.summary["completed"] / cpu})  # fmt: skip
+    rows[1]["x plain"] = rows[1]["req / CPU s"] / rows[0]["req / CPU s"]
+    return rows
+
+
 def _rehashed(hashes: list[int]) -> list[int]:
     """The same hashes as new int objects, as hashing a prompt makes them (hash_token_blocks):
     the index's own objects would let every comparison skip reading its keys."""
@@ -502,4 +583,10 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
 
     print("\nDecision time with model groups and LoRA adapters, 64 workers (router core):")
     print(format_table(decision_groups(5_000 if quick else 20_000)))
+
+    print("\nDecision time with traffic classes, predicted-latency routing and tenant budgets,")
+    print("64 workers, lpm (router core; target: p99 under 1.3x plain lpm's):")
+    print(format_table(decision_classes(5_000 if quick else 20_000)))
+    print("\nMooncake replay with traffic classes (8 workers, lpm):")
+    print(format_table(replay_classes(path, limit=5000 if quick else None)))
     return 0
