@@ -107,29 +107,105 @@ PANELS: tuple[Panel, ...] = (
 )
 
 
-def dashboard(panels: tuple[Panel, ...] = PANELS) -> dict:
-    out = []
-    for i, p in enumerate(panels):
-        out.append(
+def attainment(window: str, match: str = "") -> str:
+    """Per class, the share of answered requests that met the class's targets over `window`
+    (`fairway_class_requests_total{class, outcome}`, outcome met or missed); `match` narrows
+    the classes, e.g. `class="interactive"`."""
+    met = "{" + ", ".join(m for m in ('outcome="met"', match) if m) + "}"
+    every = "{" + match + "}" if match else ""
+    return (
+        f"sum by (class) (rate(fairway_class_requests_total{met}[{window}])) / "
+        f"sum by (class) (rate(fairway_class_requests_total{every}[{window}]))"
+    )
+
+
+# Traffic classes and tenant budgets: their series exist once the proxy is configured with
+# classes or budgets, so they have a row of their own (and PANELS stays what every proxy shows).
+CLASS_PANELS: tuple[Panel, ...] = (
+    Panel(
+        "SLO attainment by class (met / answered, 5m)",
+        ((attainment("5m"), "{{class}}"),),
+        "percentunit",
+    ),
+    Panel(
+        "Goodput by class: requests that met their targets, and those that missed",
+        (
+            (
+                'sum by (class) (rate(fairway_class_requests_total{outcome="met"}[1m]))',
+                "met {{class}}",
+            ),
+            (
+                'sum by (class) (rate(fairway_class_requests_total{outcome="missed"}[1m]))',
+                "missed {{class}}",
+            ),
+        ),
+        "reqps",
+    ),
+    Panel(
+        "Refusals by class and reason (queue_time, unmeetable, rate_limit)",
+        (("sum by (class, reason) (rate(fairway_refusals_total[1m]))", "{{class}} {{reason}}"),),
+        "reqps",
+    ),
+    Panel(
+        "TTFT predicted / observed by class (1: exact; above: predicted too slow)",
+        (
+            (
+                "sum by (class) (rate(fairway_ttft_predicted_seconds_total[5m])) / "
+                "sum by (class) (rate(fairway_ttft_observed_seconds_total[5m]))",
+                "{{class}}",
+            ),
+        ),
+    ),
+    Panel(
+        "Rate-limited requests (429) by client and limit",
+        (
+            (
+                "sum by (client, limit) (rate(fairway_rate_limited_total[1m]))",
+                "{{client}} {{limit}}",
+            ),
+        ),
+        "reqps",
+    ),
+)
+ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (("Traffic classes and budgets", CLASS_PANELS),)
+
+
+def _panel(panel_id: int, p: Panel, x: int, y: int) -> dict:
+    return {
+        "id": panel_id,
+        "type": p.kind,
+        "title": p.title,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
             {
-                "id": i + 1,
-                "type": p.kind,
-                "title": p.title,
+                "refId": chr(ord("A") + j),
+                "expr": expr,
+                "legendFormat": legend,
                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-                "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-                "targets": [
-                    {
-                        "refId": chr(ord("A") + j),
-                        "expr": expr,
-                        "legendFormat": legend,
-                        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                    }
-                    for j, (expr, legend) in enumerate(p.exprs)
-                ],
             }
-        )
+            for j, (expr, legend) in enumerate(p.exprs)
+        ],
+    }
+
+
+def dashboard(
+    panels: tuple[Panel, ...] = PANELS, rows: tuple[tuple[str, tuple[Panel, ...]], ...] = ROWS
+) -> dict:
+    """`panels` two abreast, then each row: a titled row header and its panels."""
+    out: list[dict] = []
+    y = 0
+    for title, group in ((None, panels), *rows):
+        if title is not None:
+            header = {"h": 1, "w": 24, "x": 0, "y": y}
+            out.append({"id": len(out) + 1, "type": "row", "title": title, "collapsed": False,
+                        "gridPos": header, "panels": []})  # fmt: skip
+            y += 1
+        for i, p in enumerate(group):
+            out.append(_panel(len(out) + 1, p, 12 * (i % 2), y + 8 * (i // 2)))
+        y += 8 * -(-len(group) // 2)
     return {
         "title": "Fairway router",
         "uid": "fairway-router",
@@ -171,6 +247,8 @@ def prometheus_config(
     }
 
 
+INTERACTIVE = 'class="interactive"'  # the class whose attainment is alerted on
+
 # Drift as the router's guard measures it (router/drift.py), over Prometheus's window.
 DRIFT = (
     "sum by (worker) (abs(rate(fairway_prefix_hit_tokens_predicted_total[10m]) - "
@@ -179,11 +257,18 @@ DRIFT = (
 )
 
 
-def alert_rules(threshold: float = 0.5, hold: str = "10m", sync_hold: str = "1m") -> dict:
+def alert_rules(
+    threshold: float = 0.5,
+    hold: str = "10m",
+    sync_hold: str = "1m",
+    attainment_target: float = 0.99,
+    attainment_hold: str = "5m",
+) -> dict:
     """Prometheus alerting rules: the index's predictions and the workers' reuse drift apart
     (a tokenizer or chat-template mismatch, lost KV events, a worker restarted with an empty
-    cache), routing fell back from the index it was configured with, and a router replica has
-    not synced with the replicas' store for `sync_hold`."""
+    cache), routing fell back from the index it was configured with, a router replica has
+    not synced with the replicas' store for `sync_hold`, and the interactive class's answered
+    requests met their targets less than `attainment_target` of the time over 5 minutes."""
     return {
         "groups": [
             {
@@ -222,6 +307,19 @@ def alert_rules(threshold: float = 0.5, hold: str = "10m", sync_hold: str = "1m"
                             "description": "{{ $labels.instance }} has not synced for "
                             f"{sync_hold} or more: its fairness counters and routing "
                             "decisions are its own until the store answers (check Redis).",
+                        },
+                    },
+                    {
+                        "alert": "FairwayInteractiveAttainmentLow",
+                        "expr": f"{attainment('5m', INTERACTIVE)} < {attainment_target}",
+                        "for": attainment_hold,
+                        "labels": {"severity": "warning"},
+                        "annotations": {
+                            "summary": "The interactive class misses its latency targets",
+                            "description": "Fewer than "
+                            f"{attainment_target:.0%} of interactive requests answered over "
+                            "5 minutes met their TTFT and TPOT targets. Check the refusals "
+                            "and queue depth: batch load past capacity, or a worker down.",
                         },
                     },
                 ],

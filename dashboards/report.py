@@ -22,7 +22,7 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dashboards.tables import format_table  # noqa: E402
+from dashboards.tables import class_rows, format_table, goodput  # noqa: E402
 from router.records import RequestRecord  # noqa: E402
 from simulator.fairness import service_curves  # noqa: E402
 from simulator.results import summarize  # noqa: E402
@@ -211,13 +211,24 @@ METRICS = [
     ("max service gap (k tok)", lambda s: s["fairness"]["max_service_gap"] / 1e3, True),
     ("preemptions", lambda s: s["preemptions"], True),
 ]
+# Shown after the throughput when a run has traffic classes (each class's targets).
+CLASS_METRICS = [
+    ("SLO met %", lambda s: 100 * goodput(s)[0], False),
+    ("goodput req/s", lambda s: goodput(s)[1], False),
+]
+ALL_METRICS = [*METRICS[:2], *CLASS_METRICS, *METRICS[2:]]
+
+
+def metrics(runs: list[Run]) -> list:
+    """The summary's columns: SLO attainment and goodput too when any run has classes."""
+    return ALL_METRICS if any(run.summary.get("classes") for run in runs) else METRICS
 
 
 def summary_rows(runs: list[Run]) -> list[dict[str, object]]:
     rows = []
     for run in runs:
         row: dict[str, object] = {"policy": run.name}
-        for label, get, _ in METRICS:
+        for label, get, _ in metrics(runs):
             try:
                 value = get(run.summary)
             except (KeyError, TypeError):
@@ -229,8 +240,8 @@ def summary_rows(runs: list[Run]) -> list[dict[str, object]]:
 
 def verdict(rows: list[dict[str, object]]) -> list[str]:
     lines = []
-    for label, _, lower in METRICS:
-        if lower is None:
+    for label, _, lower in ALL_METRICS:
+        if lower is None or label not in rows[0]:
             continue
         scored = [(r[label], r["policy"]) for r in rows if isinstance(r[label], (int, float))]
         if len(scored) < 2:
@@ -280,15 +291,7 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         ("ttft", "Per-client TTFT over time", client_ttft(runs)),
         ("workers", "Per-worker load and cache-hit rate over time", worker_load(runs)),
     ]
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{html.escape(_fmt(v) if v is not None else '-')}</td>" for v in row.values()
-        )
-        + "</tr>"
-        for row in rows
-    )
+    classes = [row for run in runs for row in class_rows(run.name, run.summary)]
     sources = "".join(
         f"<li>{html.escape(r.name)}: {html.escape(str(r.path))} ({len(r.records)} requests)</li>"
         for r in runs
@@ -305,19 +308,46 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
         f"<h2>Verdict</h2><ul class='verdict'>{verdict_html}</ul>"
-        f"<h2>Summary</h2><table id='summary'><thead><tr>{head}</tr></thead>"
-        f"<tbody>{body}</tbody></table>"
+        f"<h2>Summary</h2>{_html_table(rows, 'summary')}"
         f"<p>Service: input + 2 x output tokens per client weight. Max service gap: the "
         f"largest difference in service two clients received while both had requests waiting. "
         f"Jain: Jain's index over the service of the clients waiting at the same time (1: equal "
         f"shares), averaged over time. "
         f"Bound: the hit rate of one unbounded cache shared by all workers.</p>"
-        f"{figs}<h2>Runs</h2><ul>{sources}</ul></body></html>"
+        f"{_classes_html(classes)}{figs}<h2>Runs</h2><ul>{sources}</ul></body></html>"
     )
     md = out.with_suffix(".md")
+    classes_md = f"\n## Traffic classes\n\n```\n{format_table(classes)}\n```\n" if classes else ""
     md.write_text(
         f"# {title}\n\n```\n{format_table(rows)}\n```\n\n"
         + "\n".join(f"- {line}" for line in verdict(rows))
         + "\n"
+        + classes_md
     )
     return out
+
+
+def _html_table(rows: list[dict[str, object]], table_id: str) -> str:
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td>{html.escape(_fmt(row.get(k)) if row.get(k) is not None else '-')}</td>"
+                  for k in rows[0])
+        + "</tr>"
+        for row in rows
+    )  # fmt: skip
+    return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _classes_html(rows: list[dict[str, object]]) -> str:
+    """Per traffic class of each run that has classes (nothing when none has)."""
+    if not rows:
+        return ""
+    return (
+        f"<h2>Traffic classes</h2>{_html_table(rows, 'classes')}"
+        "<p>Met: the share of a class's requests, refused ones included, that met its TTFT and "
+        "TPOT targets (a class without targets meets them by finishing). Goodput: such requests "
+        "per second of the run, from its first arrival to its last finish. Refused: by admission "
+        "control (queue time: waited past the class's limit; unmeetable: no worker was predicted "
+        "to meet its TTFT target) and by tenant budgets (rate limit).</p>"
+    )

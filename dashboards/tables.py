@@ -57,3 +57,40 @@ def summary_row(label: str, summary: Mapping[str, object]) -> dict[str, object]:
         "imbalance": summary["load_imbalance"],
         "jain": summary["fairness"]["jain"],  # type: ignore[index]
     }
+
+
+def _targets(figures: Mapping[str, object]) -> str:
+    named = (("TTFT", figures.get("ttft_target")), ("TPOT", figures.get("tpot_target")))
+    return ", ".join(f"{what} {value:g} s" for what, value in named if value is not None) or "-"
+
+
+def class_rows(label: str, summary: Mapping[str, object]) -> list[dict[str, object]]:
+    """Per traffic class of a run (none when it has no classes), highest band first: its
+    targets, the share of its requests that met them (refused ones count as missed), goodput
+    (requests that met them per second of the run) and refusals by reason."""
+    rows = []
+    for name, c in (summary.get("classes") or {}).items():  # type: ignore[attr-defined]
+        attainment, tpot = c["attainment"], c["tpot"]["p99"]
+        rows.append(
+            {
+                "policy": label,
+                "class": name,
+                "targets": _targets(c),
+                "requests": c["requests"],
+                "met %": None if attainment is None else 100 * attainment,
+                "goodput/s": c["goodput"],
+                "TTFT p99 s": c["ttft"]["p99"],
+                "TPOT p99 ms": None if tpot is None else 1000 * tpot,
+                **{f"refused {reason.replace('_', ' ')}": n for reason, n in c["refused"].items()},
+            }
+        )
+    return rows
+
+
+def goodput(summary: Mapping[str, object]) -> tuple[float | None, float | None]:
+    """A run's SLO attainment over all its classes and its total goodput (requests per second
+    that met their class's targets); (None, None) without classes."""
+    total = summary.get("goodput")
+    if not total:
+        return None, None
+    return total["attainment"], total["requests_per_s"]  # type: ignore[index]

@@ -64,6 +64,7 @@ class Flight:
     predicted: dict[str, int]  # hit tokens each index expected, for the drift guard
     best: int  # hit tokens the best index kept expected (scored even while not routed by)
     prefill: int = 0  # prompt tokens it will compute, until its first token (ahead of others)
+    prefill_pairs: float = 0.0  # their attention pairs, after its cached prefix
     predicted_ttft: float | None = None  # at routing, with classes on
     released: bool = False
 
@@ -164,8 +165,9 @@ class Router:
         self.step_tokens = step_tokens  # a step's token budget: prefills are chunked by it
         self._request_overhead = float(getattr(cost, "request_overhead", 0.0))
         # Prompt tokens each worker will compute before the first token of what it was sent,
-        # by priority: what a new request waits behind in its band and the ones above.
-        self._prefill_ahead: dict[WorkerId, dict[int, int]] = {}
+        # and their attention pairs, by priority: what a new request waits behind in its band
+        # and the ones above. Pairs are summed per prompt: the queue is many prompts, not one.
+        self._prefill_ahead: dict[WorkerId, dict[int, tuple[int, float]]] = {}
         self.refusals: Counter[tuple[str, str]] = Counter()  # (class, reason)
 
     # ------------------------------------------------------------ membership
@@ -338,9 +340,12 @@ class Router:
             if ttft is None:
                 ttft = self._predict(request, state, min(hit, cap))
             flight.predicted_ttft = ttft
-            flight.prefill = request.prompt_len - min(hit, cap) * bs
+            cached = min(hit, cap) * bs
+            new = flight.prefill = request.prompt_len - cached
+            flight.prefill_pairs = new * cached + new * (new + 1) / 2
             ahead = self._prefill_ahead[wid]
-            ahead[request.priority] = ahead.get(request.priority, 0) + flight.prefill
+            tokens, pairs = ahead.get(request.priority, (0, 0.0))
+            ahead[request.priority] = (tokens + new, pairs + flight.prefill_pairs)
         self._flights[request.id] = flight
         state.tokens_in_flight += work
         view.changed(wid)
@@ -377,16 +382,16 @@ class Router:
         cost = self.view.cost
         assert cost is not None
         cached = hit_blocks * self.view.block_size
-        ahead = 0
-        for priority, tokens in self._prefill_ahead[state.id].items():
+        own = request.prompt_len - cached
+        new, pairs = own, own * cached + own * (own + 1) / 2  # as StepShape.prefill counts
+        for priority, (tokens, their_pairs) in self._prefill_ahead[state.id].items():
             if priority <= request.priority:
-                ahead += tokens
-        new = ahead + request.prompt_len - cached
+                new += tokens
+                pairs += their_pairs
         # Chunked into steps of the engine's token budget, each also decoding what runs there
         # (a decoding sequence takes a token of each step's budget first).
         running = state.num_running
         steps = -(-new // max(self.step_tokens - running, self.step_tokens // 4))
-        pairs = new * cached + new * (new + 1) / 2  # as StepShape.prefill(new, cached) counts
         context = state.kv_used_blocks * self.view.block_size if running else 0
         step = StepShape(
             -(-new // steps) + running,
@@ -678,8 +683,12 @@ class Router:
         if flight.prefill:
             ahead = self._prefill_ahead.get(flight.worker)
             if ahead is not None:
-                ahead[flight.request.priority] -= flight.prefill
-            flight.prefill = 0
+                tokens, pairs = ahead[flight.request.priority]
+                ahead[flight.request.priority] = (
+                    tokens - flight.prefill,
+                    pairs - flight.prefill_pairs,
+                )
+            flight.prefill, flight.prefill_pairs = 0, 0.0
 
     def _work_done(self, flight: Flight, tokens: int) -> None:
         tokens = max(tokens, 0)

@@ -360,7 +360,7 @@ def priority_mix(
     rng, tokens = random.Random(seed), _Tokens(seed)
     systems = [tokens.take(system_tokens) for _ in range(num_interactive)]
     reqs = []
-    t = rng.expovariate(interactive_rate)
+    t = rng.expovariate(interactive_rate) if interactive_rate > 0 else duration
     while t < duration:
         k = rng.randrange(num_interactive)
         prompt = np.concatenate([systems[k], tokens.take(_lognormal_int(rng, question_tokens))])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dashboards.tables import format_table, summary_row
+from dashboards.tables import class_rows, format_table, summary_row
 from router.cli.args import add_sim_args, add_trace_args, key_values, load_workload, run_simulation
 from router.registry import call_with_params
 
@@ -17,6 +17,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     trace = load_workload(args)
     result = run_simulation(args, trace)
     print(format_table([summary_row(args.policy, result.summary)]))
+    classes = class_rows(args.policy, result.summary)
+    if classes:
+        print(format_table(classes))
     if args.fleet:
         print(format_table(group_rows(result.summary)))
         print(f"adapter loads (all engines): {result.summary['adapter_loads']}")
@@ -76,6 +79,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if (recording / "trace.jsonl").exists() and (recording / "requests.csv").exists():
         runs.insert(0, load_run(recording))  # the proxy's own run beside what others would do
     print(format_table([summary_row(r.name, r.summary) for r in runs]))
+    classes = [row for r in runs for row in class_rows(r.name, r.summary)]
+    if classes:
+        print(format_table(classes))
     report = write_report(runs, out / "report.html", title=f"Policies on {args.trace}")
     print(f"report: {report} (and {report.with_suffix('.md')})")
     return 0
@@ -151,14 +157,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from simulator.bench.experiments import EXPERIMENTS, run_experiment
+    from simulator.bench.experiments import NAMES, experiment_tables
 
-    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    names = NAMES if args.name == "all" else [args.name]
+    out = Path(args.out) if args.out else None
     for name in names:
-        title, rows = run_experiment(name, seed=args.seed, out=Path(args.out) if args.out else None)
-        print(f"## {name}: {title}\n")
-        print(format_table(rows))
-        print()
+        for title, rows in experiment_tables(name, seed=args.seed, out=out, quick=args.quick):
+            print(f"## {name}: {title}\n")
+            print(format_table(rows))
+            print()
     return 0
 
 
@@ -169,7 +176,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from simulator.bench.experiments import EXPERIMENTS
+    from simulator.bench.experiments import NAMES
     from traces.generators import GENERATORS
 
     p = sub.add_parser("simulate", help="replay a trace on a simulated cluster")
@@ -199,9 +206,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("experiment", help="run a published-behaviour scenario across policies")
-    p.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    p.add_argument("name", choices=[*NAMES, "all"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write each run's summary and the table into this folder")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smallest configuration, where an experiment has one (priority: lpm only, "
+        "1x and 10x the capacity, 20 s of arrivals)",
+    )
     p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser(

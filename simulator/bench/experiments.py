@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dashboards.tables import format_table, summary_row
 from router.cost_model import roofline
+from simulator.bench import priority
 from simulator.cluster import SimConfig, simulate
 from simulator.fleet import ModelGroup
 from traces.generators import agent_loops, flood, late_joiner, lora_tenants, shared_prefix
@@ -402,3 +403,20 @@ def run_experiment(name: str, seed: int = 0, out: Path | None = None, jobs: int 
             (out / f"{name}-{slug}.json").write_text(json.dumps(summary, indent=2) + "\n")
         (out / f"{name}.md").write_text(f"{title}\n\n{format_table(rows)}\n")
     return title, rows
+
+
+# Experiments that measure the fleet before they choose their runs, each with its own runner
+# returning its tables, (title, rows) each; `quick` is their smallest configuration.
+MEASURED: dict[str, Callable[..., list[tuple[str, list[dict[str, object]]]]]] = {
+    "priority": priority.run,
+}
+NAMES = [*EXPERIMENTS, *MEASURED]
+
+
+def experiment_tables(
+    name: str, seed: int = 0, out: Path | None = None, quick: bool = False
+) -> list[tuple[str, list[dict[str, object]]]]:
+    """Any experiment's tables, (title, rows) each."""
+    if name in MEASURED:
+        return MEASURED[name](seed=seed, out=out, quick=quick)
+    return [run_experiment(name, seed=seed, out=out)]

@@ -81,7 +81,7 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                 )  # fmt: skip
                 assert await alert_rules_healthy(prom_url) == {
                     "FairwayPrefixPredictionDrift", "FairwayRoutingFellBack",
-                    "FairwayReplicaOutOfSync",
+                    "FairwayReplicaOutOfSync", "FairwayInteractiveAttainmentLow",
                 }  # fmt: skip
             finally:
                 prom.terminate()
