@@ -10,14 +10,27 @@ and `ignore_eos` makes every answer as long as asked. Three kinds of measurement
   times alone the two are nearly collinear, and the overhead came out anywhere in 15-160 ms).
 - prefill after a cached prefix: the same prompt again with T new tokens after it, so the
   step reads L cached tokens while it computes T (what a prefix hit costs).
-- decode: B streams started together, each a prompt of P tokens and N answer tokens. While
+- decode: B streams started together, each a prompt of P tokens and N answer tokens, B x P
+  within one step's token budget (`ONE_STEP_TOKENS`; a longer P is cut to fit). Where vLLM
+  times its requests (its decode-time histogram: first token to last, engine timestamps), a
+  step-long prompt is started first and the streams are sent while it runs, so they wait,
+  prefill together in the next step and decode together to the end: their decode times sum
+  to B x (N - 1) decode steps of B sequences, whenever a busy client or API server happens to
+  read or send the events. Elsewhere (the emulated server), from the client's clock: while
   every stream decodes (after the last first token, before the first stream ends), each token
   is one decode step of B sequences; a stream's time per token over that span is taken, the
   median over the streams. A span, not single gaps: a client or API server held off the CPU
   reads or sends events in bursts (vLLM then merges tokens into one event), which bends gaps,
-  not the span of many.
+  not the span of many (though a client held off for most of the span still reads it all at
+  once: on a loaded 2-core machine, half the client-timed decode steps came out as bursts).
   Short and long P tell the cost of reading the KV cache apart from the per-step cost
-  (prefills alone cannot: their tokens and KV reads grow together).
+  (prefills alone cannot: their tokens and KV reads grow together), and several B tell a
+  decoding sequence's own cost (`per_decode_seq`) apart from both.
+
+Prefill steps alone price prefill tokens and attention; decode steps alone price decoding
+sequences. A decode token costs differently from a prefill token (one pass over the weights
+serves the whole batch, and each sequence is sampled and sent on its own), so the fit prices
+them apart and needs both kinds: `Plan` always has prefills and at least two decode batch sizes.
 """
 
 from __future__ import annotations
@@ -42,6 +55,11 @@ DECODE_PROMPTS = (32, 1024)
 DECODE_TOKENS = 48
 CACHED_TAIL = 128  # new tokens after a cached prefix
 PREFILL_METRIC = "vllm:request_prefill_time_seconds"  # first step to first token, engine-side
+DECODE_METRIC = "vllm:request_decode_time_seconds"  # first token to last, engine-side
+RUNNING_METRIC = "vllm:num_requests_running"
+# Prompt tokens one step surely takes: vLLM's token budget on CPU (its GPU defaults are larger).
+ONE_STEP_TOKENS = 2048
+HOLD_POLLS = 250  # looks at RUNNING_METRIC, 2 ms apart, for the step-long prompt to start
 
 
 @dataclass(frozen=True)
@@ -54,6 +72,13 @@ class Plan:
     decode_batches: tuple[int, ...] = DECODE_BATCHES
     decode_prompts: tuple[int, ...] = DECODE_PROMPTS
     decode_tokens: int = DECODE_TOKENS
+
+    def __post_init__(self) -> None:
+        if not self.prefill_lengths or len(set(self.decode_batches)) < 2:
+            raise ValueError(
+                "profile plan: prefill lengths and two or more decode batch sizes are needed "
+                f"to price decode apart from prefill, got {self}"
+            )
 
     @classmethod
     def for_prompts(cls, longest: int, quick: bool = False) -> Plan:
@@ -121,26 +146,51 @@ class Profiler:
             "temperature": 0,
         }
 
-    async def prefill_seconds(self) -> tuple[float, float] | None:
-        """vLLM's own prefill timing so far (sum of seconds, count of requests), from its
-        engine timestamps; None when the server does not export it."""
+    async def _scrape(self, *families: str) -> dict[str, float]:
+        """The samples of these metric families ({sample name: value summed over labels}: a
+        histogram's NAME_sum and NAME_count, a gauge's NAME); what the server lacks is absent."""
         async with self.session.get(f"{self.metrics_url}/metrics") as r:
             r.raise_for_status()
             text = await r.text()
-        total = count = None
+        found: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            if family.name == PREFILL_METRIC:
+            if family.name in families:
                 for sample in family.samples:
-                    if sample.name.endswith("_sum"):
-                        total = (total or 0.0) + sample.value
-                    elif sample.name.endswith("_count"):
-                        count = (count or 0.0) + sample.value
+                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
+        return found
+
+    async def server_seconds(self, metric: str) -> tuple[float, float] | None:
+        """vLLM's own timing `metric` so far (sum of seconds, count of requests), from its
+        engine timestamps; None when the server does not export it."""
+        found = await self._scrape(metric)
+        total, count = found.get(f"{metric}_sum"), found.get(f"{metric}_count")
         return None if total is None or count is None else (total, count)
+
+    async def _answer(self, prompt: list[int]) -> None:
+        async with self.session.post(
+            f"{self.url}/v1/completions", json=self._body(prompt, 1, stream=False)
+        ) as r:
+            r.raise_for_status()
+            await r.read()
+
+    async def _hold_engine(self) -> asyncio.Task[None]:
+        """Starts a prompt of one step's tokens and returns once the engine runs it (as far as
+        its running gauge tells, looked at up to HOLD_POLLS times): what is sent now waits for
+        that step, and then starts together."""
+        hold = asyncio.create_task(
+            self._answer(self._tokens(min(ONE_STEP_TOKENS, self.max_model_len - 2)))
+        )
+        for _ in range(HOLD_POLLS):
+            running = (await self._scrape(RUNNING_METRIC)).get(RUNNING_METRIC)
+            if running is None or running >= 1 or hold.done():
+                break
+            await asyncio.sleep(0.002)
+        return hold
 
     async def _timed(self, prompt: list[int]) -> tuple[float, float | None, int]:
         """Seconds for `prompt` answered with one token, the server's own prefill seconds
         (None if it does not say), and the tokens it found cached."""
-        before = await self.prefill_seconds()
+        before = await self.server_seconds(PREFILL_METRIC)
         started = time.perf_counter()
         async with self.session.post(
             f"{self.url}/v1/completions", json=self._body(prompt, 1, stream=False)
@@ -148,7 +198,7 @@ class Profiler:
             r.raise_for_status()
             usage = (await r.json()).get("usage") or {}
         seconds = time.perf_counter() - started
-        after = await self.prefill_seconds() if before is not None else None
+        after = await self.server_seconds(PREFILL_METRIC) if before is not None else None
         step = None
         if before is not None and after is not None and after[1] - before[1] == 1:
             step = after[0] - before[0]  # this request's alone: they go one at a time
@@ -193,21 +243,33 @@ class Profiler:
         return stamps
 
     async def decode(self, batch: int, prompt_len: int, tokens: int = DECODE_TOKENS) -> Measurement:
+        """`batch` streams of `prompt_len` prompt and `tokens` answer tokens: the time of one
+        decode step of `batch` sequences, timed by vLLM where it can be (see the module)."""
         bodies = [self._body(prompt_len, tokens, stream=True) for _ in range(batch)]
+        before = await self.server_seconds(DECODE_METRIC)
+        engine_timed = before is not None and batch * prompt_len <= ONE_STEP_TOKENS
+        hold = await self._hold_engine() if engine_timed else None
         streams = await asyncio.gather(*(self._stream_stamps(b) for b in bodies))
+        if hold is not None:
+            await hold
+        after = await self.server_seconds(DECODE_METRIC) if engine_timed else None
         if any(not s or s[-1][1] < tokens for s in streams):
             counts = sorted({s[-1][1] if s else 0 for s in streams})
             raise ValueError(
                 f"{self.url}: streams of {tokens} tokens ended after {counts}; "
                 f"the server must honour ignore_eos (vLLM does)"
             )
+        context = batch * (prompt_len + tokens // 2)
+        shape = StepShape.decode(batch, context)
+        # The batch's requests and the hold (its one token: no decode time) and nothing else.
+        if before is not None and after is not None and after[1] - before[1] in (batch, batch + 1):
+            return Measurement(shape, (after[0] - before[0]) / (batch * (tokens - 1)), False)
         steps = decode_steps(streams)
         if not steps:  # no span had every stream decoding: each stream from its first token
             steps = [x for s in streams if (x := _step(s, s[0][0] - 1, s[-1][0])) is not None]
         if not steps:
             raise ValueError(f"{self.url}: no stream of {batch} had two events apart in time")
-        context = batch * (prompt_len + tokens // 2)
-        return Measurement(StepShape(batch, context, context), statistics.median(steps), False)
+        return Measurement(shape, statistics.median(steps), False)
 
 
 def decode_steps(streams: list[list[tuple[float, int]]], min_steps: int = 4) -> list[float]:
@@ -256,7 +318,9 @@ async def measure(
             for prompt_len in plan.decode_prompts:
                 if prompt_len + plan.decode_tokens < p.max_model_len:
                     for batch in plan.decode_batches:
-                        measurements.append(await p.decode(batch, prompt_len, plan.decode_tokens))
+                        # Prompts cut to prefill in one step, so the streams start together.
+                        prompt = min(prompt_len, ONE_STEP_TOKENS // batch)
+                        measurements.append(await p.decode(batch, prompt, plan.decode_tokens))
         return p.model, capacity, measurements
 
 

@@ -69,11 +69,11 @@ class TestDecodeSteps:
 
 class TestFit:
     def test_a_few_stalled_steps_do_not_bend_the_fit(self) -> None:
-        terms = {"overhead": 0.005, "per_token": 1e-3, "per_pair": 0.0, "per_kv_token": 2e-6,
-                 "request_overhead": 0.03}  # fmt: skip
+        terms = {"overhead": 0.005, "per_token": 1e-3, "per_decode_seq": 3e-4, "per_pair": 0.0,
+                 "per_kv_token": 2e-6, "request_overhead": 0.03}  # fmt: skip
         truth = FittedCost(terms, 10_000, "truth")
         shapes = [(StepShape.prefill(n, c), True) for n in (64, 256, 768) for c in (0, 512)]
-        shapes += [(StepShape(b, b * c, b * c), False) for b in (1, 4, 16) for c in (48, 800)]
+        shapes += [(StepShape.decode(b, b * c), False) for b in (1, 4, 16) for c in (48, 800)]
         measurements = [
             Measurement(s, truth.step_time(s) + r * truth.request_overhead, r) for s, r in shapes
         ]
@@ -84,7 +84,7 @@ class TestFit:
             assert cost.step_time(s) == pytest.approx(truth.step_time(s), rel=0.02), s
         assert cost.request_overhead == pytest.approx(0.03, rel=0.02)
         plain = FittedCost.fit(measurements, 10_000, "plain")
-        solo = StepShape(1, 48, 48)
+        solo = StepShape.decode(1, 48)
         assert abs(plain.step_time(solo) / truth.step_time(solo) - 1) > 0.5, "what it fixes"
 
 

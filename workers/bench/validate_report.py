@@ -134,9 +134,10 @@ def build(config: dict, trace, repeats: Sequence, seconds: float) -> dict:
 #   api           vLLM's TTFT - its queue - its prefill: the API server around the engine
 #   queue         waiting inside vLLM
 #   prefill       vLLM's first step to first token
-# and after it, decode (first token to last, as the client sees it). The simulator's side:
-# sim_before (arrival to the first step: its router queue, the request overhead, the
-# engine's queue), sim_prefill, sim_decode.
+# and after it, decode (first token to last, as the client sees it) and vllm_decode (the same
+# by the engine's timestamps: what the simulated engine models, without the delivery). The
+# simulator's side: sim_before (arrival to the first step: its router queue, the request
+# overhead, the engine's queue), sim_prefill, sim_decode.
 PHASES = (
     "client_proxy",
     "proxy_queue",
@@ -146,6 +147,7 @@ PHASES = (
     "prefill",
     "before",
     "decode",
+    "vllm_decode",
     "sim_before",
     "sim_prefill",
     "sim_decode",
@@ -167,6 +169,7 @@ def phase_split(run: dict) -> dict[str, float]:
         "prefill": server["prefill"],
         "before": live["ttft"] - server["prefill"],
         "decode": live["decode"],
+        "vllm_decode": server["decode"],
         "sim_before": sim["to_admission"],
         "sim_prefill": sim["ttft"] - sim["to_admission"],
         "sim_decode": sim["decode"],
@@ -299,11 +302,12 @@ def markdown(result: dict) -> str:
         " to vLLM and back (the proxy's TTFT - its queue - vLLM's TTFT), vLLM's API server"
         " around the engine (vLLM's TTFT - its queue - its prefill), vLLM's queue; their sum"
         " (before) against the simulator's arrival-to-first-step; then prefill (vLLM's own"
-        " timing) and decode (first token to last) against the simulator's.",
+        " timing) and decode (first token to last, as the client saw it and by vLLM's own"
+        " timing) against the simulator's.",
         "",
         "| policy | client-proxy | proxy queue | proxy-vLLM | vLLM API | vLLM queue | before |"
-        " sim | prefill | sim | decode | sim |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " sim | prefill | sim | decode | vLLM decode | sim |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for policy, by_key in result["policies"].items():
         ph = by_key["phases"]
@@ -320,6 +324,7 @@ def markdown(result: dict) -> str:
                 "prefill",
                 "sim_prefill",
                 "decode",
+                "vllm_decode",
                 "sim_decode",
             )
         ]
