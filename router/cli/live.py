@@ -114,7 +114,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cost.save(Path(args.out), measurements)
     rows = [
         {
-            "measured": "request, prefill" if m.request else "decode step",
+            "measured": (
+                "request, prefill"
+                if m.request
+                else "decode step"
+                if m.shape.num_decode_seqs
+                else "prefill step"
+            ),
             "tokens": m.shape.num_tokens,
             "KV read": m.shape.kv_read_tokens,
             "measured ms": 1000 * m.seconds,
