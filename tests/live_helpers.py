@@ -94,13 +94,18 @@ async def proxy(
     policy: str = "round_robin",
     window: int = 8,
     kv_events: list[str] | None = None,  # the workers' KV-event endpoints: a precise index
+    config: dict | None = None,  # more cluster.yaml fields (classes, admission_control, ...)
     **settings,
 ) -> AsyncIterator[tuple[ProxyURL, LiveCluster]]:
     """An in-process proxy in front of `worker_urls`: (its URL, whose `.admin` serves /metrics
     and /admin/*, and its cluster)."""
     mode = "precise" if kv_events else "approximate"
     config = ClusterConfig(
-        policy={"name": policy}, window=window, block_size=BLOCK, index_mode=mode
+        policy={"name": policy},
+        window=window,
+        block_size=BLOCK,
+        index_mode=mode,
+        **(config or {}),
     )
     cluster = build_cluster(config)
     for url, events in zip(worker_urls, kv_events or [None] * len(worker_urls), strict=True):

@@ -4,6 +4,7 @@ HTTP API and /metrics names, for load tests and fast tests where no real vLLM fi
     python -m workers.emulated --port 8100 --model-dir DIR [--preset llama-3-8b --gpu a100-80g]
         [--kv-events ipc:///tmp/kv-0 [--kv-events-drop 0.5] [--kv-events-drop-after 100]]
         [--enable-lora [--max-loras 4] [--adapter-load-time 0.05] [--lora-modules a=DIR ...]]
+        [--scheduling-policy priority]
 
 The SimPy environment is driven from the asyncio loop: a driver task sleeps until the next
 simulated event is due in wall time (`speed` x faster if asked), then steps it; an arriving
@@ -18,6 +19,11 @@ With `--enable-lora` it serves LoRA adapters as vLLM does with VLLM_ALLOW_RUNTIM
 /v1/load_lora_adapter, listed by /v1/models, run in the engine's `--max-loras` adapter slots,
 named in KV events and in vllm:lora_requests_info. It reads no weights: a folder with an
 adapter_config.json is an adapter.
+
+With `--scheduling-policy priority` it schedules as vLLM's priority policy: a request's
+`priority` (the body's field, or vLLM's X-Vllm-Priority header) puts it in a strict band of the
+waiting queue (lower first, router.bands over FCFS), and when running requests need KV blocks
+the victim is the lowest-priority one. Under fcfs (the default) the priority is ignored.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from policies.fcfs import FCFS
+from router.bands import Banded
 from router.cost_model import roofline
+from router.policy import LocalPolicy
 from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError
 from router.proxy.openai_request import build_request, parse_body
@@ -247,11 +255,14 @@ class WallClockEngine:
         gpu: str,
         speed: float = 1.0,
         kv_events: KVEventPublisher | None = None,
+        waiting: LocalPolicy | None = None,
     ):
+        """`waiting`: the order of the waiting queue (default FCFS, vLLM's fcfs policy)."""
         self.env = simpy.Environment()
         self.speed = speed
         cost = roofline(preset, gpu)
-        self.engine = Engine(self.env, 0, cost, engine_config, FCFS(), self, kv_events)
+        local = waiting if waiting is not None else FCFS()
+        self.engine = Engine(self.env, 0, cost, engine_config, local, self, kv_events)
         self.streams: dict[int, asyncio.Queue[int | None]] = {}
         self.cached_tokens: dict[int, int] = {}  # request id -> prefix hit, until answered
         self.metrics: VLLMMetrics | None = None
@@ -388,6 +399,20 @@ LIMITS = web.AppKey("limits", ProxySettings)
 CATALOG = web.AppKey("catalog", Catalog)
 VOCAB = web.AppKey("vocab", list)
 ADAPTERS = web.AppKey("adapters", Adapters)
+PRIORITY_SCHEDULING = web.AppKey("priority_scheduling", bool)
+INT64 = 1 << 63
+
+
+def _priority(request: web.Request, body: dict) -> int:
+    """A request's priority as vLLM 0.32 reads it: the X-Vllm-Priority header when it is an
+    integer, else the body's `priority` (an integer in int64's range, default 0; else a 400)."""
+    with contextlib.suppress(ValueError):
+        if (header := request.headers.get("X-Vllm-Priority")) is not None:
+            return int(header)
+    value = body.get("priority", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not -INT64 <= value < INT64:
+        raise _invalid("priority: Input should be a valid integer within int64's range")
+    return value
 
 
 async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -395,6 +420,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:  # the proxy's own validation: one definition of a well-formed request
         body = await parse_body(request, max_bytes=64 * 1024 * 1024)  # vLLM sets no limit
         req = build_request(request, body, app[CATALOG], app[LIMITS], chat)
+        req.priority = _priority(request, body) if app[PRIORITY_SCHEDULING] else 0
     except APIError as e:
         return e.response()
 
@@ -589,16 +615,21 @@ def create_app(
     max_loras: int = 4,
     adapter_load_time: float = ADAPTER_LOAD_TIME,
     lora_modules: dict[str, str] | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> web.Application:
     """`kv_events`: a ZMQ endpoint to publish KV events on (bound); `kv_events_drop`: the share
     of them to lose once `kv_events_drop_after` batches went out. `enable_lora`: serve LoRA
     adapters, `max_loras` resident at once, each load adding `adapter_load_time` simulated
     seconds to its step; `lora_modules` (name -> folder) registered at start (a ValueError if
-    one is not an adapter, as vLLM will not start then)."""
+    one is not an adapter, as vLLM will not start then). `scheduling_policy`: "fcfs", or
+    "priority" (vLLM's: the waiting queue by priority, the lowest-priority victim)."""
     if lora_modules and not enable_lora:
         raise ValueError("LoRA modules need LoRA enabled (--enable-lora)")
     if enable_lora and max_loras < 1:
         raise ValueError("max_loras must be at least 1")  # 0 would turn the engine's slots off
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling policy {scheduling_policy!r}: fcfs or priority")
+    by_priority = scheduling_policy == "priority"
     app = web.Application()
     encoder = RecordingEncoder(model_dir, block_size)
     config = EngineConfig(
@@ -607,8 +638,10 @@ def create_app(
         fast_forward=False,
         adapter_slots=max_loras if enable_lora else 0,
         adapter_load_time=adapter_load_time,
+        priority_preemption=by_priority,
     )
     app[ENCODER] = encoder
+    app[PRIORITY_SCHEDULING] = by_priority
     app[MODEL] = model_name
     app[MODEL_DIR] = str(model_dir)
     app[LIMITS] = ProxySettings(model_name=model_name, max_model_len=encoder.max_model_len)
@@ -631,7 +664,8 @@ def create_app(
             )
             app[KV_EVENTS] = publisher
             encoder.publisher = publisher
-        engine = WallClockEngine(config, preset, gpu, speed, publisher)
+        waiting = Banded(FCFS) if by_priority else FCFS()
+        engine = WallClockEngine(config, preset, gpu, speed, publisher, waiting)
         num_blocks = engine.engine.blocks.num_blocks
         lora = max_loras if enable_lora else None
         engine.metrics = VLLMMetrics(model_name, block_size, num_blocks, lora)
@@ -676,6 +710,7 @@ def command(
     max_loras: int = 4,
     adapter_load_time: float = ADAPTER_LOAD_TIME,
     lora_modules: dict[str, str] | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> list[str]:
     """The argv that starts one emulated server (for the Ray pool and the benchmarks)."""
     argv = [sys.executable, "-m", "workers.emulated", "--port", str(port),
@@ -687,6 +722,8 @@ def command(
                  "--adapter-load-time", str(adapter_load_time)]  # fmt: skip
     if lora_modules:
         argv += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    if scheduling_policy != "fcfs":
+        argv += ["--scheduling-policy", scheduling_policy]
     return argv
 
 
@@ -713,6 +750,12 @@ def main(argv: list[str] | None = None) -> None:
         help="simulated seconds a step takes longer for each adapter it loads",
     )
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="priority: the waiting queue by the requests' priority, as vLLM's",
+    )
     args = p.parse_args(argv)
     modules = dict(m.partition("=")[::2] for m in args.lora_modules)
     if any(not name or not path for name, path in modules.items()):
@@ -733,6 +776,7 @@ def main(argv: list[str] | None = None) -> None:
             args.max_loras,
             args.adapter_load_time,
             modules,
+            args.scheduling_policy,
         )
     except ValueError as e:
         p.error(str(e))

@@ -74,6 +74,7 @@ def server_specs(
                 w.emulated_preset,
                 w.emulated_gpu,
                 w.emulated_speed,
+                scheduling_policy=w.scheduling_policy,
             )
             if g.adapters:
                 argv += emulated_lora_args(g)
@@ -99,6 +100,8 @@ def server_specs(
             "--kv-events-config",
             f'{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{kv}"}}',
         ]
+        if w.scheduling_policy != "fcfs":  # (priority, arrival) order; requests carry theirs
+            argv += ["--scheduling-policy", w.scheduling_policy]
         env = {
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -176,12 +179,15 @@ def running_workers(
         model = g.served_model_name if several else None
         slots = g.adapter_slots if g.adapters else 0
         w = g.workers
+        ordered = w.scheduling_policy == "priority"  # requests carry their priority there
         if w.urls:
             kv = list(w.kv_events) + [None] * len(w.urls)
-            given += [FleetWorker(u, k, model, slots) for u, k in zip(w.urls, kv, strict=False)]
+            given += [
+                FleetWorker(u, k, model, slots, ordered) for u, k in zip(w.urls, kv, strict=False)
+            ]
             continue
         for spec in server_specs(config, model_dir_of(config, g), scratch, g, len(specs)):
-            specs.append((spec, FleetWorker(spec.url, spec.kv_events, model, slots)))
+            specs.append((spec, FleetWorker(spec.url, spec.kv_events, model, slots, ordered)))
     if not specs:
         yield given
         return

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from router.proxy import drain
+from router.proxy import drain, ratelimit
 from router.proxy.adapters import ADAPTERS, AdapterLoader
 from router.proxy.capture import TraceCapture
 from router.proxy.catalog import Catalog
@@ -65,6 +65,7 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
     settings: ProxySettings = app[SETTINGS]
     try:
         body, req = await read_request(request, app[CATALOG], settings, chat, app[POOL])
+        await ratelimit.check(request, req)  # the tenant's budget: 429, or charged
     except APIError as e:  # rejected before routing: no worker was involved
         app[CLUSTER].metrics.requests.labels(
             settings.policy_name, "rejected", "none", f"http_{e.status}"
@@ -88,6 +89,8 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
             status = "client_gone" if client_left(request) else "cancelled"
             forward.metrics.requests.labels(settings.policy_name, "none", "none", status).inc()
         raise
+    finally:  # however it ended, what it produced is charged to its tenant's budget
+        ratelimit.charge_output(request, forward.output_tokens)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -182,6 +185,7 @@ def create_app(
     app[CATALOG] = served
     app[ADAPTERS] = AdapterLoader(served.adapter_paths, cluster.metrics)
     app[SETTINGS] = settings
+    ratelimit.install(app, settings, cluster.metrics, cluster.count_refusal)
     app[STARTED] = time.monotonic()
     app[HEALTH_NOTES] = []
     drain.install(app, settings.shutdown_grace)

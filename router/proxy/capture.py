@@ -1,10 +1,11 @@
 """Live traffic as a replayable trace: the proxy's recording in Fairway's native format.
 
 Each answered request becomes one line of `trace.jsonl` in the record folder: its arrival (seconds
-since the proxy started), client, session where the caller named one, prompt length, output
-length (the tokens actually generated), the prompt's chained block hashes at the workers' block
-size, and the worker and policy that served it. Never prompt text: the hashes cannot be turned
-back into tokens, and a replay makes its own tokens from them (router/proxy/bench/replay.py).
+since the proxy started), client, session where the caller named one, priority where not 0,
+prompt length, output length (the tokens actually generated), the prompt's chained block hashes
+at the workers' block size, and the worker and policy that served it. Never prompt text: the
+hashes cannot be turned back into tokens, and a replay makes its own tokens from them
+(router/proxy/bench/replay.py).
 
 Files rotate: past `max_file_bytes` the current file becomes `trace.N.jsonl` and only the newest
 `keep` of those stay, so a recording never takes more than (keep + 1) x max_file_bytes.
@@ -73,6 +74,8 @@ class TraceCapture:
             line["adapter"] = request.adapter
         if request.weight != 1.0:
             line["weight"] = request.weight
+        if request.priority != 0:  # its band: a replay runs it in the same class
+            line["priority"] = request.priority
         text = json.dumps(line, separators=(",", ":")) + "\n"
         if self._size + len(text) > self.max_file_bytes and self._size > len(self._header()):
             self._rotate()

@@ -19,6 +19,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.classes import Refused
+from router.proxy import admission
 from router.proxy.adapters import ADAPTERS, AdapterLoadFailed
 from router.proxy.capture import TraceCapture
 from router.proxy.errors import APIError, unavailable
@@ -45,6 +47,8 @@ HOP_BY_HOP = {
     "host",
     "content-encoding",
 }
+# Nor a client's X-Vllm-Priority: vLLM would take its band from it (admission.py).
+NOT_PASSED = HOP_BY_HOP | {admission.VLLM_PRIORITY_HEADER}
 # What a trip reads from the app; `create_app` (app.py) puts them there.
 CLUSTER = web.AppKey("cluster", LiveCluster)
 SETTINGS = web.AppKey("settings", ProxySettings)
@@ -121,6 +125,12 @@ class Forward:
                 worker, reason, admitted = self.cluster.route(self.req, exclude=tried)
             except WorkerDown:
                 break
+            except Refused as e:  # admission control: no worker would serve it in time
+                self.counted = True
+                self.metrics.requests.labels(
+                    self.settings.policy_name, "refused", "none", e.reason
+                ).inc()
+                raise admission.refused(e) from None
             except Exception as e:
                 log.exception("request %s: routing failed", self.request_id)
                 raise _unavailable("the router could not place the request", "routing_error") from e
@@ -167,24 +177,49 @@ class Forward:
         self, worker: LiveWorker, reason: str, admitted: asyncio.Future[LiveWorker]
     ) -> bool:
         """Wait until the worker's dispatch queue releases the request. False: the worker went
-        down first (try another). Timing out in the queue is the client's answer (503)."""
+        down first (try another). Timing out in the queue is the client's answer (503): past
+        its class's limit (admission control) a refusal, `queue_time`, unless it was released
+        meanwhile; past `queue_timeout`, `queue_timeout`."""
+        limit = self.settings.queue_timeout
+        class_limit = self.cluster.queue_limit(self.req)
+        refuses = class_limit is not None and class_limit <= limit
+        if refuses:
+            limit = class_limit
         try:
             if not admitted.done():  # most are let through at once: no timer for those
-                async with asyncio.timeout(self.settings.queue_timeout):
-                    await admitted
+                async with asyncio.timeout(limit):
+                    # Shielded: a release racing the timer still reaches the future.
+                    await asyncio.shield(admitted)
             admitted.result()
         except WorkerDown:
             self._book(self.cluster.abandon, worker, self.req)
             return False
         except TimeoutError:
-            self._book(self.cluster.abandon, worker, self.req)
-            self._count(reason, worker, "queue_timeout")
-            raise _unavailable("timed out waiting in the router queue", "queue_timeout") from None
+            if refuses and self._timed_out(worker):
+                self._count(reason, worker, "queue_time")
+                traffic = self.cluster.traffic_class(self.req)
+                raise admission.queue_time_refused(traffic, limit) from None
+            if not refuses or not admitted.done():
+                self._book(self.cluster.abandon, worker, self.req)
+                self._count(reason, worker, "queue_timeout")
+                raise _unavailable(
+                    "timed out waiting in the router queue", "queue_timeout"
+                ) from None
+            # Released as its time ran out: a request the worker has is never refused.
+            return await self._admitted(worker, reason, admitted)
         except BaseException:  # the client left (cancelled), or the cluster failed the wait
             self._book(self.cluster.abandon, worker, self.req)
             raise
         self.admitted_at = time.monotonic()
         return True
+
+    def _timed_out(self, worker: LiveWorker) -> bool:
+        """Withdrawn and counted as refused (True), or released already (False)."""
+        try:
+            return self.cluster.time_out(worker, self.req)
+        except Exception:
+            log.exception("request %s: time_out failed; abandoned", self.request_id)
+            return False
 
     async def _send(
         self, worker: LiveWorker, path: str
@@ -193,7 +228,7 @@ class Forward:
         a stream's first chunk. Failing anywhere before that is an APIError (retryable).
         Returns the response, those bytes, and whether it is a stream."""
         s = self.settings
-        headers = {k: v for k, v in self.http.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = {k: v for k, v in self.http.headers.items() if k.lower() not in NOT_PASSED}
         headers["X-Request-Id"] = self.request_id
         headers["Content-Type"] = "application/json"
         resp: aiohttp.ClientResponse | None = None
@@ -201,7 +236,11 @@ class Forward:
             async with asyncio.timeout(s.first_byte_timeout):
                 resp = await self.session.post(
                     f"{worker.url}{path}",
-                    data=orjson.dumps(self.upstream_body),
+                    data=orjson.dumps(
+                        admission.upstream_body(
+                            self.upstream_body, self.req.priority, worker.priority_scheduling
+                        )
+                    ),
                     headers=headers,
                     timeout=self.settings.upstream_timeout,
                 )
@@ -393,6 +432,8 @@ class Forward:
                 output_tokens=self.output_tokens,
                 preemptions=0,
                 weight=req.weight,
+                priority=req.priority,
+                predicted_ttft=self.cluster.predicted_ttft(req),
             )
             self.recorder.write(record, flush=True)
         if self.capture is not None and status == "ok":
@@ -401,6 +442,20 @@ class Forward:
             )
         service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)
+        if status == "ok" and self.first_byte_at is not None:
+            self._score(now)
+
+    def _score(self, now: float) -> None:
+        """The answer against its class's targets, and the TTFT predicted against the measured
+        (for a stream: its first byte is its first token)."""
+        req, first = self.req, self.first_byte_at
+        assert first is not None, "scored only once the client has a byte"
+        stream = self.response is not None
+        n = self.output_tokens
+        tpot = (now - first) / (n - 1) if stream and n > 1 else None
+        predicted = self.cluster.predicted_ttft(req) if stream else None
+        traffic, label = self.cluster.traffic_class(req), self.cluster.class_label(req)
+        admission.score(self.metrics, label, traffic, first - req.arrival, tpot, predicted)
 
     def _count(self, reason: str, worker: LiveWorker, status: str) -> None:
         self.counted = True

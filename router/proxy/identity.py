@@ -5,16 +5,20 @@ trusted gateway (`trust_client_headers`) can only narrow it, never leave it:
 
     tenants ─▶ the key's digest names the tenant (else 401)
                ├─ gateway's X-Client-Id: a sub-client, charged as "<tenant>/<id>"
-               └─ gateway's X-Client-Weight: lowers the tenant's weight, never raises it
+               ├─ gateway's X-Client-Weight: lowers the tenant's weight, never raises it
+               └─ gateway's X-Priority (or body `priority`): lowers the tenant's band (a
+                  larger value), never raises it
     none    ─▶ gateway's X-Client-Id (and X-Client-Weight), as named
                else the body's `user` ...... "user:<pseudonym>"
                else the bearer key ......... "key:<pseudonym>"
                else ........................ "anonymous"
 
-Without `trust_client_headers` the headers are ignored. A pseudonym is 12 hex digits of a
-salted HMAC-SHA256: the policies still tell every key and user apart, and no metric label, log
-line or record holds any part of a key, nor a user's name. The salt is random per process
-unless configured; replicas of one `fairway serve` get their parent's, so they name alike.
+Without tenants, a gateway's X-Priority (or the body's `priority`) sets the band, default 0.
+Without `trust_client_headers` the headers and the body's `priority` are ignored. A pseudonym
+is 12 hex digits of a salted HMAC-SHA256: the policies still tell every key and user apart,
+and no metric label, log line or record holds any part of a key, nor a user's name. The salt
+is random per process unless configured; replicas of one `fairway serve` get their parent's,
+so they name alike.
 
 Metric labels are bounded besides (`metric_labels`): tenants, and the clients `client_labels`
 names, by name; a count of others by pseudonym, first come; everyone else as "other".
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 from collections.abc import Callable
 
 from aiohttp import web
@@ -32,13 +37,16 @@ from aiohttp import web
 from router.proxy.errors import APIError, bad_request
 from router.proxy.settings import (
     MAX_CLIENT_ID,
+    MAX_PRIORITY,
     MAX_WEIGHT,
+    MIN_PRIORITY,
     MIN_WEIGHT,
     ProxySettings,
     Tenant,
     key_digest,
 )
 
+PRIORITY_TEXT = re.compile(r"-?[0-9]{1,9}")
 PSEUDONYM_HEX = 12  # 48 bits: a collision merges two clients' accounting, nothing worse
 ANONYMOUS = "anonymous"
 
@@ -89,6 +97,22 @@ def client_identity(
     if key := bearer(http):
         return "key:" + pseudonym(s.client_salt, "key", key), weight
     return ANONYMOUS, weight
+
+
+def client_priority(http: web.Request, body: dict, tenant: Tenant | None, s: ProxySettings) -> int:
+    """The request's priority band (lower first, as vLLM): the tenant's; a trusted gateway's
+    X-Priority, else the body's `priority`, may lower it (a larger value), never raise it.
+    Without tenants, that value itself (default 0). Untrusted, both are ignored."""
+    base = tenant.priority if tenant is not None else 0
+    if not s.trust_client_headers:
+        return base
+    if (header := http.headers.get("X-Priority")) is not None:
+        asked = _priority(_integer_text(header), "X-Priority")
+    elif (field := body.get("priority")) is not None:
+        asked = _priority(field, "priority")
+    else:
+        return base
+    return max(base, asked) if tenant is not None else asked
 
 
 def check_admin(http: web.Request, token: str | None) -> None:
@@ -154,3 +178,18 @@ def _weight(text: str) -> float:
             "X-Client-Weight",
         )
     return w
+
+
+def _integer_text(text: str) -> int | str:
+    """A header's integer, written plainly (not with `+`, `_`, spaces or non-ASCII digits,
+    which int() would take); else the text, for `_priority` to refuse."""
+    return int(text) if PRIORITY_TEXT.fullmatch(text) else text
+
+
+def _priority(value: object, param: str) -> int:
+    """An integer within [MIN_PRIORITY, MAX_PRIORITY]: each value is a band in every queue."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_request(f"{param} must be an integer", param)
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise bad_request(f"{param} must be between {MIN_PRIORITY} and {MAX_PRIORITY}", param)
+    return value

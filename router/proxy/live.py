@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
 from router.cluster import CostEstimates
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
@@ -44,6 +45,7 @@ class LiveWorker:
     dispatch: DispatchQueue
     kv_events: str | None = None  # ZMQ endpoint publishing vLLM KV events, if any
     model: str | None = None  # its model group, in a fleet of several
+    priority_scheduling: bool = False  # it runs --scheduling-policy priority: send `priority`
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     waiters: dict[int, asyncio.Future[LiveWorker]] = field(default_factory=dict)
@@ -75,7 +77,15 @@ class LiveCluster:
         clock: Callable[[], float] = time.monotonic,
         drift: DriftGuard | None = None,
         adapter_load_time: float = 0.0,
+        classes: ClassTable | None = None,
+        latency_routing: bool = False,
+        admission: bool = False,
+        priority_scheduling: bool = False,
+        step_tokens: int = 2048,
     ) -> None:
+        """`classes` (None: no bands), `latency_routing`, `admission` and `step_tokens` (the
+        workers' max_num_batched_tokens): see router.core.Router. `priority_scheduling`: what
+        a worker added without saying runs (`add_worker`)."""
         self.fall = fall
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
@@ -91,8 +101,23 @@ class LiveCluster:
             kv_capacity_blocks=kv_capacity_blocks,
             strict=False,
             adapter_load_time=adapter_load_time,
+            classes=classes,
+            latency_routing=latency_routing,
+            admission=admission,
+            step_tokens=step_tokens,
         )
         self.view = self.router.view
+        self.priority_scheduling = priority_scheduling
+        # Each routed request's predicted time to first token (bands on), until it ends.
+        self._predicted_ttft: dict[int, float] = {}
+        # Metric labels of classes: the configured ones by name, the default band as the core
+        # names it; any other priority (a gateway's choice) is folded into "other".
+        self._class_labels = {c.priority: c.name for c in self.router.classes}
+        self._class_labels.setdefault(0, self.router.classes.of_priority(0).name)
+        if admission:  # zero series from the start: rate() needs them
+            for c in self.router.classes:
+                for reason in (QUEUE_TIME, UNMEETABLE):
+                    self.metrics.refusals.labels(c.name, reason)
         self.policy = policy
         # Predicted against actual hits; `drift=None` builds the default guard over this
         # router's levels (pass a guard with other settings, or use set_index_level by hand).
@@ -121,16 +146,21 @@ class LiveCluster:
         wid: WorkerId | None = None,
         model: str | None = None,
         adapter_slots: int = 0,
+        priority_scheduling: bool | None = None,
     ) -> LiveWorker:
         """Add the worker at `url` as `wid`, by default the next id of this cluster's own
         (router replicas take ids from their store, so that every replica names it alike).
-        `model`: its model group in a fleet of several; `adapter_slots`: its --max-loras."""
+        `model`: its model group in a fleet of several; `adapter_slots`: its --max-loras;
+        `priority_scheduling`: whether it runs vLLM's priority scheduling (None: the
+        cluster's default)."""
         if wid is None:
             wid = self._next_id
         assert wid not in self.workers, f"worker id {wid} is taken"
         self._next_id = max(self._next_id, wid + 1)
         dispatch = self.router.add_worker(wid, model=model, adapter_slots=adapter_slots)
-        worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events, model)
+        if priority_scheduling is None:
+            priority_scheduling = self.priority_scheduling
+        worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events, model, priority_scheduling)
         self.workers[wid] = worker
         self.metrics.healthy.labels(worker.label).set(1)
         self.metrics.retries.labels(worker.label)  # a zero series from the start, not on demand
@@ -190,8 +220,13 @@ class LiveCluster:
             routed = self.router.route(request, now, exclude)
         except NoHealthyWorker:
             raise WorkerDown("no healthy worker") from None
+        except Refused as refused:  # admission control: no worker would serve it in time
+            self.count_refusal(request, refused.reason)
+            raise
         worker = self.workers[routed.decision.worker]
         worker.waiters[request.id] = fut
+        if routed.predicted_ttft is not None:
+            self._predicted_ttft[request.id] = routed.predicted_ttft
         bs = self.view.block_size
         self.metrics.prompt_tokens.labels(worker.label).inc(request.prompt_len)
         self.metrics.estimated_hit_tokens.labels(worker.label, IndexMode.APPROXIMATE).inc(
@@ -219,6 +254,7 @@ class LiveCluster:
                 self.metrics.hit_tokens_predicted.labels(worker.label).inc(predicted)
                 self.metrics.hit_tokens_actual.labels(worker.label).inc(cached_tokens)
         level = self.router.index_level
+        self._predicted_ttft.pop(request.id, None)
         self._send(worker, self.router.finish(request, self.clock(), cached_tokens))
         if self.router.index_level != level:
             new = self.router.index_level
@@ -230,11 +266,46 @@ class LiveCluster:
         """`request` was routed to `worker` and its caller gives up before it ran (timed out,
         or the worker went down): withdrawn uncharged, or, if it was just released, finished."""
         worker.waiters.pop(request.id, None)
+        self._predicted_ttft.pop(request.id, None)
         if self.router.is_released(request):
             self._send(worker, self.router.finish(request, self.clock()))
         else:
             self.router.withdraw(request, self.clock())
         self._publish(worker)
+
+    def time_out(self, worker: LiveWorker, request: Request) -> bool:
+        """`request` has waited its class's queue limit at `worker`: refused (withdrawn,
+        charged nothing, counted) if its queue still holds it. False: it was released
+        meanwhile, and goes on."""
+        if not self.router.time_out(request, self.clock()):
+            return False
+        worker.waiters.pop(request.id, None)
+        self._predicted_ttft.pop(request.id, None)
+        self.count_refusal(request, QUEUE_TIME)
+        self._publish(worker)
+        return True
+
+    def count_refusal(self, request: Request, reason: str) -> None:
+        """`request` was turned away for `reason` (router.classes: queue_time, unmeetable,
+        rate_limit), in fairway_refusals_total by its class."""
+        self.metrics.refusals.labels(self.class_label(request), reason).inc()
+
+    def queue_limit(self, request: Request) -> float | None:
+        """How long `request` may wait in a router queue (its class's, with admission on)."""
+        return self.router.queue_limit(request)
+
+    def predicted_ttft(self, request: Request) -> float | None:
+        """The router's prediction of `request`'s time to first token, made when it was
+        routed (None without bands), until the request ends."""
+        return self._predicted_ttft.get(request.id)
+
+    def traffic_class(self, request: Request) -> TrafficClass:
+        return self.router.classes.of_request(request)
+
+    def class_label(self, request: Request) -> str:
+        """`request`'s class as a metric label: the configured classes' names are the
+        operator's; a priority none names is "other", since a client may have chosen it."""
+        return self._class_labels.get(request.priority, "other")
 
     def tokens(self, worker: LiveWorker, request: Request, n: int) -> None:
         self.router.tokens(request, n, self.clock())

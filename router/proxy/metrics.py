@@ -245,6 +245,51 @@ class RouterMetrics:
             ),
             self.clients,
         )
+        # Traffic classes (router/classes.py). `class` is a configured class's name, or
+        # "other" for a priority no class names (LiveCluster.class_label): never a client's.
+        self.refusals = Labelled(
+            Counter(
+                "fairway_refusals",
+                "Requests admission control refused (503), by class and reason (queue_time, "
+                "unmeetable)",
+                ["class", "reason"],
+                registry=r,
+            )
+        )
+        self.class_requests = Labelled(
+            Counter(
+                "fairway_class_requests",
+                "Answered requests by class and outcome: met (both the class's targets, on the "
+                "measured TTFT and TPOT) or missed",
+                ["class", "outcome"],
+                registry=r,
+            )
+        )
+        self.ttft_predicted = Labelled(
+            Counter(
+                "fairway_ttft_predicted_seconds",
+                "Sum of the router's predicted TTFT over streamed answers that had a prediction",
+                ["class"],
+                registry=r,
+            )
+        )
+        self.ttft_observed = Labelled(
+            Counter(
+                "fairway_ttft_observed_seconds",
+                "Sum of the measured TTFT over the same answers as fairway_ttft_predicted_seconds",
+                ["class"],
+                registry=r,
+            )
+        )
+        self.ttft_prediction_error = Labelled(
+            Histogram(
+                "fairway_ttft_prediction_abs_error_seconds",
+                "|predicted - measured| TTFT of streamed answers that had a prediction",
+                ["class"],
+                buckets=LATENCY_BUCKETS,
+                registry=r,
+            )
+        )
         self.index_blocks = Labelled(
             Gauge(
                 "fairway_index_blocks",
@@ -252,6 +297,22 @@ class RouterMetrics:
                 ["worker", "mode"],
                 registry=r,
             )
+        )
+        # Tenant budgets (router/proxy/ratelimit.py): `client` as ClientLabels gives it.
+        self.rate_limited = Labelled(
+            Counter(
+                "fairway_rate_limited",
+                "Requests refused (429) by their tenant's budget, by the limit that refused "
+                "(requests, input_tokens, output_tokens)",
+                ["client", "limit"],
+                registry=r,
+            )
+        )
+        self.rate_limit_store_errors = Counter(
+            "fairway_rate_limit_store_errors",
+            "Budget checks and output charges the replicas' store did not answer (decided by "
+            "rate_limit_store_failure; charges dropped)",
+            registry=r,
         )
         self._shared_state: SharedStateMetrics | None = None
         self.loop_lag = Histogram(

@@ -6,8 +6,8 @@ each step bounded so that no input costs the proxy more than its limits allow:
     headers   sizes (431/414), the API key (401) ........ before the body is read
     body      size (413), a read deadline (408) ......... slow or huge senders cut off
     JSON      brackets, syntax, nesting depth (400) ..... parsed once, off the loop if large
-    fields    model (404), n, best_of, stream, max_tokens, the client's identity and weight
-              (router/proxy/identity.py)
+    fields    model (404), n, best_of, stream, max_tokens, the client's identity, weight and
+              priority (router/proxy/identity.py)
     prompt    characters bounded before tokenizing, token ids in the vocabulary (400)
 
 Every rejection is an APIError in the OpenAI shape.
@@ -31,7 +31,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError, bad_request
-from router.proxy.identity import authenticate, client_identity
+from router.proxy.identity import authenticate, client_identity, client_priority
 from router.proxy.prompts import PromptError
 from router.proxy.settings import BODY_TIMEOUT, MAX_BODY_BYTES, ProxySettings, Tenant
 from router.request import Request, cache_root
@@ -227,6 +227,7 @@ def build_request(
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("'cache_salt' must be a non-empty string if provided", "cache_salt")
     client, weight = client_identity(http, body, tenant, s)
+    priority = client_priority(http, body, tenant, s)
     _optional(body, "stream", lambda v: isinstance(v, bool), "true or false")
     _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     _optional(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer 1 to {MAX_N}")
@@ -265,6 +266,7 @@ def build_request(
         block_hashes=encoder.block_hashes(ids, cache_root(served.group, served.adapter, salt)),
         client=client,
         session=session_of(http),
+        priority=priority,
         weight=weight,
         model=served.group,
         adapter=served.adapter,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from router.budgets import RateLimit
+
 # json.loads holds the GIL while it parses, worker thread or not: about 60 ms per MiB of JSON
 # numbers (token ids), 10 ms per MiB of text, measured. 1 MiB keeps the event loop under 100 ms.
 MAX_BODY_BYTES = 1024 * 1024
@@ -21,14 +23,19 @@ HEADER_TIMEOUT = 10.0  # seconds for a request's head, from its first byte (HAPr
 SHUTDOWN_GRACE = 20.0
 MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
 MAX_CLIENT_ID = 128
+# Request priorities (vLLM's convention: lower is served first, default 0). Each value is a
+# band in every worker's queue, so a client-chosen one is bounded.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
 
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Who an API key belongs to (cluster.yaml `tenants`)."""
+    """Who an API key belongs to (cluster.yaml `tenants`), and its budget (None: unlimited)."""
 
     client: str
     weight: float = 1.0
+    rate_limit: RateLimit | None = None
+    priority: int = 0  # its requests' band; a trusted gateway may only lower it (a larger value)
 
 
 def key_digest(key: str) -> bytes:
@@ -69,13 +76,16 @@ class ProxySettings:
     shutdown_grace: float = SHUTDOWN_GRACE  # for requests in flight when the proxy stops
     # Metric series besides the tenants': these clients by name, or that many, first come.
     client_labels: int | tuple[str, ...] = 20
-    trust_client_headers: bool = False  # X-Client-Id / X-Client-Weight set by a trusted gateway
+    trust_client_headers: bool = False  # X-Client-Id / -Weight / X-Priority set by a gateway
     # key_digest(API key) -> tenant (`keyed`); none: generation is open to anyone
     tenants: Mapping[bytes, Tenant] = field(default_factory=dict, repr=False)
     # Keys and users become pseudonyms salted with this; replicas of one serve share it.
     client_salt: bytes = field(default_factory=new_salt, repr=False)
     # The event loop: uvloop (libuv) where installed, else asyncio's own (event_loop.py).
     event_loop: str = "uvloop"
+    # Tenant budgets when the replicas' store does not answer: "open" admits, "closed" is a
+    # 503 (router/proxy/fleet/budget_store.py says why open is the default).
+    rate_limit_store_failure: str = "open"
 
     @property
     def upstream_timeout(self) -> aiohttp.ClientTimeout:

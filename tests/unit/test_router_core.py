@@ -9,13 +9,14 @@ import pytest
 
 import policies
 from policies.fcfs import FCFS
+from router.classes import ClassTable, Refused, TrafficClass
 from router.core import Router
 from router.cost_model import roofline
 from router.proxy.live import LiveCluster, WorkerDown
 from router.request import Request
 from simulator.cluster import SimCluster, SimConfig
 from simulator.engine import EngineConfig
-from traces.generators import flood, shared_prefix
+from traces.generators import flood, priority_mix, shared_prefix
 
 BS = 16
 
@@ -214,13 +215,19 @@ def _ids(requests) -> list[int]:
 
 
 def _recorded(name: str, answer=None):
-    """A stand-in method: the Router's own call, then the call and its answer recorded."""
+    """A stand-in method: the Router's own call, then the call and its answer recorded (a
+    refusal by admission control as its reason)."""
 
     def call(self, *args, **kw):
-        out = getattr(self._router, name)(*args, **kw)
+        said = args
         if name in ("route", "finish") and len(args) == 3 and not args[2]:
-            args = args[:2]  # no exclusions, no reported hit: however it is said
-        self._calls.append((name, args, tuple(sorted(kw.items())), answer(out) if answer else None))
+            said = args[:2]  # no exclusions, no reported hit: however it is said
+        try:
+            out = getattr(self._router, name)(*args, **kw)
+        except Refused as e:
+            self._calls.append((name, said, tuple(sorted(kw.items())), ("refused", e.reason)))
+            raise
+        self._calls.append((name, said, tuple(sorted(kw.items())), answer(out) if answer else None))
         return out
 
     return call
@@ -242,6 +249,8 @@ class RecordingRouter:
     first_token = _recorded("first_token")
     report = _recorded("report")
     worker_up = _recorded("worker_up")
+    time_out = _recorded("time_out", bool)  # a class's queue limit: refused, or it goes on
+    never_started = _recorded("never_started", _ids)  # refused inside an engine (sim only)
     # A simulated engine's decode progress in sum, settled on requests later (credited).
     work_done_on = _recorded("work_done_on")
 
@@ -270,6 +279,7 @@ def replay_live(
     clock = FakeClock()
     glob = policies.global_policies.build(config.policy, config.policy_params, config.seed)
     local = config.local_policy or glob.default_local
+    banded = bool(config.classes) or len({r.priority for r in trace.requests}) > 1
     live = LiveCluster(
         glob,
         lambda: policies.local_policies.build(local, config.local_params, config.seed),
@@ -277,6 +287,10 @@ def replay_live(
         window=config.window,
         cost=cost,
         clock=clock,
+        classes=ClassTable(config.classes) if banded else None,
+        latency_routing=config.latency_routing,
+        admission=config.admission,
+        step_tokens=config.engine.max_num_batched_tokens,
     )
     recorder = Recorder()
     for _ in range(config.num_workers):
@@ -295,11 +309,19 @@ def replay_live(
                 waiting = dict(kw)["waiting"]
                 live.workers[wid].reported = {"waiting": waiting}
                 live.report_gauges(live.workers[wid])
+                if "kv_used_blocks" in dict(kw):  # as scraped: vllm:kv_cache_usage_perc
+                    live.router.report(wid, kv_used_blocks=dict(kw)["kv_used_blocks"])
             elif name == "route":
                 request, now = args[0], args[1]
                 clock.now = now
-                worker, _, fut = live.route(request)
+                try:
+                    worker, _, fut = live.route(request)
+                except Refused:  # the proxy's 503 `unmeetable`
+                    continue
                 futures[request.id], where[request.id] = fut, worker
+            elif name == "time_out":  # the proxy's queue timer for the request's class
+                request, clock.now = requests[args[0].id], args[1]
+                live.time_out(where[request.id], request)
             elif name == "work_done_on":  # the same core call, as the simulator makes it
                 live.router.work_done_on(*args)
             elif name in ("first_token", "tokens", "finish"):
@@ -370,3 +392,57 @@ def test_simulator_and_proxy_drivers_make_the_same_decisions(name: str) -> None:
     assert live.router.predicted_hit_tokens == cluster.router.predicted_hit_tokens
     for wid, state in live.view.workers.items():
         assert state.tokens_in_flight == cluster.router.view.workers[wid].tokens_in_flight == 0
+
+
+def test_both_drivers_refuse_the_same_requests_for_the_same_reasons() -> None:
+    """Traffic classes with admission control: arrivals in two priorities, a TTFT target no
+    worker can always meet, queue-time limits and an outage, from a simulated run, fed to the
+    live driver. Every decision, every refusal at routing (unmeetable) and every queue timer's
+    answer (refused, or already released and going on) agree, and so do the counts."""
+    trace = priority_mix(
+        duration=6.0, interactive_rate=4.0, batch_rate=4.0, num_interactive=2, num_batch=2, seed=1
+    )
+    config = SimConfig(
+        num_workers=2,
+        placement="router",
+        window=2,
+        classes=(
+            TrafficClass("interactive", 0, ttft=0.1, max_queue_time=0.5),
+            TrafficClass("batch", 1, max_queue_time=1.5),
+        ),
+        admission=True,
+        latency_routing=True,
+        outages=((2.0, 3.5, 1),),
+        engine=EngineConfig(num_kv_blocks=1500),
+        policy="lpm",
+    )
+    cost = roofline("llama-3-8b", "a100-80g")
+    cluster = SimCluster(trace, cost, config)
+    sim_recorder = Recorder()
+    sim_recorder.attach(cluster)
+    cluster.run()
+    sim_calls = sim_recorder.calls
+    # The proxy never refuses a request its worker has: the simulated run must not either.
+    assert not [c for c in sim_calls if c[0] == "never_started"]
+    refusals = cluster.router.refusals
+    assert refusals[("interactive", "unmeetable")] and refusals[("interactive", "queue_time")]
+    assert refusals[("batch", "queue_time")], refusals
+    timers = {c[3] for c in sim_calls if c[0] == "time_out"}
+    assert timers == {True, False}, "some timed out queued, others had been released"
+    assert cluster.records, "some were answered"
+
+    live_recorder, live = replay_live(sim_calls, config, cost, trace)
+    assert without_reports(live_recorder.calls) == without_reports(sim_calls)
+    assert live.router.refusals == refusals
+    assert counters(live.router) == counters(cluster.router)
+    refused_live = {
+        (c[1][0].id, c[3][1])
+        for c in live_recorder.calls
+        if c[0] == "route" and c[3][0] == "refused"
+    }
+    assert refused_live == {(x.id, x.reason) for x in cluster.refusals if x.reason == "unmeetable"}
+    timed_out_live = {c[1][0].id for c in live_recorder.calls if c[0] == "time_out" and c[3]}
+    assert timed_out_live == {x.id for x in cluster.refusals if x.reason == "queue_time"}
+    for wid, state in live.view.workers.items():
+        assert state.tokens_in_flight == cluster.router.view.workers[wid].tokens_in_flight == 0
+    assert all(live.predicted_ttft(r) is None for r in trace.requests), "dropped at the end"

@@ -6,8 +6,9 @@ Prompts are token ids made from the trace's block hashes: each hash seeds its bl
 requests that share a prefix in the trace share it token for token at the server (the tokens mean
 nothing); a fresh salt per replay keeps one replay's prompts out of the next one's cache.
 Every answer is `output_len` tokens long (`ignore_eos`). Requests go out open loop, each at its
-arrival time, or closed loop by session; each carries its client in `X-Client-Id` so the proxy's
-fairness sees the tenants.
+arrival time, or closed loop by session; each carries its client in `X-Client-Id` (and its
+weight and priority in `X-Client-Weight`, `X-Priority`) so the proxy's fairness and classes see
+the tenants.
 Live records know no admission time: `admitted` is the arrival.
 """
 
@@ -140,6 +141,8 @@ async def _one(
     headers = {"X-Client-Id": req.client}
     if req.weight != 1.0:
         headers["X-Client-Weight"] = str(req.weight)
+    if req.priority != 0:
+        headers["X-Priority"] = str(req.priority)
     sent = time.monotonic()
     first = None
     usage: dict = {}

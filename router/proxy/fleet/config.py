@@ -32,13 +32,16 @@ from pydantic import (
 )
 
 import policies
+from router.classes import ClassTable, TrafficClass
 from router.cost_model import GPUS, MODELS, FittedCost
 from router.proxy.settings import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
     MAX_BODY_BYTES,
     MAX_CLIENT_ID,
+    MAX_PRIORITY,
     MAX_WEIGHT,
+    MIN_PRIORITY,
     MIN_WEIGHT,
 )
 from router.traits import IndexMode
@@ -120,6 +123,9 @@ class WorkersConfig(Strict):
     emulated_preset: ModelPreset = "llama-3-8b"
     emulated_gpu: GPUPreset = "a100-80g"
     emulated_speed: float = Field(1.0, gt=0)
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="the servers' --scheduling-policy; priority: requests carry theirs"
+    )
 
 
 class PolicyConfig(Strict):
@@ -189,13 +195,37 @@ class RedisTLSConfig(Strict):
         return v
 
 
+PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Priority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)]
+
+
+class RateLimitConfig(Strict):
+    """A tenant's budget: token buckets that refill at these rates (router/budgets.py); a
+    field left out is unlimited."""
+
+    requests_per_s: PositiveRate | None = None
+    burst: Annotated[float, Field(ge=1, allow_inf_nan=False)] | None = Field(
+        None, description="requests at once; none: max(1, requests_per_s)"
+    )
+    input_tokens_per_min: PositiveRate | None = None
+    output_tokens_per_min: PositiveRate | None = None
+
+    @model_validator(mode="after")
+    def _burst_of_requests(self) -> RateLimitConfig:
+        if self.burst is not None and self.requests_per_s is None:
+            raise ValueError("burst: needs requests_per_s")
+        return self
+
+
 class TenantConfig(Strict):
-    """An API key (`api_key`, `api_key_env` or `api_key_file`), and the client (tenant) and
-    weight it stands for."""
+    """An API key (`api_key`, `api_key_env` or `api_key_file`), and the client (tenant), the
+    weight and the budget it stands for."""
 
     api_key: Secret
     client: str = Field(min_length=1, max_length=MAX_CLIENT_ID)
     weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT)
+    rate_limit: RateLimitConfig | None = None
+    priority: Priority = Field(0, description="its requests' band (lower first, as vLLM)")
 
     @model_validator(mode="before")
     @classmethod
@@ -211,6 +241,21 @@ class TenantConfig(Strict):
 
 
 ServedName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s]+$")]
+# A class's name is a metric label: the operator's word, kept short and plain.
+ClassName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class ClassConfig(Strict):
+    """A traffic class (router/classes.py): the priority its requests carry, its latency
+    targets and how long they may wait in a router queue (None: no target, no limit)."""
+
+    priority: Priority
+    ttft: Seconds | None = Field(None, description="target time to first token")
+    tpot: Seconds | None = Field(None, description="target time per output token")
+    max_queue_time: Seconds | None = Field(
+        None, description="with admission_control: refused (503) past this in a router queue"
+    )
 
 
 class AdapterConfig(Strict):
@@ -254,6 +299,7 @@ class FleetWorker:
     kv_events: str | None = None
     model: str | None = None
     adapter_slots: int = 0
+    priority_scheduling: bool = False  # it runs --scheduling-policy priority
 
 
 class ClusterConfig(Strict):
@@ -291,10 +337,23 @@ class ClusterConfig(Strict):
         default_factory=list, description="API keys; when set, a request needs one (else 401)"
     )
     trust_client_headers: bool = Field(
-        False, description="honour X-Client-Id / X-Client-Weight (a trusted gateway sets them)"
+        False,
+        description="honour X-Client-Id / X-Client-Weight / X-Priority (a trusted gateway's)",
+    )
+    classes: dict[ClassName, ClassConfig] = Field(
+        default_factory=dict, description="traffic classes by name: priority bands and targets"
+    )
+    latency_routing: bool = Field(
+        False, description="route a class with a ttft target among workers predicted to meet it"
+    )
+    admission_control: bool = Field(
+        False, description="503 for requests no worker can serve in time, or queued too long"
     )
     event_loop: Literal["uvloop", "asyncio"] = Field(
         "uvloop", description="the proxy's event loop: uvloop (libuv) where installed, or asyncio's"
+    )
+    rate_limit_store_failure: Literal["open", "closed"] = Field(
+        "open", description="tenant budgets while the replicas' store is away: admit, or 503"
     )
     routers: int = Field(1, ge=1, le=64, description="proxy processes sharing `port`")
     router_sync: float = Field(
@@ -339,6 +398,32 @@ class ClusterConfig(Strict):
                     )
                 ports[port] = i
         return self
+
+    @model_validator(mode="after")
+    def _class_priorities(self) -> ClusterConfig:
+        seen: dict[int, str] = {}
+        for name, c in self.classes.items():
+            if c.priority in seen:
+                raise ValueError(
+                    f"classes.{name}.priority: {c.priority} is {seen[c.priority]}'s too"
+                )
+            seen[c.priority] = name
+        return self
+
+    @property
+    def class_table(self) -> ClassTable:
+        return ClassTable(TrafficClass(name, **c.model_dump()) for name, c in self.classes.items())
+
+    @property
+    def uses_priorities(self) -> bool:
+        """Whether a request can carry a priority other than 0: then every worker's router
+        queue is in bands."""
+        return (
+            bool(self.classes)
+            or self.trust_client_headers
+            or any(t.priority for t in self.tenants)
+            or any(g.workers.scheduling_policy == "priority" for g in self.groups)
+        )
 
     @property
     def groups(self) -> list[ModelGroupConfig]:

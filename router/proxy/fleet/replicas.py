@@ -240,6 +240,7 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     task that shares counters and routing decisions through Redis."""
     from router.proxy.app import CLUSTER, create_app
     from router.proxy.errors import APIError
+    from router.proxy.fleet.budget_store import shared_budgets_ctx
     from router.proxy.fleet.config import validate_config
     from router.proxy.fleet.serve import add_workers, build_cluster, catalog_of, settings_of
     from router.proxy.fleet.shared_state import SHARED, shared_state_ctx
@@ -271,6 +272,7 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     app.cleanup_ctx.append(
         shared_state_ctx(app[CLUSTER], store, spec.prefix, token, config.router_sync)
     )
+    app.cleanup_ctx.append(shared_budgets_ctx(store, spec.prefix))  # one budget per tenant
     return app
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 from pydantic import SecretStr
 
 import policies
+from router.budgets import RateLimit
 from router.cost_model import FittedCost, roofline
 from router.proxy import connections
 from router.proxy.app import RUNNER_OPTIONS, create_app
 from router.proxy.catalog import Catalog
 from router.proxy.exposure import admin_socket
-from router.proxy.fleet.config import ClusterConfig, FleetWorker
+from router.proxy.fleet.config import ClusterConfig, FleetWorker, TenantConfig
 from router.proxy.live import LiveCluster
 from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import SHUTDOWN_GRACE, ProxySettings, Tenant, keyed, new_salt
@@ -47,6 +48,12 @@ def build_cluster(config: ClusterConfig) -> LiveCluster:
         precise=config.index_mode == "precise",
         # One router weighs loads for every group: the slowest group's load time.
         adapter_load_time=max((g.adapter_load_time for g in config.groups), default=0.0),
+        # Bands in every queue as soon as a request can carry a priority other than 0.
+        classes=config.class_table if config.uses_priorities else None,
+        latency_routing=config.latency_routing,
+        admission=config.admission_control,
+        # Workers added later (admin API, a replica's store) join the one-model fleet.
+        priority_scheduling=config.groups[0].workers.scheduling_policy == "priority",
     )
 
 
@@ -64,7 +71,13 @@ def catalog_of(config: ClusterConfig, model_dirs: dict[str, Path]) -> Catalog:
 
 def add_workers(cluster: LiveCluster, workers: list[FleetWorker]) -> None:
     for w in workers:
-        cluster.add_worker(w.url, w.kv_events, model=w.model, adapter_slots=w.adapter_slots)
+        cluster.add_worker(
+            w.url,
+            w.kv_events,
+            model=w.model,
+            adapter_slots=w.adapter_slots,
+            priority_scheduling=w.priority_scheduling,
+        )
 
 
 def settings_of(config: ClusterConfig) -> ProxySettings:
@@ -90,12 +103,17 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
         max_connections=config.limits.max_connections,
         client_labels=labels if isinstance(labels, int) else tuple(labels),
         trust_client_headers=config.trust_client_headers,
-        tenants=keyed(
-            {t.api_key.get_secret_value(): Tenant(t.client, t.weight) for t in config.tenants}
-        ),
+        tenants=keyed({t.api_key.get_secret_value(): _tenant(t) for t in config.tenants}),
         client_salt=salt.encode() if salt else new_salt(),  # `fairway serve` always has one
         event_loop=config.event_loop,
+        rate_limit_store_failure=config.rate_limit_store_failure,
     )
+
+
+def _tenant(t: TenantConfig) -> Tenant:
+    limit = t.rate_limit
+    budget = None if limit is None else RateLimit(**limit.model_dump())
+    return Tenant(t.client, t.weight, budget, t.priority)
 
 
 def _clear(secret: SecretStr | None) -> str | None:
