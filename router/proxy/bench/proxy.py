@@ -33,9 +33,25 @@ from workers import emulated
 ROOT = Path(__file__).resolve().parents[3]
 
 
-async def ttfts(url: str, n: int, body: dict) -> np.ndarray:
+# A tenant with classes, latency routing, admission control and a budget it never exhausts:
+# what they cost the proxy per stream (router/proxy/ratelimit.py, admission.py).
+BENCH_KEY = "bench-key-0123456789abcdef"
+WITH_CLASSES = f"""tenants:
+  - api_key: {BENCH_KEY}
+    client: bench
+    priority: 0
+    rate_limit: {{requests_per_s: 1.0e6, burst: 1.0e6, input_tokens_per_min: 1.0e12,
+                 output_tokens_per_min: 1.0e12}}
+classes:
+  interactive: {{priority: 0, ttft: 10, tpot: 1, max_queue_time: 60}}
+latency_routing: true
+admission_control: true
+"""
+
+
+async def ttfts(url: str, n: int, body: dict, headers: dict[str, str] | None = None) -> np.ndarray:
     out = []
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=headers) as s:
         for _ in range(n):
             start = time.perf_counter()
             async with s.post(f"{url}/v1/completions", json=body) as r:
@@ -53,19 +69,28 @@ class Throughput:
     streams_per_cpu_s: float  # streams per CPU-second of the router: its rate on one core
 
 
-def measured(url: str, pid: int, seconds: float, concurrency: int, body: dict) -> Throughput:
+def measured(
+    url: str,
+    pid: int,
+    seconds: float,
+    concurrency: int,
+    body: dict,
+    headers: dict[str, str] | None = None,
+) -> Throughput:
     """`throughput`, with the CPU time the router `pid` (and its children) used meanwhile."""
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
-    rate = asyncio.run(throughput(url, seconds, concurrency, body))
+    rate = asyncio.run(throughput(url, seconds, concurrency, body, headers))
     cpu, wall = cpu_seconds(pid) - cpu0, time.monotonic() - t0
     return Throughput(rate, cpu / wall, rate * seconds / cpu if cpu > 0 else float("nan"))
 
 
-async def throughput(url: str, seconds: float, concurrency: int, body: dict) -> float:
+async def throughput(
+    url: str, seconds: float, concurrency: int, body: dict, headers: dict[str, str] | None = None
+) -> float:
     done = 0
     stop = time.monotonic() + seconds
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as s:
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as s:
 
         async def loop() -> None:
             nonlocal done
@@ -113,17 +138,20 @@ def run_proxy_bench(quick: bool = False) -> int:
                 "streams per router CPU-s": None,
             }
         ]
-        routers = [("fairway", "round_robin"), ("fairway", "lpm")]
+        routers = [("fairway", "round_robin"), ("fairway", "lpm"), ("fairway+classes", "lpm")]
         if _has_sglang_router():
             routers += [("sglang-router", "round_robin"), ("sglang-router", "cache_aware")]
         # One router at a time, so that each has core 0 to itself.
         for kind, policy in routers:
+            classes = kind == "fairway+classes"
+            headers = {"Authorization": f"Bearer {BENCH_KEY}"} if classes else None
             with _router(kind, policy, workers, model, scratch) as (url, pid):
-                t = asyncio.run(ttfts(url, n, stream))
-                rate = measured(url, pid, seconds, concurrency, stream)
+                t = asyncio.run(ttfts(url, n, stream, headers))
+                rate = measured(url, pid, seconds, concurrency, stream, headers)
+            label = "fairway (lpm, classes + budgets)" if classes else f"{kind} ({policy})"
             rows.append(
                 {
-                    "path": f"{kind} ({policy})",
+                    "path": label,
                     "TTFT p50 ms": float(np.median(t)),
                     "TTFT p99 ms": float(np.percentile(t, 99)),
                     "overhead p50 ms": float(np.median(t) - np.median(direct)),
@@ -166,6 +194,16 @@ def verdict(rows: list[dict]) -> str:
             f"{mine['streams per router CPU-s'] / other['streams per router CPU-s']:.2f}x "
             f"(target >= {TARGET_RATIO:.1f}x per core)."
         )
+    classes = by.get("fairway (lpm, classes + budgets)")
+    if classes is not None:
+        plain = by["fairway (lpm)"]
+        lines.append(
+            f"fairway lpm with classes, latency routing, admission and a tenant budget: "
+            f"streams/s {classes['streams/s'] / plain['streams/s']:.2f}x plain lpm's, streams "
+            f"per router CPU-second "
+            f"{classes['streams per router CPU-s'] / plain['streams per router CPU-s']:.2f}x "
+            f"(target >= 0.95x)."
+        )
     return "\n".join(lines)
 
 
@@ -174,12 +212,13 @@ def _router(kind: str, policy: str, workers: list[str], model: Path, scratch: Pa
     """A router on core 0 in front of `workers`; yields its URL and pid."""
     port = free_port()
     log = scratch / f"{kind}-{policy}.log"
-    if kind == "fairway":
-        config = scratch / f"fairway-{policy}.yaml"
+    if kind.startswith("fairway"):
+        config = scratch / f"{kind}-{policy}.yaml"
         urls = "\n".join(f"    - {u}" for u in workers)
         config.write_text(
             f"model: {model}\nport: {port}\npolicy: {{name: {policy}}}\n"
             f"window: 256\nworkers:\n  urls:\n{urls}\n"
+            + (WITH_CLASSES if kind == "fairway+classes" else "")
         )
         argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
         env = {"PYTHONPATH": str(ROOT)}
