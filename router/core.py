@@ -460,16 +460,11 @@ class Router:
         """A released request its worker dropped from its own queue before starting it (the
         simulated engine placement's queue-time limit): freed and charged nothing, as a
         withdrawal. Returns what the worker's queue releases next."""
-        flight = self._flights.pop(request.id, None)
+        flight = self._flights.get(request.id)
         if flight is None:
             return []
         self.refusals[(self.classes.of_request(request).name, QUEUE_TIME)] += 1
-        self._work_done(flight, flight.remaining)
-        self._prefilled(flight)
-        self._hook(flight.queue.done, request)
-        self.view.now = now
-        self._hook(self.policy.on_withdraw, request, flight.worker, self.view)
-        return self._release(flight.worker, now)
+        return self._end(flight, now, self.policy.on_withdraw)
 
     def _insert_routed(
         self, index: PrefixIndex | None, hashes: list[int], wid: WorkerId, now: float
@@ -558,12 +553,20 @@ class Router:
         if not flight.released:
             self.withdraw(request, now)
             return []
+        return self._end(flight, now, self.policy.on_finish)
+
+    def _end(
+        self, flight: Flight, now: float, hook: Callable[[Request, WorkerId, ClusterView], None]
+    ) -> list[Request]:
+        """A released request is gone from its worker: its work, prompt and slot freed, the
+        policy told by `hook`; returns what the worker's queue releases next."""
+        request = flight.request
         del self._flights[request.id]
         self._work_done(flight, flight.remaining)
         self._prefilled(flight)
         self._hook(flight.queue.done, request)
         self.view.now = now
-        self._hook(self.policy.on_finish, request, flight.worker, self.view)
+        self._hook(hook, request, flight.worker, self.view)
         return self._release(flight.worker, now)
 
     def withdraw(self, request: Request, now: float) -> bool:
