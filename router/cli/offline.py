@@ -111,6 +111,51 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_transfer(args: argparse.Namespace) -> int:
+    """How long a prompt's KV cache takes to move between GPUs on a network: alone on the same
+    host and across hosts, and with `--concurrent` prompts leaving one host for another at once
+    (sharing its links, as simulator.topology's transfers do)."""
+    import simpy
+
+    from dashboards.tables import format_table
+    from router.cost_model import MODELS
+    from simulator.topology import PRESETS, KVTransfers, Topology, kv_bytes
+
+    try:
+        if args.topology in PRESETS:
+            topology = Topology.preset(args.topology, args.gpus)
+        else:
+            topology = Topology.load(args.topology, args.gpus)
+    except ValueError as e:
+        raise SystemExit(f"fairway: --topology: {e}") from None
+    n, k = topology.num_gpus, args.concurrent
+    # A GPU on another host: the farthest one from GPU 0 (the same host if there is one).
+    far = max(range(n), key=lambda g: (len(topology.path(0, g)), g))
+    per_token = MODELS[args.model].kv_bytes_per_token
+    rows = []
+    for tokens in args.tokens:
+        nbytes = kv_bytes(tokens, per_token)
+        env = simpy.Environment()
+        transfers = KVTransfers(env, topology)
+        # k flows from GPUs 0, 1, ... towards far, far - 1, ...: from the first host to the last
+        pairs = [(i % n, (far - i) % n) for i in range(k)]
+        for src, dst in pairs:
+            transfers.send(src, dst, nbytes)
+        env.run()
+        rows.append(
+            {
+                "prompt tokens": tokens,
+                "KV MB": nbytes / 1e6,
+                "GPU 0 -> 1 ms": 1000 * topology.transfer_time(0, min(1, n - 1), nbytes),
+                f"GPU 0 -> {far} ms": 1000 * topology.transfer_time(0, far, nbytes),
+                f"{k} at once, slowest ms": 1000 * max(t.end - t.start for t in transfers.records),
+            }
+        )
+    print(f"{args.model} ({per_token / 1024:.0f} KiB of KV a token) on {args.topology}, {n} GPUs")
+    print(format_table(rows))
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from router.cost_model import GPUS, MODELS
 
@@ -197,6 +242,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("policies", help="list routing policies").set_defaults(func=cmd_policies)
 
     sub.add_parser("models", help="list model and GPU presets").set_defaults(func=cmd_models)
+
+    p = sub.add_parser(
+        "kv-transfer", help="how long a prompt's KV cache takes to move between GPUs"
+    )
+    p.add_argument(
+        "--topology",
+        default="dgx-h100",
+        help="a preset (dgx-h100, h100-1nic, pcie-ethernet, single-host) or a topology YAML",
+    )
+    p.add_argument("--gpus", type=int, default=16)
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 6144, 32768])
+    p.add_argument("--concurrent", type=int, default=8, help="prompts moving at once")
+    p.set_defaults(func=cmd_kv_transfer)
 
     p = sub.add_parser("generate", help="write a synthetic workload as a native trace")
     p.add_argument("name", choices=sorted(GENERATORS))
