@@ -18,10 +18,8 @@ Tenant budgets (`rate_limit`) refuse with 429 before routing (router.budgets).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-
-from mypy_extensions import mypyc_attr
 
 from router.request import Request
 
@@ -57,7 +55,6 @@ class TrafficClass:
         return self.tpot is None or tpot is None or tpot <= self.tpot
 
 
-@mypyc_attr(native_class=False)  # compiled, a class may not extend a builtin exception
 class Refused(RuntimeError):
     """Admission control turned the request away; `retry_after` is a hint in seconds."""
 
@@ -110,5 +107,5 @@ class ClassTable:
     def __bool__(self) -> bool:
         return bool(self.by_priority)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[TrafficClass]:
         return iter(sorted(self.by_priority.values(), key=lambda c: c.priority))
