@@ -31,7 +31,7 @@ from router.adapters import AdapterSlots
 from router.bands import Banded
 from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
 from router.cluster import ClusterView, CostEstimates, WorkerState
-from router.cost_model import StepShape
+from router.cost_model import StepShape, prefill_pairs
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
 from router.ledger import Ledger, ledgers_of
@@ -342,7 +342,7 @@ class Router:
             flight.predicted_ttft = ttft
             cached = min(hit, cap) * bs
             new = flight.prefill = request.prompt_len - cached
-            flight.prefill_pairs = new * cached + new * (new + 1) / 2
+            flight.prefill_pairs = prefill_pairs(new, cached)
             ahead = self._prefill_ahead[wid]
             tokens, pairs = ahead.get(request.priority, (0, 0.0))
             ahead[request.priority] = (tokens + new, pairs + flight.prefill_pairs)
@@ -383,7 +383,7 @@ class Router:
         assert cost is not None
         cached = hit_blocks * self.view.block_size
         own = request.prompt_len - cached
-        new, pairs = own, own * cached + own * (own + 1) / 2  # as StepShape.prefill counts
+        new, pairs = own, prefill_pairs(own, cached)
         for priority, (tokens, their_pairs) in self._prefill_ahead[state.id].items():
             if priority <= request.priority:
                 new += tokens

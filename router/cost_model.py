@@ -23,6 +23,11 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 
+def prefill_pairs(num_new: int, num_context: int) -> float:
+    """Attention (query, key) pairs of a prefill of `num_new` tokens after `num_context`."""
+    return num_new * num_context + num_new * (num_new + 1) / 2
+
+
 @dataclass(slots=True, frozen=True)
 class StepShape:
     """What one step computes.
@@ -47,8 +52,7 @@ class StepShape:
 
     @staticmethod
     def prefill(num_new: int, num_context: int) -> StepShape:
-        pairs = num_new * num_context + num_new * (num_new + 1) / 2
-        return StepShape(num_new, pairs, num_context + num_new)
+        return StepShape(num_new, prefill_pairs(num_new, num_context), num_context + num_new)
 
     @staticmethod
     def decode(num_seqs: int, context_tokens: int) -> StepShape:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -29,12 +30,27 @@ from router.proxy.live import LiveCluster
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import ProxySettings
+from router.runtime.processes import process
+from router.runtime.processes import wait_healthy as wait_healthy_sync
 from workers import emulated
 from workers.launch import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "build" / "tiny-tokenizer"
 BLOCK = 128
+
+
+@contextlib.contextmanager
+def fairway_serve(config: dict, scratch: Path, timeout: float = 300.0) -> Iterator[str]:
+    """`fairway serve` in a process of its own on `config` (a cluster.yaml, written as JSON
+    in `scratch`, its log beside it); yields the proxy's URL once it is healthy."""
+    path = scratch / "cluster.yaml"
+    path.write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+    with process(argv, None, scratch / "serve.log", {"PYTHONPATH": str(ROOT)}):
+        url = f"http://127.0.0.1:{config['port']}"
+        wait_healthy_sync(url, timeout)
+        yield url
 
 
 def tokenizer_dir() -> Path:

@@ -250,8 +250,8 @@ class RouterMetrics:
         self.refusals = Labelled(
             Counter(
                 "fairway_refusals",
-                "Requests admission control refused (503), by class and reason (queue_time, "
-                "unmeetable)",
+                "Requests refused, by class and reason: admission control's queue_time and "
+                "unmeetable (503), a tenant budget's rate_limit (429)",
                 ["class", "reason"],
                 registry=r,
             )

@@ -322,7 +322,7 @@ def decision_groups(
 
     bs = 16
     rng = random.Random(3)
-    docs = [[rng.getrandbits(63) for _ in range(rng.randint(16, 128))] for _ in range(512)]
+    docs = _documents(rng)
     popularity = np.array([1 / (k + 1) for k in range(adapters)])
     popularity /= popularity.sum()
     picks = np.random.default_rng(4).choice(adapters, size=num_requests, p=popularity)
@@ -393,7 +393,7 @@ def decision_classes(num_requests: int = 20_000, workers: int = 64) -> list[dict
 
     bs = 16
     rng = random.Random(3)
-    docs = [[rng.getrandbits(63) for _ in range(rng.randint(16, 128))] for _ in range(512)]
+    docs = _documents(rng)
     chosen = [rng.randrange(len(docs)) for _ in range(num_requests)]
     classes = ClassTable(
         [TrafficClass("interactive", 0, ttft=2.0, tpot=0.1), TrafficClass("batch", 1)]
@@ -420,7 +420,7 @@ def decision_classes(num_requests: int = 20_000, workers: int = 64) -> list[dict
             now, doc = 0.001 * i, docs[chosen[i]]
             client = f"c{i % 8}"
             request = Request(i, now, len(doc) * bs + 7, 64, _rehashed(doc), client,
-                              priority=(i % 5 == 0) if on else 0)  # fmt: skip
+                              priority=int(on and i % 5 == 0))  # fmt: skip
             started = time.perf_counter_ns()
             if budgets is not None:
                 budgets.admit(client, request.prompt_len, now)
@@ -460,6 +460,11 @@ def replay_classes(path: Path, limit: int | None = None) -> list[dict[str, objec
                      "req / CPU s": result.summary["completed"] / cpu})  # fmt: skip
     rows[1]["x plain"] = rows[1]["req / CPU s"] / rows[0]["req / CPU s"]
     return rows
+
+
+def _documents(rng: random.Random) -> list[list[int]]:
+    """512 documents of 256 to 2,048 tokens, as block hashes: what the decision benches route."""
+    return [[rng.getrandbits(63) for _ in range(rng.randint(16, 128))] for _ in range(512)]
 
 
 def _rehashed(hashes: list[int]) -> list[int]:

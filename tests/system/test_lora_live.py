@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from router.proxy.ports import free_port, free_ports
-from router.runtime.processes import process, wait_healthy
+from tests.live_helpers import fairway_serve
 from workers.launch import VLLM_PYTHON
 from workers.tiny_lora import is_built
 
@@ -90,12 +89,7 @@ def fleet(tmp_path_factory):
             },
         ],
     }
-    path = scratch / "cluster.yaml"
-    path.write_text(json.dumps(config))
-    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
-    with process(argv, None, scratch / "serve.log", {"PYTHONPATH": str(ROOT)}):
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 300)
+    with fairway_serve(config, scratch) as url:
         yield url, f"http://127.0.0.1:{admin}"
 
 

@@ -12,8 +12,6 @@ requests on a fast machine and on a slow one alike.
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -21,8 +19,7 @@ import aiohttp
 import pytest
 
 from router.proxy.ports import free_ports
-from router.runtime.processes import process, wait_healthy
-from tests.live_helpers import run
+from tests.live_helpers import fairway_serve, run
 from workers.launch import VLLM_PYTHON
 
 pytestmark = pytest.mark.slow
@@ -54,12 +51,7 @@ def served(tmp_path_factory):
             "vllm_args": ["--max-num-seqs", "1"],
         },
     }
-    path = scratch / "cluster.yaml"
-    path.write_text(json.dumps(config))
-    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
-    with process(argv, None, scratch / "serve.log", {"PYTHONPATH": str(ROOT)}):
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 300)
+    with fairway_serve(config, scratch) as url:
         yield url, f"http://127.0.0.1:{vllm_port}"
 
 
