@@ -29,6 +29,7 @@ class WorkerState:
     kv_used_blocks: int = 0
     kv_capacity_blocks: int = 0
     model: str | None = None  # its model group; None in a fleet of one model
+    role: str = "mixed"  # router.traits.Role: mixed, prefill or decode
 
     @property
     def num_outstanding(self) -> int:

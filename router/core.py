@@ -32,13 +32,14 @@ from router.bands import Banded
 from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
 from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.cost_model import StepShape, prefill_pairs
+from router.decode import DEFAULT_SLACK, choose_decode
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
 from router.ledger import Ledger, ledgers_of
 from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
-from router.traits import IndexLevel
+from router.traits import IndexLevel, Role
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class Flight:
     remaining: int  # tokens of work not yet done: the prompt until its first token, then output
     predicted: dict[str, int]  # hit tokens each index expected, for the drift guard
     best: int  # hit tokens the best index kept expected (scored even while not routed by)
+    # The worker the global policy chose, which its hooks name: `worker` until a split
+    # request is handed to its decode worker, the prefill worker after.
+    charged_to: WorkerId
+    split: bool = False  # on a prefill worker, to be handed to a decode worker (`prefilled`)
+    handed_off: bool = False  # on its decode worker: its prompt was computed elsewhere
     prefill: int = 0  # prompt tokens it will compute, until its first token (ahead of others)
     prefill_pairs: float = 0.0  # their attention pairs, after its cached prefix
     predicted_ttft: float | None = None  # at routing, with classes on
@@ -77,6 +83,16 @@ class Routed:
     released: list[Request]  # what the chosen worker's queue lets go now (this one, or others)
     adapter_load: bool = False  # the worker was not believed to hold the request's adapter
     predicted_ttft: float | None = None  # seconds from now, on the chosen worker (classes on)
+    split: bool = False  # a prefill worker: the request goes on to a decode worker after
+
+
+@dataclass(slots=True)
+class Handoff:
+    """A split request's prompt is computed: where it decodes, and what the queues release."""
+
+    decode: WorkerId | None  # None: no decode worker is healthy, and the request has ended
+    released_prefill: list[Request]  # what the prefill worker's queue lets go now
+    released: list[Request]  # what the decode worker's queue lets go now (this one, or others)
 
 
 class Router:
@@ -92,6 +108,20 @@ class Router:
     preference, or to the best predicted if none does. `admission`: refuse a request no worker
     is predicted to serve within its target (`Refused`), and let drivers time requests out of
     the queues after their class's `max_queue_time` (`queue_limit`, `time_out`).
+
+    Split fleets (router.traits.Role): a request is routed among the workers that prefill
+    (mixed and prefill ones) by the global policy, unchanged. On a prefill worker it computes
+    its prompt only (the driver sends it with max_tokens 1); `prefilled` then ends that stage
+    and queues it on a decode worker (router.decode), whose queue discipline orders it there.
+    The papers define a policy's service on one server; across two stages Fairway counts the
+    whole of a request on the worker its policy chose: input at admission there, output as it
+    is decoded elsewhere, and every hook names that prefill worker. So VTC's client counters
+    mean what they mean on a mixed fleet, and D²LPM's (client, worker) deficits are the
+    prefill worker's, the choice they steer. Each worker's queue discipline keeps its own
+    counters by its own definition: a prefill queue's charges the prompt it computes; a
+    decode queue's sees the prompt as cached there (its KV arrived), so a discipline that
+    charges extend tokens (DLPM) charges it output only, while VTC, whose service is the
+    whole prompt and output, charges both, as the decode batch holds and reads that prompt.
     """
 
     def __init__(
@@ -112,6 +142,7 @@ class Router:
         latency_routing: bool = False,
         admission: bool = False,
         step_tokens: int = 2048,
+        decode_slack: int = DEFAULT_SLACK,
     ) -> None:
         self.policy = policy
         # Token hooks run once per sequence per step: skip the ones that do nothing.
@@ -169,6 +200,12 @@ class Router:
         # and the ones above. Pairs are summed per prompt: the queue is many prompts, not one.
         self._prefill_ahead: dict[WorkerId, dict[int, tuple[int, float]]] = {}
         self.refusals: Counter[tuple[str, str]] = Counter()  # (class, reason)
+        # Split fleets: each model group's (None: the one model's) decode workers apart from
+        # the ones that prefill, which `_groups` then holds under the same key.
+        self._split = False
+        self._decode_pools: dict[str | None, ClusterView] = {}
+        self.decode_slack = decode_slack
+        self.handoffs: Counter[WorkerId] = Counter()  # by decode worker
 
     # ------------------------------------------------------------ membership
 
@@ -178,11 +215,13 @@ class Router:
         kv_capacity_blocks: int | None = None,
         model: str | None = None,
         adapter_slots: int = 0,
+        role: str = Role.MIXED,
     ) -> DispatchQueue:
         """`model`: the model group it serves (None: the fleet's one model); `adapter_slots`:
-        how many LoRA adapters it holds at once (0: no limit)."""
+        how many LoRA adapters it holds at once (0: no limit); `role`: router.traits.Role."""
         if wid in self.queues:
             raise ValueError(f"worker {wid} is already known")
+        role = Role(role)
         if self.banded:
             discipline: LocalPolicy = Banded(self.local_factory, self.classes.priorities())
         else:
@@ -192,20 +231,33 @@ class Router:
         self._prefill_ahead[wid] = {}
         self._queues_count_tokens |= queue.counts_tokens
         capacity = self.default_capacity if kv_capacity_blocks is None else kv_capacity_blocks
-        self.view.workers[wid] = WorkerState(wid, kv_capacity_blocks=capacity, model=model)
-        if model is not None:
-            group = self._groups.get(model)
-            if group is None:
-                group = self._groups[model] = self.view.new_part()
-            self.view.join_part(wid, group)
+        self.view.workers[wid] = WorkerState(
+            wid, kv_capacity_blocks=capacity, model=model, role=role.value
+        )
+        if role is not Role.MIXED and not self._split:
+            self._split = True
+            for other in self.view.workers.values():  # the one model's workers join a pool
+                if other.model is None and other.id != wid:
+                    self.view.join_part(other.id, self._pool(self._groups, None))
+        if role is Role.DECODE:
+            self.view.join_part(wid, self._pool(self._decode_pools, model))
+        elif model is not None or self._split:
+            self.view.join_part(wid, self._pool(self._groups, model))
         self.adapters.add_worker(wid, adapter_slots)
         self.view.changed(wid)
         self.view.roster_changed()
         return queue
 
+    def _pool(self, pools: dict[str | None, ClusterView], model: str | None) -> ClusterView:
+        pool = pools.get(model)
+        if pool is None:
+            pool = pools[model] = self.view.new_part()
+        return pool
+
     def models(self) -> list[str]:
         """The model groups some worker serves (known workers, healthy or not)."""
-        return sorted(m for m, group in self._groups.items() if group.workers)
+        groups = {**self._groups, **self._decode_pools}
+        return sorted(m for m, group in groups.items() if m is not None and group.workers)
 
     def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
         """Stop routing to `wid` and forget what it cached. Its queued requests are withdrawn
@@ -275,13 +327,16 @@ class Router:
         view = self.view
         view.now = now
         candidates = view
-        if request.model is not None and self._groups:
+        if self._groups and (request.model is not None or self._split):
             group = self._groups.get(request.model)
             if group is None or not group.workers:
                 raise UnknownModel(f"no worker serves model {request.model!r}")
             group.now = now
             candidates = group
         excluded = set(exclude)
+        if self._split and not self._decodes(request):
+            # No decode worker to hand a prefill worker's requests to: mixed workers only.
+            excluded.update(w for w, s in candidates.workers.items() if s.role != Role.MIXED)
         if excluded:
             candidates = candidates.among(
                 {k: v for k, v in candidates.workers.items() if k not in excluded}
@@ -333,9 +388,10 @@ class Router:
         self.predicted_hit_tokens += min(hit, cap) * bs
 
         queue = self.queues[wid]
-        work = request.prompt_len + request.output_len
+        split = state.role == Role.PREFILL
+        work = request.prompt_len if split else request.prompt_len + request.output_len
         best = predicted_hits.get(IndexLevel.PRECISE, predicted_hits[IndexLevel.APPROXIMATE])
-        flight = Flight(request, wid, queue, work, predicted_hits, best)
+        flight = Flight(request, wid, queue, work, predicted_hits, best, wid, split)
         if self.banded:
             if ttft is None:
                 ttft = self._predict(request, state, min(hit, cap))
@@ -360,7 +416,69 @@ class Router:
             released,
             load,
             flight.predicted_ttft,
+            split,
         )
+
+    # ------------------------------------------------------------ split fleets
+
+    def prefilled(
+        self,
+        request: Request,
+        now: float,
+        cached_tokens: int | None = None,
+        exclude: Iterable[WorkerId] = (),
+    ) -> Handoff:
+        """A split request's prompt is computed on its prefill worker (its max_tokens-1
+        answer came back): that stage ends there (its slot freed, its queue told, the hit it
+        reports scored) and the request is queued on a decode worker (not in `exclude`),
+        chosen by router.decode. With none healthy it ends here, as finished."""
+        flight = self._flights.get(request.id)
+        if flight is None or not flight.split:
+            raise ValueError(f"request {request.id} is not a split request at its prefill")
+        if cached_tokens is not None and self.drift is not None:
+            level = self.drift.observe(flight.predicted, cached_tokens)
+            if level is not None:
+                self.set_index_level(level, now)
+        prefill = flight.worker
+        self._work_done(flight, flight.remaining)
+        self._prefilled(flight)
+        self._hook(flight.queue.done, request)
+        released_prefill = self._release(prefill, now)
+        pool = self._decode_pools.get(request.model)
+        excluded = set(exclude)
+        choices = {
+            w: s
+            for w, s in (pool.workers.items() if pool is not None else ())
+            if s.healthy and w not in excluded
+        }
+        if not choices:
+            del self._flights[request.id]
+            self.view.now = now
+            self._hook(self.policy.on_finish, request, flight.charged_to, self.view)
+            return Handoff(None, released_prefill, [])
+        assert pool is not None
+        pool.now = now
+        among = pool if len(choices) == len(pool.workers) else pool.among(choices)
+        wid = choose_decode(request, among, self.decode_slack)
+        flight.worker, flight.queue = wid, self.queues[wid]
+        flight.split, flight.handed_off, flight.released = False, True, False
+        flight.remaining = request.output_len
+        self.view.workers[wid].tokens_in_flight += request.output_len
+        self.handoffs[wid] += 1
+        # It holds the prompt's KV from now on: a later turn's decode may reuse it.
+        hashes = request.block_hashes[: request.prompt_len // self.view.block_size]
+        self._insert_routed(self.approx_index, hashes, wid, now)
+        if self.routing_log is not None and self.approx_index is not None:
+            self.routing_log.append((hashes, wid, now))
+        if self._tracks_held:  # computed, as far as its queue discipline is concerned
+            self._insert_routed(self.held, hashes, wid, now)
+        flight.queue.push(request)
+        return Handoff(wid, released_prefill, self._release(wid, now))
+
+    def _decodes(self, request: Request) -> bool:
+        """Some decode worker of `request`'s model group is healthy."""
+        pool = self._decode_pools.get(request.model)
+        return pool is not None and bool(pool.healthy_set())
 
     # ------------------------------------------------------ latency targets
 
@@ -486,7 +604,7 @@ class Router:
             return
         self._work_done(flight, min(request.prompt_len, flight.remaining))
         self._prefilled(flight)
-        self._hook(self.policy.on_first_token, request, flight.worker, now)
+        self._hook(self.policy.on_first_token, request, flight.charged_to, now)
 
     def tokens(self, request: Request, num_tokens: int, now: float) -> None:
         """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
@@ -527,10 +645,10 @@ class Router:
                     done_there += done
             if hooks:
                 if counts_tokens:
-                    if flight.worker != counted_on:
+                    if flight.charged_to != counted_on:
                         if counted:
                             self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
-                        counted, counted_on = [], flight.worker
+                        counted, counted_on = [], flight.charged_to
                     counted.append(request)
                 if flight.released and flight.queue.counts_tokens:
                     self._hook(flight.queue.on_token, request, num_tokens)
@@ -546,7 +664,8 @@ class Router:
         flight = self._flights.get(request.id)
         if flight is None:
             return []
-        if cached_tokens is not None and self.drift is not None:
+        # A split request's hit was scored at its prefill: its decode worker's is the KV sent.
+        if cached_tokens is not None and self.drift is not None and not flight.handed_off:
             level = self.drift.observe(flight.predicted, cached_tokens)
             if level is not None:
                 self.set_index_level(level, now)
@@ -566,7 +685,7 @@ class Router:
         self._prefilled(flight)
         self._hook(flight.queue.done, request)
         self.view.now = now
-        self._hook(hook, request, flight.worker, self.view)
+        self._hook(hook, request, flight.charged_to, self.view)
         return self._release(flight.worker, now)
 
     def withdraw(self, request: Request, now: float) -> bool:
@@ -581,7 +700,9 @@ class Router:
         self._hook(flight.queue.withdraw, request)
         self._count(flight.worker)
         self.view.now = now
-        self._hook(self.policy.on_withdraw, request, flight.worker, self.view)
+        # Withdrawn from a decode queue, it did run: its prefill is charged, as a finish.
+        hook = self.policy.on_finish if flight.handed_off else self.policy.on_withdraw
+        self._hook(hook, request, flight.charged_to, self.view)
         return True
 
     # ------------------------------------------------------------- replicas

@@ -57,6 +57,14 @@ class Placement(Mode):
     ROUTER = "router"  # in the router's dispatch queue, in front of FCFS engines (as live)
 
 
+class Role(Mode):
+    """What a worker does with a request (`--prefill-workers`, cluster.yaml `role`)."""
+
+    MIXED = "mixed"  # prefill and decode, as one server always has
+    PREFILL = "prefill"  # computes a prompt's KV (max_tokens 1) and hands it on
+    DECODE = "decode"  # receives a prompt's KV and generates its output
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyTraits:
     """Speed hints of a global policy (`GlobalPolicy.traits`).

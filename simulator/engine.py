@@ -76,9 +76,10 @@ class Seq:
         "first_token_at",
         "finished_at",
         "worker",
+        "preloaded",
     )
 
-    def __init__(self, req: Request, worker: int, block_size: int) -> None:
+    def __init__(self, req: Request, worker: int, block_size: int, preloaded: bool = False) -> None:
         self.req = req
         self.prompt_len, self.output_len = req.prompt_len, req.output_len
         self.table = BlockTable()
@@ -92,6 +93,9 @@ class Seq:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.worker = worker
+        # Its prompt's KV came from a prefill worker (a split fleet's decode side): admitted,
+        # it computes only the prompt's last token. A preemption drops that: it recomputes.
+        self.preloaded = preloaded
 
     @property
     def total_len(self) -> int:
@@ -203,13 +207,14 @@ class Engine:
 
     # ------------------------------------------------------------- interface
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, preloaded: bool = False) -> None:
+        """Queue `req`; `preloaded`: its prompt's KV has arrived from a prefill worker."""
         # First the steps ended by now: a queue discipline may read what they charged (VTC
         # lifts an arriving client to the backlogged ones' counters).
         self.sync(self.env.now)
         if self._local_counts_tokens:
             self._settle()  # the run is cut below: steps in sum count from its start
-        self.waiting[req.id] = Seq(req, self.id, self.config.block_size)
+        self.waiting[req.id] = Seq(req, self.id, self.config.block_size, preloaded)
         self._tokens_total += req.prompt_len + req.output_len
         self.local.push(req)
         if self._run is None:
@@ -498,8 +503,10 @@ class Engine:
             limit = min(len(seq.hashes), (seq.total_len - 1) // cfg.block_size)
             hit = blocks.num_cached_prefix(seq.hashes, limit)
             cached = hit * cfg.block_size
-            num_new = min(seq.total_len - cached, budget)
-            need = blocks.blocks_for(cached + num_new) - hit
+            # Tokens whose KV it has: its cached prefix, or all but the last if it was sent.
+            computed = seq.total_len - 1 if seq.preloaded else cached
+            num_new = min(seq.total_len - computed, budget)
+            need = blocks.blocks_for(computed + num_new) - hit
             if need > blocks.num_free_after_hit(seq.hashes, hit):
                 return budget, "memory"
             # After the memory check: holding the adapter loads it.
@@ -510,7 +517,10 @@ class Engine:
             del self.waiting[req.id]
             blocks.pin_prefix(seq.table, seq.hashes, hit)
             blocks.allocate(seq.table, need)
-            self._set_computed(seq, cached)
+            if seq.preloaded:  # the blocks it received are cached here from now on
+                blocks.commit_full_blocks(seq.table, seq.hashes, computed // cfg.block_size)
+                seq.preloaded = False
+            self._set_computed(seq, computed)
             if seq.admitted_at is None:
                 seq.admitted_at = self.clock
                 seq.num_cached_tokens = cached

@@ -1,0 +1,43 @@
+"""Where a split request decodes: the second of its two routing decisions.
+
+A split request's prefill worker is the global policy's choice (prefix locality and fairness
+live there); once its prompt is computed, its KV goes to a decode worker chosen here. What
+matters on the decode side is different: a decode server's step time grows with the sequences
+it batches and their context, and it must have room for the prompt's KV plus the output. So:
+
+  1. the decode worker holding the longest part of the prompt already (a multi-turn session's
+     earlier turns: vLLM's connectors move only the blocks the decode server lacks), unless it
+     runs more than `slack` sequences beyond the least busy one;
+  2. else the one with the fewest sequences outstanding, then the least KV in use.
+
+DistServe and Splitwise place decode by load alone; Mooncake's Conductor also weighs the
+decode-side cache. Neither says how a fairness policy's service is counted across the two
+stages: router.core charges it all to the prefill worker the policy chose (see Router).
+"""
+
+from __future__ import annotations
+
+from router.cluster import ClusterView, WorkerState
+from router.prefix_index import WorkerId
+from router.request import Request
+
+DEFAULT_SLACK = 4  # sequences: about what a batch absorbs without a visible step-time change
+
+
+def decode_load(view: ClusterView, w: WorkerState) -> tuple[int, float, WorkerId]:
+    """Sequences outstanding (the batch it will step), then KV in use: least first."""
+    return (w.num_outstanding, w.kv_usage, w.id)
+
+
+def choose_decode(request: Request, view: ClusterView, slack: int = DEFAULT_SLACK) -> WorkerId:
+    """The decode worker of `view` (healthy ones only; at least one) for `request`."""
+    least = view.least(decode_load)
+    cap = (request.prompt_len - 1) // view.block_size
+    healthy = view.healthy_set()
+    held = {w: m for w, m in view.index.match(request.block_hashes[:cap]).items() if w in healthy}
+    if held:
+        workers = view.workers
+        best = max(held, key=lambda w: (held[w], -workers[w].num_outstanding, -w))
+        if workers[best].num_outstanding <= least.num_outstanding + slack:
+            return best
+    return least.id
