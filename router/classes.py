@@ -27,7 +27,9 @@ from router.request import Request
 QUEUE_TIME = "queue_time"
 UNMEETABLE = "unmeetable"
 RATE_LIMIT = "rate_limit"
-REFUSAL_REASONS = (QUEUE_TIME, UNMEETABLE, RATE_LIMIT)
+# A split request whose prefill finished when no decode worker was left to take it.
+NO_DECODE_WORKER = "no_decode_worker"
+REFUSAL_REASONS = (QUEUE_TIME, UNMEETABLE, RATE_LIMIT, NO_DECODE_WORKER)
 
 
 @dataclass(frozen=True, slots=True)

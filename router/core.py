@@ -568,8 +568,10 @@ class Router:
 
     def time_out(self, request: Request, now: float) -> bool:
         """`request` has waited its class's limit: withdrawn and counted as refused if it has
-        not been released to its worker (False: it has, and goes on)."""
-        if not self.withdraw(request, now):
+        not been released to its worker (False: it has, and goes on). A split request waiting
+        for its decode worker has started: it goes on too."""
+        flight = self._flights.get(request.id)
+        if flight is None or flight.handed_off or not self.withdraw(request, now):
             return False
         self.refusals[(self.classes.of_request(request).name, QUEUE_TIME)] += 1
         return True

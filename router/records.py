@@ -28,6 +28,10 @@ class RequestRecord:
     weight: float = 1.0
     priority: int = 0
     predicted_ttft: float | None = None  # the router's, at routing (classes on)
+    # Split fleets: where its prompt was computed (`worker` decoded it), and the seconds its
+    # KV took from the prefill worker to the decode worker.
+    prefill_worker: int | None = None
+    kv_transfer: float | None = None
 
     @property
     def queue_time(self) -> float:

@@ -31,7 +31,14 @@ from tqdm import tqdm
 import policies
 from router.bands import Banded
 from router.budgets import Budgets, RateLimit
-from router.classes import QUEUE_TIME, RATE_LIMIT, ClassTable, Refused, TrafficClass
+from router.classes import (
+    NO_DECODE_WORKER,
+    QUEUE_TIME,
+    RATE_LIMIT,
+    ClassTable,
+    Refused,
+    TrafficClass,
+)
 from router.core import Router
 from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
@@ -39,10 +46,11 @@ from router.ledger import LedgerStore
 from router.policy import GlobalPolicy, LocalPolicy
 from router.records import Refusal, RequestRecord
 from router.request import BlockHash, Request
-from router.traits import IndexMode, Placement
+from router.traits import IndexMode, Placement, Role
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import ModelGroup, check_requests, parse_fleet
 from simulator.results import WorkerRecord, summarize
+from simulator.topology import KVTransfers, Topology, Transfer, kv_bytes
 from traces.schema import Trace
 from traces.transform import InfiniteCache
 
@@ -97,6 +105,15 @@ class SimConfig:
     # Tenant budgets (router.budgets): a client's requests past its token buckets are refused
     # at arrival, as the proxy answers them 429.
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+    # Split fleets: `prefill_workers` and `decode_workers` of the `num_workers` (the rest
+    # mixed; ids run mixed, prefill, decode). Worker i runs on GPU i of `topology`, a preset
+    # of simulator.topology or a YAML file, over which each split request's prompt KV moves
+    # (less what its decode worker holds already) at `kv_bytes_per_token` (None: the cost
+    # model's model's; a fitted profile names none).
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    topology: str = "dgx-h100"
+    kv_bytes_per_token: int | None = None
     seed: int = 0
     show_progress: bool = False
 
@@ -107,6 +124,7 @@ class SimConfig:
             object.__setattr__(self, "num_workers", fleet.num_workers)
         if self.num_workers <= 0:
             raise ValueError(f"workers: must be positive, got {self.num_workers}")
+        self._check_roles()
         if self.policy not in policies.global_policies:
             known = ", ".join(policies.global_policies.names())
             raise ValueError(f"policy: unknown {self.policy!r}; choose one of: {known}")
@@ -127,6 +145,58 @@ class SimConfig:
             if not 0 <= start < end or not 0 <= worker < self.num_workers:
                 raise ValueError(f"outages: ({start}, {end}, {worker}) is not a (start < end, "
                                  f"worker) of this cluster")  # fmt: skip
+
+    @property
+    def roles(self) -> list[Role]:
+        """Each worker's role, in worker order."""
+        p, d = self.prefill_workers, self.decode_workers
+        return [Role.MIXED] * (self.num_workers - p - d) + [Role.PREFILL] * p + [Role.DECODE] * d
+
+    @property
+    def split(self) -> bool:
+        return self.prefill_workers > 0
+
+    def network(self) -> Topology:
+        """The topology a split fleet's KV moves over, one GPU per worker."""
+        if self.topology.endswith((".yaml", ".yml", ".json")):
+            return Topology.load(self.topology, self.num_workers)
+        return Topology.preset(self.topology, self.num_workers)
+
+    def _check_roles(self) -> None:
+        p, d = self.prefill_workers, self.decode_workers
+        if p < 0 or d < 0:
+            raise ValueError(f"prefill_workers, decode_workers: must be >= 0, got {p}, {d}")
+        if not p and not d:
+            return
+        if p and not d:
+            raise ValueError("decode_workers: prefill workers need a decode worker to hand to")
+        if d and not p:
+            raise ValueError("prefill_workers: decode workers need a prefill worker to feed them")
+        if p + d > self.num_workers:
+            raise ValueError(
+                f"workers: {self.num_workers} cannot hold {p} prefill and {d} decode workers"
+            )
+        if self.groups:
+            raise ValueError("groups: a simulated split fleet has one model group")
+        if self.kv_bytes_per_token is not None and self.kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token: must be positive, got {self.kv_bytes_per_token}")
+        try:
+            network = self.network()
+        except ValueError as e:
+            raise ValueError(f"topology: {e}") from None
+        first = self.num_workers - p - d
+        decoders = range(first + p, self.num_workers)
+        for dst in decoders:  # some prefill worker must reach each decode worker
+            reachable = False
+            for src in range(first, first + p):
+                try:
+                    network.path(src, dst)
+                except ValueError:
+                    continue
+                reachable = True
+                break
+            if not reachable:
+                raise ValueError(f"topology: no path to decode worker {dst} from a prefill worker")
 
 
 def _mode(kind: type[M], value: object, what: str) -> M:
@@ -152,6 +222,17 @@ class _Placement:
     group: str | None
     cost: CostModel
     engine: EngineConfig
+
+
+@dataclass(slots=True)
+class _Prefilled:
+    """A split request's first stage, for its record: where and when its prompt ran."""
+
+    worker: int
+    admitted: float
+    cached_tokens: int
+    preemptions: int
+    kv_transfer: float | None = None
 
 
 def _placements(config: SimConfig, block_size: int, cost: CostModel | None) -> list[_Placement]:
@@ -233,6 +314,21 @@ class SimCluster:
         counting_policy = traits.counts_tokens and not traits.tokens_read_at_finish
         self.defers_tokens = len(self.routers) == 1 and not counting_policy and not counting_queues
         self.engines: list[Engine] = []
+        self.roles = config.roles
+        self._prefills = [role is Role.PREFILL for role in self.roles]
+        self._decodes = [role is Role.DECODE for role in self.roles]
+        self.transfers = KVTransfers(self.env, config.network()) if config.split else None
+        self._kv_bytes_per_token = config.kv_bytes_per_token or 0
+        if config.split and not self._kv_bytes_per_token:
+            model = getattr(cost, "model", None)
+            if model is None:
+                raise ValueError(
+                    f"kv_bytes_per_token: the cost model {cost.name} names no model to take "
+                    "it from; give it for a split fleet"
+                )
+            self._kv_bytes_per_token = model.kv_bytes_per_token
+        self._prefilled: dict[int, _Prefilled] = {}  # split requests past their prefill
+        self._split_originals: dict[int, Request] = {}  # at their prefill, by id
         self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
         self._last_due: list[float | None] = [None] * config.num_workers  # its newest entry
         for i, placement in enumerate(placements):
@@ -257,6 +353,7 @@ class SimCluster:
                     engine.blocks.num_blocks,
                     model=placement.group,
                     adapter_slots=placement.engine.adapter_slots,
+                    role=self.roles[i],
                 )
         self._group_of = [g.name for g in config.groups for _ in range(g.workers)]
         self._several_groups = len(config.groups) > 1
@@ -437,7 +534,11 @@ class SimCluster:
             # A request routed among a part of the fleet (its group, its adapter's holders) is
             # decided in a view the router makes inside route(): a policy asked what it reads
             # in the whole one may answer for, and remember, the wrong workers. Read all.
-            partial = req.adapter is not None or (req.model is not None and self._several_groups)
+            partial = (
+                req.adapter is not None
+                or (req.model is not None and self._several_groups)
+                or self.transfers is not None  # a split fleet's policy reads the prefill pool
+            )
             # Predicting its TTFT reads every worker's prompts not yet prefilled.
             read = (
                 None if partial or router.banded else router.policy.progress_read(req, router.view)
@@ -494,22 +595,69 @@ class SimCluster:
         for req in requests:
             self._submit(worker, req)
 
-    def _submit(self, worker: int, req: Request) -> None:
+    def _submit(self, worker: int, req: Request, preloaded: bool = False) -> None:
         """Hand `req` to its engine, after the server's per-request overhead if the cost model
-        has one (a fitted profile measures it)."""
+        has one (a fitted profile measures it). A prefill worker gets it with one output token
+        (vLLM's max_tokens 1); a decode worker once its prompt's KV has arrived."""
+        if self._decodes[worker] and not preloaded:
+            self._send_kv(worker, req)
+            return
+        if self._prefills[worker]:
+            self._split_originals[req.id] = req
+            req = replace(req, output_len=1)
         engine = self.engines[worker]
         delay = engine.cost.request_overhead
         if delay <= 0:
-            engine.submit(req)
+            engine.submit(req, preloaded)
         else:
-            self.env.timeout(delay).callbacks.append(lambda _: engine.submit(req))
+            self.env.timeout(delay).callbacks.append(lambda _: engine.submit(req, preloaded))
+
+    # ------------------------------------------------------------ split fleets
+
+    def _send_kv(self, worker: int, req: Request) -> None:
+        """Move `req`'s prompt KV from its prefill worker's GPU to `worker`'s, less the prefix
+        `worker` holds already (vLLM's connectors fetch only the blocks missing there)."""
+        assert self.transfers is not None
+        engine = self.engines[worker]
+        bs = self.trace.block_size
+        held = min(engine.cached_blocks(req), (req.prompt_len - 1) // bs) * bs
+        nbytes = kv_bytes(req.prompt_len - held, self._kv_bytes_per_token)
+        prefilled = self._prefilled[req.id]
+
+        def arrived(event: simpy.Event) -> None:
+            transfer: Transfer = event.value
+            prefilled.kv_transfer = transfer.end - transfer.start
+            self._submit(worker, req, preloaded=True)
+
+        self.transfers.send(prefilled.worker, worker, nbytes).callbacks.append(arrived)
+
+    def _prefill_done(self, seq: Seq, now: float) -> None:
+        """A split request's prompt is computed: the router hands it to a decode worker."""
+        req = self._split_originals.pop(seq.req.id)
+        assert seq.admitted_at is not None
+        self._prefilled[req.id] = _Prefilled(
+            seq.worker, seq.admitted_at, seq.num_cached_tokens or 0, seq.num_preemptions
+        )
+        self._sync(now)  # the decode choice reads the decode workers' load
+        handoff = self._router_of(req).prefilled(req, now)
+        self._submit_all(seq.worker, handoff.released_prefill)
+        if handoff.decode is None:
+            self._owner.pop(req.id, None)
+            del self._prefilled[req.id]
+            self._refused(req, NO_DECODE_WORKER)
+            return
+        self._submit_all(handoff.decode, handoff.released)
 
     # ------------------------------------------------------- engine listener
 
     def on_first_token(self, seq: Seq, now: float) -> None:
+        if self._prefills[seq.worker]:
+            return  # a prefill worker's one token is not the user's first
         self._router_of(seq.req).first_token(seq.req, now)
 
     def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        if self._prefills[seqs[0].worker]:  # one engine's batch
+            return
         if not self._owner:
             self.router.tokens_many([seq.req for seq in seqs], num_tokens, now)
             return
@@ -532,8 +680,13 @@ class SimCluster:
         return self._owner.get(req.id, self.router) if self._owner else self.router
 
     def on_finish(self, seq: Seq, now: float) -> None:
+        if self._prefills[seq.worker]:
+            self._prefill_done(seq, now)
+            return
         req = seq.req
         assert seq.admitted_at is not None and seq.first_token_at is not None
+        # A split request waited for, and hit the cache of, its prefill worker.
+        split = self._prefilled.pop(req.id, None) if self._prefilled else None
         self.records.append(
             RequestRecord(
                 id=req.id,
@@ -541,16 +694,18 @@ class SimCluster:
                 session=req.session,
                 worker=seq.worker,
                 arrival=req.arrival,
-                admitted=seq.admitted_at,
+                admitted=seq.admitted_at if split is None else split.admitted,
                 first_token=seq.first_token_at,
                 finish=now,
                 prompt_tokens=req.prompt_len,
-                cached_tokens=seq.num_cached_tokens or 0,
+                cached_tokens=split.cached_tokens if split else seq.num_cached_tokens or 0,
                 output_tokens=seq.num_output,
-                preemptions=seq.num_preemptions,
+                preemptions=seq.num_preemptions + (split.preemptions if split else 0),
                 weight=req.weight,
                 priority=req.priority,
                 predicted_ttft=self._predicted_ttft.pop(req.id, None),
+                prefill_worker=None if split is None else split.worker,
+                kv_transfer=None if split is None else split.kv_transfer,
             )
         )
         if self.budgets is not None:
@@ -575,7 +730,7 @@ class SimCluster:
     def _worker_record(self, e: Engine) -> WorkerRecord:
         return WorkerRecord(
             id=e.id,
-            requests=sum(r.routed[e.id] for r in self.routers),
+            requests=sum(r.routed[e.id] + r.handoffs[e.id] for r in self.routers),
             tokens_processed=e.tokens_processed,
             kv_blocks=e.blocks.num_blocks,
             peak_kv_blocks=e.peak_used_blocks,
@@ -585,6 +740,7 @@ class SimCluster:
             events=e.num_events,
             adapter_loads=e.adapter_loads,
             group=self._group_of[e.id] if self._group_of else None,
+            role=self.roles[e.id].value,
         )
 
     def _config_summary(self) -> dict[str, object]:
@@ -600,6 +756,9 @@ class SimCluster:
             "policy_params": dict(self.config.policy_params),
             "local_params": dict(self.config.local_params),
             "workers": self.config.num_workers,
+            "prefill_workers": self.config.prefill_workers,
+            "decode_workers": self.config.decode_workers,
+            "topology": self.config.topology if self.config.split else None,
             "cost_model": self.cost.name,
             "groups": [g.model_dump() for g in self.config.groups],
             "adapter_affinity": self.config.adapter_affinity,

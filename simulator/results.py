@@ -26,6 +26,7 @@ class WorkerRecord:
     events: int
     adapter_loads: int = 0
     group: str | None = None  # its model group, when the fleet was given as groups
+    role: str = "mixed"  # router.traits.Role
 
 
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -151,12 +152,38 @@ def summarize(
         "simulated_seconds": simulated_seconds,
         "wall_seconds": wall_seconds,
     }
+    if any(w.role != "mixed" for w in workers):
+        out["roles"] = role_summary(workers)
+        moved = [r.kv_transfer for r in records if r.kv_transfer is not None]
+        out["kv_transfer"] = {"requests": len(moved), **_stats(moved)}
     if classes or refusals or any(r.priority for r in records):
         out["refusals"] = {reason: sum(1 for x in refusals if x.reason == reason)
                            for reason in REFUSAL_REASONS}  # fmt: skip
         out["classes"] = by_class = class_summary(records, refusals, classes or ClassTable())
         out["goodput"] = fleet_goodput(by_class, span)
         out["ttft_prediction"] = ttft_prediction(records)
+    return out
+
+
+def role_summary(workers: Sequence[WorkerRecord]) -> dict[str, dict[str, object]]:
+    """Each role's workers in sum (a split fleet's pools apart): requests each took (routed
+    to a prefill or mixed worker, handed to a decode one), tokens computed, and its own load
+    imbalance, since work differs in kind from one pool to the other."""
+    out: dict[str, dict[str, object]] = {}
+    for role in ("mixed", "prefill", "decode"):
+        pool = [w for w in workers if w.role == role]
+        if not pool:
+            continue
+        work = [w.tokens_processed for w in pool]
+        mean = float(np.mean(work))
+        out[role] = {
+            "workers": len(pool),
+            "requests": sum(w.requests for w in pool),
+            "tokens_processed": sum(work),
+            "peak_kv_blocks": max(w.peak_kv_blocks for w in pool),
+            "preemptions": sum(w.preemptions for w in pool),
+            "load_imbalance": max(work) / mean if mean else None,
+        }
     return out
 
 
