@@ -29,7 +29,7 @@ UNMEETABLE = "unmeetable"
 RATE_LIMIT = "rate_limit"
 # A split request whose prefill finished when no decode worker was left to take it.
 NO_DECODE_WORKER = "no_decode_worker"
-REFUSAL_REASONS = (QUEUE_TIME, UNMEETABLE, RATE_LIMIT, NO_DECODE_WORKER)
+REFUSAL_REASONS = (QUEUE_TIME, UNMEETABLE, RATE_LIMIT)  # what a class's table shows
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,8 @@ class Flight:
     charged_to: WorkerId
     split: bool = False  # on a prefill worker, to be handed to a decode worker (`prefilled`)
     handed_off: bool = False  # on its decode worker: its prompt was computed elsewhere
+    # Handed off: the prefill worker's queue, whose discipline is charged its output too.
+    prefill_queue: DispatchQueue | None = None
     prefill: int = 0  # prompt tokens it will compute, until its first token (ahead of others)
     prefill_pairs: float = 0.0  # their attention pairs, after its cached prefix
     predicted_ttft: float | None = None  # at routing, with classes on
@@ -117,11 +119,13 @@ class Router:
     whole of a request on the worker its policy chose: input at admission there, output as it
     is decoded elsewhere, and every hook names that prefill worker. So VTC's client counters
     mean what they mean on a mixed fleet, and D²LPM's (client, worker) deficits are the
-    prefill worker's, the choice they steer. Each worker's queue discipline keeps its own
-    counters by its own definition: a prefill queue's charges the prompt it computes; a
-    decode queue's sees the prompt as cached there (its KV arrived), so a discipline that
-    charges extend tokens (DLPM) charges it output only, while VTC, whose service is the
-    whole prompt and output, charges both, as the decode batch holds and reads that prompt.
+    prefill worker's, the choice they steer. The prefill worker's queue discipline orders
+    by the same service: it charges the prompt at admission and keeps the request's account
+    open after the handoff, charged the output as it is decoded (DispatchQueue.handed_off).
+    A decode worker's discipline orders its own queue by its own definition of the request,
+    whose prompt is cached there (its KV arrived): DLPM, charging extend tokens, charges it
+    the output; VTC, whose service is prompt and output, charges both, as that batch holds
+    and reads the prompt.
     """
 
     def __init__(
@@ -442,7 +446,7 @@ class Router:
         prefill = flight.worker
         self._work_done(flight, flight.remaining)
         self._prefilled(flight)
-        self._hook(flight.queue.done, request)
+        self._hook(flight.queue.handed_off, request)
         released_prefill = self._release(prefill, now)
         pool = self._decode_pools.get(request.model)
         excluded = set(exclude)
@@ -453,6 +457,7 @@ class Router:
         }
         if not choices:
             del self._flights[request.id]
+            self._hook(flight.queue.done_elsewhere, request)
             self.view.now = now
             self._hook(self.policy.on_finish, request, flight.charged_to, self.view)
             return Handoff(None, released_prefill, [])
@@ -460,6 +465,7 @@ class Router:
         pool.now = now
         among = pool if len(choices) == len(pool.workers) else pool.among(choices)
         wid = choose_decode(request, among, self.decode_slack)
+        flight.prefill_queue = flight.queue
         flight.worker, flight.queue = wid, self.queues[wid]
         flight.split, flight.handed_off, flight.released = False, True, False
         flight.remaining = request.output_len
@@ -654,6 +660,9 @@ class Router:
                     counted.append(request)
                 if flight.released and flight.queue.counts_tokens:
                     self._hook(flight.queue.on_token, request, num_tokens)
+                stage = flight.prefill_queue
+                if stage is not None and stage.counts_tokens:
+                    self._hook(stage.on_token, request, num_tokens)
         if counted:
             self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
         self._credit(worker, done_there)
@@ -686,6 +695,8 @@ class Router:
         self._work_done(flight, flight.remaining)
         self._prefilled(flight)
         self._hook(flight.queue.done, request)
+        if flight.prefill_queue is not None:
+            self._hook(flight.prefill_queue.done_elsewhere, request)
         self.view.now = now
         self._hook(hook, request, flight.charged_to, self.view)
         return self._release(flight.worker, now)
@@ -703,6 +714,8 @@ class Router:
         self._count(flight.worker)
         self.view.now = now
         # Withdrawn from a decode queue, it did run: its prefill is charged, as a finish.
+        if flight.prefill_queue is not None:
+            self._hook(flight.prefill_queue.done_elsewhere, request)
         hook = self.policy.on_finish if flight.handed_off else self.policy.on_withdraw
         self._hook(hook, request, flight.charged_to, self.view)
         return True

@@ -73,6 +73,21 @@ class DispatchQueue:
             self._in_flight_by[request.priority] -= 1
         self.discipline.on_finish(request)
 
+    def handed_off(self, request: Request) -> None:
+        """A split request's prompt is computed here and it decodes elsewhere: its slot frees
+        now. A discipline counting tokens keeps its account open, charged the output as it is
+        decoded (`on_token`), until `done_elsewhere`: service as VTC and DLPM define it spans
+        both stages. Any other is done with it (LPM's prompts being computed, say)."""
+        self.in_flight -= 1
+        if self._in_flight_by is not None:
+            self._in_flight_by[request.priority] -= 1
+        if not self.counts_tokens:
+            self.discipline.on_finish(request)
+
+    def done_elsewhere(self, request: Request) -> None:
+        if self.counts_tokens:
+            self.discipline.on_finish(request)
+
     def withdraw(self, request: Request) -> None:
         """Take a request that was never released out of the queue, charging nothing."""
         self.queued_tokens -= request.prompt_len + request.output_len

@@ -312,7 +312,17 @@ class SimCluster:
         # queues count none, or a policy that reads its counts only at the finish.
         traits = self.policy.traits
         counting_policy = traits.counts_tokens and not traits.tokens_read_at_finish
-        self.defers_tokens = len(self.routers) == 1 and not counting_policy and not counting_queues
+        # A split fleet's prefill engines charge their disciplines the output decoded elsewhere
+        # (engine placement), request by request.
+        self._stage_counts = (
+            config.split and not in_router and self.local_factory().traits.counts_tokens
+        )
+        self.defers_tokens = (
+            len(self.routers) == 1
+            and not counting_policy
+            and not counting_queues
+            and not self._stage_counts
+        )
         self.engines: list[Engine] = []
         self.roles = config.roles
         self._prefills = [role is Role.PREFILL for role in self.roles]
@@ -346,6 +356,7 @@ class SimCluster:
                 self,
                 sink,
             )
+            engine.hands_off = self._stage_counts and self.roles[i] is Role.PREFILL
             self.engines.append(engine)
             for router in self.routers:
                 router.add_worker(
@@ -491,6 +502,9 @@ class SimCluster:
         self._sync(self.env.now)
         for router in self.routers:  # each replica's health checks see it fail
             for req in router.worker_down(worker, self.env.now):
+                prefilled = self._prefilled.pop(req.id, None)
+                if prefilled is not None and self._stage_counts:  # prefilled again elsewhere
+                    self.engines[prefilled.worker].local.on_finish(req)
                 self.dispatch(req, rerouted=True)  # as the proxy: a queued one goes elsewhere
         yield self.env.timeout(end - start)
         for router in self.routers:
@@ -631,6 +645,14 @@ class SimCluster:
 
         self.transfers.send(prefilled.worker, worker, nbytes).callbacks.append(arrived)
 
+    def _charge_prefill_stage(self, seqs: list[Seq], num_tokens: int) -> None:
+        """Output decoded here, charged to the discipline of the prefill engine that admitted
+        each request too: its queue orders by service over both stages (VTC, DLPM)."""
+        for seq in seqs:
+            prefilled = self._prefilled.get(seq.req.id)
+            if prefilled is not None:
+                self.engines[prefilled.worker].local.on_tokens((seq.req,), num_tokens)
+
     def _prefill_done(self, seq: Seq, now: float) -> None:
         """A split request's prompt is computed: the router hands it to a decode worker."""
         req = self._split_originals.pop(seq.req.id)
@@ -644,6 +666,8 @@ class SimCluster:
         if handoff.decode is None:
             self._owner.pop(req.id, None)
             del self._prefilled[req.id]
+            if self._stage_counts:
+                self.engines[seq.worker].local.on_finish(req)
             self._refused(req, NO_DECODE_WORKER)
             return
         self._submit_all(handoff.decode, handoff.released)
@@ -658,6 +682,8 @@ class SimCluster:
     def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         if self._prefills[seqs[0].worker]:  # one engine's batch
             return
+        if self._stage_counts:
+            self._charge_prefill_stage(seqs, num_tokens)
         if not self._owner:
             self.router.tokens_many([seq.req for seq in seqs], num_tokens, now)
             return
@@ -687,6 +713,8 @@ class SimCluster:
         assert seq.admitted_at is not None and seq.first_token_at is not None
         # A split request waited for, and hit the cache of, its prefill worker.
         split = self._prefilled.pop(req.id, None) if self._prefilled else None
+        if split is not None and self._stage_counts:
+            self.engines[split.worker].local.on_finish(req)
         self.records.append(
             RequestRecord(
                 id=req.id,

@@ -204,6 +204,10 @@ class Engine:
         self._adapter_users: dict[str, int] = {}
         self._load_due = 0.0  # adapter loads the step being planned waits for
         self.adapter_loads = 0
+        # A split fleet's prefill engine whose discipline counts tokens: a request's account
+        # stays open past its prefill, charged its output as decoded elsewhere; the driver
+        # closes it (`local.on_finish`) when the request ends.
+        self.hands_off = False
 
     # ------------------------------------------------------------- interface
 
@@ -723,7 +727,8 @@ class Engine:
             self._set_computed(seq, 0)
             self._tokens_total -= seq.req.prompt_len + seq.req.output_len
             seq.finished_at = now
-            self.local.on_finish(seq.req)
+            if not self.hands_off:
+                self.local.on_finish(seq.req)
             self.listener.on_finish(seq, now)
 
     def _preempt(self, seq: Seq) -> None:

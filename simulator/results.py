@@ -157,8 +157,9 @@ def summarize(
         moved = [r.kv_transfer for r in records if r.kv_transfer is not None]
         out["kv_transfer"] = {"requests": len(moved), **_stats(moved)}
     if classes or refusals or any(r.priority for r in records):
+        reasons = (*REFUSAL_REASONS, *sorted({x.reason for x in refusals} - {*REFUSAL_REASONS}))
         out["refusals"] = {reason: sum(1 for x in refusals if x.reason == reason)
-                           for reason in REFUSAL_REASONS}  # fmt: skip
+                           for reason in reasons}  # fmt: skip
         out["classes"] = by_class = class_summary(records, refusals, classes or ClassTable())
         out["goodput"] = fleet_goodput(by_class, span)
         out["ttft_prediction"] = ttft_prediction(records)

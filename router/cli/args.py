@@ -93,7 +93,35 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         metavar="K=V",
         help="local discipline parameter, e.g. quantum=4096",
     )
-    g.add_argument("--workers", type=int, default=8)
+    g.add_argument(
+        "--workers",
+        type=int,
+        help="mixed workers, each prefilling and decoding (default 8, or 0 beside "
+        "--prefill-workers and --decode-workers)",
+    )
+    g.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        metavar="P",
+        help="workers that only prefill, handing each prompt's KV to a decode worker",
+    )
+    g.add_argument(
+        "--decode-workers", type=int, default=0, metavar="D", help="workers that only decode"
+    )
+    g.add_argument(
+        "--topology",
+        default="dgx-h100",
+        metavar="PRESET|FILE.yaml",
+        help="the network a split fleet's KV crosses, worker i on GPU i: a preset (dgx-h100, "
+        "h100-1nic, pcie-ethernet, single-host) or a YAML file (simulator/topology.py)",
+    )
+    g.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        metavar="BYTES",
+        help="a token's KV on the wire (default: the --model's; needed with --cost)",
+    )
     g.add_argument(
         "--fleet",
         metavar="FLEET.yaml",
@@ -278,8 +306,14 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
     else:
         cost = FittedCost.load(args.cost) if args.cost else roofline(args.model, args.gpu, args.tp)
         groups = ()
+    split = args.prefill_workers + args.decode_workers
+    mixed = args.workers if args.workers is not None else 0 if split else 8
     config = SimConfig(
-        num_workers=args.workers,
+        num_workers=mixed + split,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        topology=args.topology,
+        kv_bytes_per_token=args.kv_bytes_per_token,
         groups=groups,
         policy=policy or args.policy,
         local_policy=args.local_policy,

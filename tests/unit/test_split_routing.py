@@ -121,10 +121,11 @@ def test_a_handoff_with_no_decode_worker_left_ends_the_request() -> None:
     assert router.finish(r, 0.3) == []  # gone: nothing left to finish
 
 
-def test_each_pools_vtc_queue_charges_by_the_papers_definition() -> None:
-    """A prefill worker's VTC discipline charges the prompt it computes; a decode worker's
-    charges the request as VTC defines service (its prompt, whose KV its batch holds and
-    attends over, and its output), as one mixed worker's would."""
+def test_both_pools_vtc_queues_count_the_whole_request() -> None:
+    """The prefill worker's VTC discipline charges the prompt at admission and the output as
+    it is decoded on the other worker, as VTC defines service; the decode worker's charges
+    the request as its own queue sees it (prompt held and read there, and output). Each
+    equals what one mixed worker's discipline charges."""
     charged = {}
     for split in (True, False):
         router = Router(
@@ -142,15 +143,17 @@ def test_each_pools_vtc_queue_charges_by_the_papers_definition() -> None:
         router.route(r, 0.0)
         if split:
             router.prefilled(r, 0.5)
+            prompt_only = router.queues[P0].discipline.counters["x"]
         router.first_token(r, 0.6)
         router.tokens(r, 7, 0.9)
         router.finish(r, 1.0)
         charged[split] = {w: q.discipline.counters.get("x", 0.0) for w, q in router.queues.items()}
     meter = policies.local_policies.build("vtc", {}, 0).meter
     r = req(3)
-    assert charged[True][P0] == pytest.approx(meter.start(r, r.prompt_len))
+    assert prompt_only == pytest.approx(meter.start(r, r.prompt_len))
+    assert charged[True][P0] == pytest.approx(charged[False][M0])
+    assert charged[True][P0] > prompt_only
     assert charged[True][D0] == pytest.approx(charged[False][M0])
-    assert charged[False][M0] > charged[True][P0]
 
 
 def test_d2lpm_deficits_stay_on_the_prefill_worker() -> None:
