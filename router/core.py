@@ -330,13 +330,8 @@ class Router:
         start it sooner."""
         view = self.view
         view.now = now
-        candidates = view
-        if self._groups and (request.model is not None or self._split):
-            group = self._groups.get(request.model)
-            if group is None or not group.workers:
-                raise UnknownModel(f"no worker serves model {request.model!r}")
-            group.now = now
-            candidates = group
+        candidates = self.routing_pool(request)
+        candidates.now = now
         excluded = set(exclude)
         if self._split and not self._decodes(request):
             # No decode worker to hand a prefill worker's requests to: mixed workers only.
@@ -485,6 +480,17 @@ class Router:
         """Some decode worker of `request`'s model group is healthy."""
         pool = self._decode_pools.get(request.model)
         return pool is not None and bool(pool.healthy_set())
+
+    def routing_pool(self, request: Request) -> ClusterView:
+        """The tracked view `route` starts from for `request`: its model group's workers, and
+        of them the ones that prefill in a split fleet (the whole fleet otherwise). Exclusions
+        and an adapter narrow it further, inside `route`."""
+        if self._groups and (request.model is not None or self._split):
+            group = self._groups.get(request.model)
+            if group is None or not group.workers:
+                raise UnknownModel(f"no worker serves model {request.model!r}")
+            return group
+        return self.view
 
     # ------------------------------------------------------ latency targets
 

@@ -548,14 +548,13 @@ class SimCluster:
             # A request routed among a part of the fleet (its group, its adapter's holders) is
             # decided in a view the router makes inside route(): a policy asked what it reads
             # in the whole one may answer for, and remember, the wrong workers. Read all.
-            partial = (
-                req.adapter is not None
-                or (req.model is not None and self._several_groups)
-                or self.transfers is not None  # a split fleet's policy reads the prefill pool
-            )
-            # Predicting its TTFT reads every worker's prompts not yet prefilled.
+            partial = req.adapter is not None or (req.model is not None and self._several_groups)
+            # Predicting its TTFT reads every worker's prompts not yet prefilled. A split
+            # fleet's policy decides among the workers that prefill.
             read = (
-                None if partial or router.banded else router.policy.progress_read(req, router.view)
+                None
+                if partial or router.banded
+                else router.policy.progress_read(req, router.routing_pool(req))
             )
             for wid in range(len(self.engines)) if read is None else read:
                 self.engines[wid].sync(now)

@@ -462,6 +462,38 @@ def replay_classes(path: Path, limit: int | None = None) -> list[dict[str, objec
     return rows
 
 
+def replay_split(
+    path: Path, sizes: tuple[int, ...] = (8, 64), seconds: float = 120.0, rounds: int = 3
+) -> list[dict[str, object]]:
+    """Simulated requests per CPU second of a split fleet (a quarter of it prefilling, on
+    dgx-h100's network) against the same number of mixed workers, lpm, on the Mooncake
+    conversation trace's first `seconds` tiled to the fleet (as `fleet_scaling` does): the
+    split run's handoffs and KV transfers against the mixed run's, per request, and whether
+    that cost grows with the fleet. Mixed and split take turns; medians of `rounds`."""
+    from traces.transform import tile, window
+
+    cost = roofline("llama-3-8b", "h100")
+    rates: dict[tuple[int, str], list[float]] = {}
+    for _ in range(rounds):
+        for workers in sizes:
+            for fleet, prefill in (("mixed", 0), ("split", workers // 4)):
+                trace = tile(window(load_trace(path), 0.0, seconds), workers // 8)
+                config = SimConfig(num_workers=workers, policy="lpm", prefill_workers=prefill,
+                                   decode_workers=workers - prefill if prefill else 0)  # fmt: skip
+                started = time.process_time()
+                result = simulate(trace, cost, config)
+                spent = time.process_time() - started
+                rates.setdefault((workers, fleet), []).append(result.summary["completed"] / spent)
+    rows = []
+    for workers in sizes:
+        mixed = statistics.median(rates[(workers, "mixed")])
+        split = statistics.median(rates[(workers, "split")])
+        rows.append({"workers": workers, "split P:D": f"{workers // 4}:{workers - workers // 4}",
+                     "mixed req / CPU s": mixed, "split req / CPU s": split,
+                     "split / mixed": split / mixed})  # fmt: skip
+    return rows
+
+
 def _documents(rng: random.Random) -> list[list[int]]:
     """512 documents of 256 to 2,048 tokens, as block hashes: what the decision benches route."""
     return [[rng.getrandbits(63) for _ in range(rng.randint(16, 128))] for _ in range(512)]
@@ -594,4 +626,8 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print(format_table(decision_classes(5_000 if quick else 20_000)))
     print("\nMooncake replay with traffic classes (8 workers, lpm):")
     print(format_table(replay_classes(path, limit=5000 if quick else None)))
+    print("\nSplit prefill/decode against mixed, same GPUs, same trace (Mooncake, first")
+    print("120 s tiled to the fleet, lpm; target: split within 1.5x of mixed's speed, not")
+    print("falling with the fleet):")
+    print(format_table(replay_split(path, rounds=1 if quick else 3)))
     return 0
