@@ -98,6 +98,8 @@ def load_recording(folder: Path) -> Trace:
     served = {k: v for t in parts for k, v in t.meta.get("served_by", {}).items()}  # type: ignore[union-attr]
     if served:
         trace.meta = {"served_by": served, "policy": parts[-1].meta.get("policy")}
+    if "roles" in parts[-1].meta:  # the fleet as it recorded last
+        trace.meta["roles"] = parts[-1].meta["roles"]
     return finish(trace)
 
 

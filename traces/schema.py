@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -61,6 +62,9 @@ class TraceHeader(BaseModel):
     fairway_trace: int = Field(1, ge=1, le=1)
     block_size: int = Field(DEFAULT_BLOCK_SIZE, gt=0)
     keyed: bool = False  # block_hashes already carry each request's cache identity
+    # A split fleet's recording: each worker's role by id (mixed, prefill, decode), so that a
+    # replay runs the same pools.
+    roles: list[Literal["mixed", "prefill", "decode"]] | None = None
 
 
 class TraceLine(BaseModel):
@@ -81,6 +85,7 @@ class TraceLine(BaseModel):
     # A proxy's recording (router/proxy/capture.py) also says who served each request; a replay
     # ignores it, a comparison of routing decisions reads it from Trace.meta["served_by"].
     worker: int | None = None
+    prefill_worker: int | None = None  # a split request's prefill worker (`worker` decoded it)
     policy: str | None = None
 
 
@@ -111,7 +116,7 @@ def load_native(path: Path) -> Trace:
 
 def read_native(path: Path) -> Trace:
     """A native trace as written: not yet sorted, rebased or checked (see `finish`)."""
-    block_size, keyed = DEFAULT_BLOCK_SIZE, False
+    block_size, keyed, roles = DEFAULT_BLOCK_SIZE, False, None
     requests: list[Request] = []
     served_by: dict[int, int] = {}
     policies: set[str] = set()
@@ -121,13 +126,14 @@ def read_native(path: Path) -> Trace:
                 if requests:
                     raise TraceError(path, lineno, "the header must be the first line")
                 header = TraceHeader.model_validate(obj)
-                block_size, keyed = header.block_size, header.keyed
+                block_size, keyed, roles = header.block_size, header.keyed, header.roles
                 continue
             line = TraceLine.model_validate(obj)
         except ValidationError as e:
             raise TraceError(path, lineno, first_error(e)) from None
         fields = line.model_dump()
         worker, policy = fields.pop("worker"), fields.pop("policy")
+        fields.pop("prefill_worker")  # who served it, as `worker`: not the request's to replay
         fields["id"] = len(requests) if line.id is None else line.id
         root = None if keyed else cache_root(line.model, line.adapter, line.cache_salt)
         if root is not None:
@@ -143,6 +149,8 @@ def read_native(path: Path) -> Trace:
     if served_by:
         meta["served_by"] = served_by
         meta["policy"] = ",".join(sorted(policies))
+    if roles is not None:
+        meta["roles"] = list(roles)
     return Trace(requests, block_size, source=str(path), meta=meta)
 
 

@@ -306,12 +306,19 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
     else:
         cost = FittedCost.load(args.cost) if args.cost else roofline(args.model, args.gpu, args.tp)
         groups = ()
-    split = args.prefill_workers + args.decode_workers
-    mixed = args.workers if args.workers is not None else 0 if split else 8
+    prefill, decode = args.prefill_workers, args.decode_workers
+    recorded = trace.meta.get("roles")
+    if recorded and not (prefill or decode or args.workers is not None or args.fleet):
+        # A split fleet's recording replays on the same pools (ids run mixed, prefill, decode
+        # live as here).
+        prefill, decode = recorded.count("prefill"), recorded.count("decode")
+        mixed = recorded.count("mixed")
+    else:
+        mixed = args.workers if args.workers is not None else 0 if prefill + decode else 8
     config = SimConfig(
-        num_workers=mixed + split,
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
+        num_workers=mixed + prefill + decode,
+        prefill_workers=prefill,
+        decode_workers=decode,
         topology=args.topology,
         kv_bytes_per_token=args.kv_bytes_per_token,
         groups=groups,
