@@ -188,7 +188,7 @@ class Router:
         self.routing_log: list[tuple[list[int], WorkerId, float]] | None = None
         # A request naming a model is routed among that group's workers (router.adapters for
         # the adapter among them); a fleet whose workers name no model serves every request.
-        self._groups: dict[str, ClusterView] = {}
+        self._groups: dict[str | None, ClusterView] = {}
         self.adapters = AdapterSlots(adapter_load_time, adapter_affinity)
         # Traffic classes: bands in every queue, predicted TTFT, admission control.
         self.classes = classes if classes is not None else ClassTable()
@@ -260,8 +260,8 @@ class Router:
 
     def models(self) -> list[str]:
         """The model groups some worker serves (known workers, healthy or not)."""
-        groups = {**self._groups, **self._decode_pools}
-        return sorted(m for m, group in groups.items() if m is not None and group.workers)
+        pools = [*self._groups.items(), *self._decode_pools.items()]
+        return sorted({m for m, pool in pools if m is not None and pool.workers})
 
     def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
         """Stop routing to `wid` and forget what it cached. Its queued requests are withdrawn
