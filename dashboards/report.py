@@ -22,7 +22,7 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dashboards.tables import class_rows, format_table, goodput  # noqa: E402
+from dashboards.tables import class_rows, format_table, goodput, pool_rows  # noqa: E402
 from router.records import RequestRecord  # noqa: E402
 from simulator.fairness import service_curves  # noqa: E402
 from simulator.results import summarize  # noqa: E402
@@ -292,6 +292,7 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         ("workers", "Per-worker load and cache-hit rate over time", worker_load(runs)),
     ]
     classes = [row for run in runs for row in class_rows(run.name, run.summary)]
+    pools = [row for run in runs for row in pool_rows(run.name, run.summary)]
     sources = "".join(
         f"<li>{html.escape(r.name)}: {html.escape(str(r.path))} ({len(r.records)} requests)</li>"
         for r in runs
@@ -314,7 +315,8 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         f"Jain: Jain's index over the service of the clients waiting at the same time (1: equal "
         f"shares), averaged over time. "
         f"Bound: the hit rate of one unbounded cache shared by all workers.</p>"
-        f"{_classes_html(classes)}{figs}<h2>Runs</h2><ul>{sources}</ul></body></html>"
+        f"{_classes_html(classes)}{_pools_html(pools)}{figs}"
+        f"<h2>Runs</h2><ul>{sources}</ul></body></html>"
     )
     md = out.with_suffix(".md")
     classes_md = f"\n## Traffic classes\n\n```\n{format_table(classes)}\n```\n" if classes else ""
@@ -323,6 +325,7 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         + "\n".join(f"- {line}" for line in verdict(rows))
         + "\n"
         + classes_md
+        + (f"\n## Prefill and decode pools\n\n```\n{format_table(pools)}\n```\n" if pools else "")
     )
     return out
 
@@ -337,6 +340,19 @@ def _html_table(rows: list[dict[str, object]], table_id: str) -> str:
         for row in rows
     )  # fmt: skip
     return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _pools_html(rows: list[dict[str, object]]) -> str:
+    """A split fleet's prefill and decode pools, per run that has them."""
+    if not rows:
+        return ""
+    return (
+        f"<h2>Prefill and decode pools</h2>{_html_table(rows, 'pools')}"
+        "<p>Requests: routed to a prefill (or mixed) worker, handed to a decode worker. Tokens "
+        "computed: prompt and output tokens the pool's engines ran. Load imbalance: the busiest "
+        "worker's tokens over the pool's mean. KV in: the time a prompt's KV took from its "
+        "prefill GPU to its decode GPU.</p>"
+    )
 
 
 def _classes_html(rows: list[dict[str, object]]) -> str:

@@ -87,6 +87,34 @@ def class_rows(label: str, summary: Mapping[str, object]) -> list[dict[str, obje
     return rows
 
 
+def pool_rows(label: str, summary: Mapping[str, object]) -> list[dict[str, object]]:
+    """A split fleet's pools (none for a mixed fleet): each role's workers, the requests it
+    took, the tokens it computed, its own load imbalance, and on the decode pool the KV
+    transfers that reached it."""
+    moved: Mapping = summary.get("kv_transfer") or {}  # type: ignore[assignment]
+    rows = []
+    for role, pool in (summary.get("roles") or {}).items():  # type: ignore[attr-defined]
+        decode = role == "decode"
+        rows.append(
+            {
+                "policy": label,
+                "pool": role,
+                "workers": pool["workers"],
+                "requests": pool["requests"],
+                "tokens computed": pool["tokens_processed"],
+                "load imbalance": pool["load_imbalance"],
+                "preemptions": pool["preemptions"],
+                "KV in mean ms": _ms(moved.get("mean")) if decode else None,
+                "KV in p99 ms": _ms(moved.get("p99")) if decode else None,
+            }
+        )
+    return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
 def goodput(summary: Mapping[str, object]) -> tuple[float | None, float | None]:
     """A run's SLO attainment over all its classes and its total goodput (requests per second
     that met their class's targets); (None, None) without classes."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dashboards.tables import class_rows, format_table, summary_row
+from dashboards.tables import class_rows, format_table, pool_rows, summary_row
 from router.cli.args import add_sim_args, add_trace_args, key_values, load_workload, run_simulation
 from router.registry import call_with_params
 
@@ -20,9 +20,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     classes = class_rows(args.policy, result.summary)
     if classes:
         print(format_table(classes))
-    if "roles" in result.summary:
-        print(format_table(role_rows(result.summary)))
-        print(transfer_line(result.summary))
+    pools = pool_rows(args.policy, result.summary)
+    if pools:
+        print(format_table(pools))
     if args.fleet:
         print(format_table(group_rows(result.summary)))
         print(f"adapter loads (all engines): {result.summary['adapter_loads']}")
@@ -31,32 +31,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_results(out, result.summary, result.records)
         print(f"wrote {out / 'summary.json'} and {out / 'requests.csv'}")
     return 0
-
-
-def role_rows(summary: dict) -> list[dict[str, object]]:
-    """A split fleet's pools: each role's workers, requests, tokens and load imbalance."""
-    return [
-        {
-            "pool": role,
-            "workers": pool["workers"],
-            "requests": pool["requests"],
-            "tokens computed": pool["tokens_processed"],
-            "load imbalance": pool["load_imbalance"],
-            "preemptions": pool["preemptions"],
-        }
-        for role, pool in summary["roles"].items()
-    ]
-
-
-def transfer_line(summary: dict) -> str:
-    moved = summary["kv_transfer"]
-    if not moved["requests"]:
-        return "KV transfers: none"
-    ms = {k: moved[k] * 1e3 for k in ("mean", "p50", "p99", "max")}
-    return (
-        f"KV transfers: {moved['requests']}, mean {ms['mean']:.3g} ms, p50 {ms['p50']:.3g} ms, "
-        f"p99 {ms['p99']:.3g} ms, max {ms['max']:.3g} ms"
-    )
 
 
 def group_rows(summary: dict) -> list[dict[str, object]]:

@@ -11,12 +11,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dashboards.report import load_run, write_report
 from router.cli import build_parser
 from router.cost_model import roofline
 from router.request import Request
 from simulator.cluster import SimConfig, simulate
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
+from simulator.results import write_results
 from tests.sim.test_fairness import backlogged_trace
 from traces.generators import shared_prefix
 from traces.schema import Trace
@@ -206,7 +208,7 @@ def test_fairway_simulate_runs_a_split_fleet(capsys) -> None:
     args = build_parser().parse_args(argv)
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "prefill" in out and "decode" in out and "KV transfers:" in out
+    assert "prefill" in out and "decode" in out and "KV in mean ms" in out
 
 
 def test_a_split_fleets_recording_replays_on_the_same_pools(tmp_path, capsys) -> None:
@@ -225,5 +227,19 @@ def test_a_split_fleets_recording_replays_on_the_same_pools(tmp_path, capsys) ->
     args = build_parser().parse_args(["simulate", "--trace", str(folder), "--policy", "lpm"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    pools = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.split()}
+    rows = [line.split() for line in out.splitlines()]
+    pools = {w[1]: w[2:4] for w in rows if len(w) > 3 and w[1] in ("prefill", "decode")}
     assert pools["prefill"] == ["1", "6"] and pools["decode"] == ["2", "6"]
+
+
+def test_a_report_shows_the_two_pools(tmp_path) -> None:
+    trace = shared_prefix(num_requests=40, num_tenants=2, rate=10.0, seed=1)
+    runs = []
+    for policy in ("lpm", "least_load"):
+        result = simulate(trace, COST, SimConfig(policy=policy, **_split_fields(4, 2)))
+        write_results(tmp_path / policy, result.summary, result.records)
+        runs.append(load_run(tmp_path / policy))
+    page = write_report(runs, tmp_path / "report.html").read_text()
+    assert "<h2>Prefill and decode pools</h2>" in page and "id='pools'" in page
+    table = page[page.index("id='pools'") :].split("</table>")[0]
+    assert table.count("<td>prefill</td>") == table.count("<td>decode</td>") == 2
