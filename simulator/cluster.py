@@ -637,12 +637,11 @@ class SimCluster:
         nbytes = kv_bytes(req.prompt_len - held, self._kv_bytes_per_token)
         prefilled = self._prefilled[req.id]
 
-        def arrived(event: simpy.Event) -> None:
-            transfer: Transfer = event.value
+        def arrived(transfer: Transfer) -> None:
             prefilled.kv_transfer = transfer.end - transfer.start
             self._submit(worker, req, preloaded=True)
 
-        self.transfers.send(prefilled.worker, worker, nbytes).callbacks.append(arrived)
+        self.transfers.send(prefilled.worker, worker, nbytes, then=arrived)
 
     def _charge_prefill_stage(self, seqs: list[Seq], num_tokens: int) -> None:
         """Output decoded here, charged to the discipline of the prefill engine that admitted
