@@ -616,7 +616,8 @@ class Router:
         flight = self._flights.get(request.id)
         if flight is None:
             return
-        self._work_done(flight, min(request.prompt_len, flight.remaining))
+        if not flight.handed_off:  # its prompt is done (a decode worker had none to do)
+            self._work_done(flight, min(request.prompt_len, flight.remaining))
         self._prefilled(flight)
         self._hook(self.policy.on_first_token, request, flight.charged_to, now)
 

@@ -51,8 +51,10 @@ def test_a_request_is_prefilled_then_decoded_on_the_other_pool() -> None:
     assert router.view.workers[prefill].tokens_in_flight == 0
     assert router.view.workers[prefill].num_outstanding == 0
     assert router.view.workers[handoff.decode].tokens_in_flight == r.output_len
-    router.first_token(r, 1.1)
+    router.first_token(r, 1.1)  # the decode worker's: its work is the output alone
+    assert router.view.workers[handoff.decode].tokens_in_flight == r.output_len
     router.tokens(r, r.output_len - 1, 1.5)
+    assert router.view.workers[handoff.decode].tokens_in_flight == 1
     router.finish(r, 2.0)
     assert all(
         w.tokens_in_flight == 0 and w.num_outstanding == 0 for w in router.view.workers.values()
