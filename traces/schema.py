@@ -85,7 +85,7 @@ class TraceLine(BaseModel):
     # A proxy's recording (router/proxy/capture.py) also says who served each request; a replay
     # ignores it, a comparison of routing decisions reads it from Trace.meta["served_by"].
     worker: int | None = None
-    prefill_worker: int | None = None  # a split request's prefill worker (`worker` decoded it)
+    decode_worker: int | None = None  # a split request's (`worker`, the policy's, prefilled it)
     policy: str | None = None
 
 
@@ -133,7 +133,7 @@ def read_native(path: Path) -> Trace:
             raise TraceError(path, lineno, first_error(e)) from None
         fields = line.model_dump()
         worker, policy = fields.pop("worker"), fields.pop("policy")
-        fields.pop("prefill_worker")  # who served it, as `worker`: not the request's to replay
+        fields.pop("decode_worker")  # who served it, as `worker`: not the request's to replay
         fields["id"] = len(requests) if line.id is None else line.id
         root = None if keyed else cache_root(line.model, line.adapter, line.cache_salt)
         if root is not None:

@@ -213,16 +213,16 @@ def test_fairway_simulate_runs_a_split_fleet(capsys) -> None:
 
 def test_a_split_fleets_recording_replays_on_the_same_pools(tmp_path, capsys) -> None:
     """A recording's header names each worker's role; `fairway simulate --trace RECORD` with
-    no fleet given runs those pools, and each request's prefill worker is who served it
-    first, not part of what is replayed."""
+    no fleet given runs those pools; who served each request (`worker`, the policy's choice,
+    and `decode_worker`) is not part of what is replayed."""
     folder = tmp_path / "record"
     folder.mkdir()
     lines = [{"fairway_trace": 1, "block_size": 16, "keyed": True,
               "roles": ["prefill", "decode", "decode"]}]  # fmt: skip
     for i in range(6):
         lines.append({"id": i, "arrival": 0.1 * i, "prompt_len": 65, "output_len": 4,
-                      "block_hashes": [i, i + 100, i + 200, i + 300], "worker": 1 + i % 2,
-                      "prefill_worker": 0, "policy": "lpm"})  # fmt: skip
+                      "block_hashes": [i, i + 100, i + 200, i + 300], "worker": 0,
+                      "decode_worker": 1 + i % 2, "policy": "lpm"})  # fmt: skip
     (folder / "trace.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     args = build_parser().parse_args(["simulate", "--trace", str(folder), "--policy", "lpm"])
     assert args.func(args) == 0
