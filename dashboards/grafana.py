@@ -31,6 +31,9 @@ def _quantiles(metric: str) -> tuple[tuple[str, str], ...]:
     )
 
 
+# Joins a per-worker series to its worker's role, per proxy (each replica exports its own).
+BY_ROLE = "* on (instance, worker) group_left (role) fairway_worker_role"
+
 PANELS: tuple[Panel, ...] = (
     Panel(
         "Request rate by outcome",
@@ -103,6 +106,36 @@ PANELS: tuple[Panel, ...] = (
     Panel("Worker health", (("fairway_worker_healthy", "worker {{worker}}"),), "short", "stat"),
     Panel(
         "Index size (blocks) per worker", (("fairway_index_blocks", "{{mode}} worker {{worker}}"),)
+    ),
+    # Split prefill and decode: the pools apart. Each worker's role is exported once
+    # (fairway_worker_role) and joined onto its series; a mixed fleet shows one pool, "mixed".
+    Panel(
+        "Pools by role: requests in flight and queued in the router",
+        (
+            (f"sum by (role) (fairway_worker_in_flight {BY_ROLE})", "in flight, {{role}}"),
+            (f"sum by (role) (fairway_router_queue_depth {BY_ROLE})", "queued, {{role}}"),
+        ),
+    ),
+    Panel(
+        "Retries before the first byte, by the failed worker's role",
+        ((f"sum by (role) (rate(fairway_retries_total[1m]) {BY_ROLE})", "{{role}}"),),
+        "reqps",
+    ),
+    Panel(
+        "Handoffs from prefill to decode workers, by decode worker",
+        (("sum by (worker) (rate(fairway_handoffs_total[1m]))", "decode worker {{worker}}"),),
+        "reqps",
+    ),
+    Panel(
+        "Prefill answer to the decode worker's first byte (KV transfer + decode queue; streams)",
+        tuple(
+            (
+                f"histogram_quantile({q}, sum by (le) (rate(fairway_handoff_seconds_bucket[1m])))",
+                f"p{int(q * 100)}",
+            )
+            for q in (0.5, 0.99)
+        ),
+        "s",
     ),
 )
 

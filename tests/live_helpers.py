@@ -181,14 +181,17 @@ class ServerProc:
 
 
 @contextlib.asynccontextmanager
-async def emulated_processes(n: int, speed: float = 1.0) -> AsyncIterator[list[ServerProc]]:
-    """`n` emulated servers, each in a session of its own; all stopped (woken first, if
-    stopped) and reaped on exit."""
+async def emulated_processes(
+    n: int, speed: float = 1.0, extra_args: list[list[str]] | None = None
+) -> AsyncIterator[list[ServerProc]]:
+    """`n` emulated servers, each in a session of its own (server i with `extra_args[i]` on
+    its command line); all stopped (woken first, if stopped) and reaped on exit."""
     servers = []
     try:
-        for _ in range(n):
+        for i in range(n):
             port = free_port()
             argv = emulated.command(port, tokenizer_dir(), "tiny", BLOCK, speed=speed)
+            argv += extra_args[i] if extra_args else []
             quiet = subprocess.DEVNULL
             proc = subprocess.Popen(
                 argv, cwd=ROOT, start_new_session=True, stdout=quiet, stderr=quiet
@@ -292,3 +295,45 @@ def assert_every_request_ended(result: LoadResult, sent: int | None = None) -> N
     lost = result.lost
     details = Counter(o.detail for o in lost).most_common(5)
     assert not lost, f"{result.summary()}; lost: {details}"
+
+
+# ------------------------------------------------------------------ split prefill and decode
+
+
+@contextlib.asynccontextmanager
+async def emulated_split_workers(
+    roles: list[str], speed: float = 1.0, **kw
+) -> AsyncIterator[list[tuple[str, web.Application]]]:
+    """Emulated servers of these roles in this process, server i on GPU i of one network (a
+    `topology` in `kw`); yields each one's URL and app (`app[emulated.CONNECTOR].received`:
+    what it was sent)."""
+    async with contextlib.AsyncExitStack() as stack:
+        out = []
+        for i, role in enumerate(roles):
+            app = emulated.create_app(tokenizer_dir(), "tiny", BLOCK, speed=speed, role=role,
+                                      topology_gpu=i, topology_gpus=len(roles), **kw)  # fmt: skip
+            out.append((await stack.enter_async_context(serving(app)), app))
+        yield out
+
+
+@contextlib.asynccontextmanager
+async def split_proxy(
+    workers: list[tuple[str, str]], kv_shape: str = "handshake", **kw
+) -> AsyncIterator[tuple[ProxyURL, LiveCluster]]:
+    """`proxy` in front of (url, role) workers whose KV connectors have `kv_shape`."""
+    async with proxy([], **kw) as (url, cluster):
+        for worker_url, role in workers:
+            cluster.add_worker(worker_url, role=role, kv_shape=kv_shape)
+        yield url, cluster
+
+
+@contextlib.asynccontextmanager
+async def emulated_role_processes(
+    roles: list[str], speed: float = 1.0, topology: str = "dgx-h100"
+) -> AsyncIterator[list[ServerProc]]:
+    """`emulated_processes` of these roles (handshake connectors), server i on GPU i of
+    `topology`."""
+    args = [["--role", role, "--topology", topology, "--topology-gpu", str(i),
+             "--topology-gpus", str(len(roles))] for i, role in enumerate(roles)]  # fmt: skip
+    async with emulated_processes(len(roles), speed, args) as servers:
+        yield servers

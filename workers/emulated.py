@@ -5,12 +5,15 @@ HTTP API and /metrics names, for load tests and fast tests where no real vLLM fi
         [--kv-events ipc:///tmp/kv-0 [--kv-events-drop 0.5] [--kv-events-drop-after 100]]
         [--enable-lora [--max-loras 4] [--adapter-load-time 0.05] [--lora-modules a=DIR ...]]
         [--scheduling-policy priority]
+        [--role prefill|decode|mixed --kv-shape handshake|shared [--kv-shared-dir DIR]
+         --topology dgx-h100 --topology-gpu I --topology-gpus N]
 
 The SimPy environment is driven from the asyncio loop: a driver task sleeps until the next
 simulated event is due in wall time (`speed` x faster if asked), then steps it; an arriving
 request first advances the simulation to "now", so it joins the engine at its real arrival time.
-Tokens are random vocabulary pieces; timing, batching, prefix caching and preemption follow the
-engine model, one event per step (no fast-forward: each step's tokens stream as it ends).
+Tokens are vocabulary pieces drawn from a seed of the prompt, so that every server answers a
+prompt alike (as greedy decoding would); timing, batching, prefix caching and preemption follow
+the engine model, one event per step (no fast-forward: each step's tokens stream as it ends).
 With `--kv-events` it publishes vLLM's KV events over ZMQ, and can lose some or all of them on
 purpose (what a router's precise index must survive).
 
@@ -24,6 +27,11 @@ With `--scheduling-policy priority` it schedules as vLLM's priority policy: a re
 `priority` (the body's field, or vLLM's X-Vllm-Priority header) puts it in a strict band of the
 waiting queue (lower first, router.bands over FCFS), and when running requests need KV blocks
 the victim is the lowest-priority one. Under fcfs (the default) the priority is ignored.
+
+With `--role prefill` or `--role decode` it serves a split fleet with vLLM's disaggregated
+protocol (workers/emulated_split.py): a prefill server answers with the kv_transfer_params a
+decode server pulls the prompt's KV by; a decode server waits the transfer on the network
+model, then computes only the prompt's last token.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from policies.fcfs import FCFS
 from router.bands import Banded
-from router.cost_model import roofline
+from router.cost_model import MODELS, roofline
 from router.policy import LocalPolicy
 from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError
@@ -60,6 +68,7 @@ from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import ProxySettings
 from router.request import BlockHash, Request
 from simulator.engine import Engine, EngineConfig, Seq
+from workers.emulated_split import Connector, Incoming, network, prompt_key
 
 # A step that loads an adapter takes this much longer (simulated seconds). An estimate: with
 # vLLM's default --max-cpu-loras (= --max-loras) an adapter that lost its slot is read from disk
@@ -90,6 +99,16 @@ class VLLMMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1")
         self.queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up")
         self.hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens",
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
@@ -265,6 +284,7 @@ class WallClockEngine:
         self.engine = Engine(self.env, 0, cost, engine_config, local, self, kv_events)
         self.streams: dict[int, asyncio.Queue[int | None]] = {}
         self.cached_tokens: dict[int, int] = {}  # request id -> prefix hit, until answered
+        self.incoming: dict[int, Incoming] = {}  # requests whose prompt's KV was sent here
         self.metrics: VLLMMetrics | None = None
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
@@ -273,18 +293,37 @@ class WallClockEngine:
     def sim_now(self) -> float:
         return (time.monotonic() - self._t0) * self.speed
 
-    def submit(self, req: Request) -> asyncio.Queue[int | None]:
+    def submit(self, req: Request, incoming: Incoming | None = None) -> asyncio.Queue[int | None]:
+        """Queue `req`; `incoming`: its prompt's KV is sent from a prefill server, and it joins
+        the engine when the transfer ends, with only the prompt's last token to compute."""
         self._catch_up()
         req.arrival = self.env.now
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         self.streams[req.id] = queue
-        self.engine.submit(req)
+        if incoming is None:
+            self.engine.submit(req)
+        else:
+            self.incoming[req.id] = incoming
+
+            def arrived(_: object) -> None:
+                if req.id in self.streams:  # not aborted meanwhile
+                    self.engine.submit(req, preloaded=True)
+
+            self.env.timeout(incoming.seconds).callbacks.append(arrived)
         self._wake.set()
         return queue
+
+    def cached_prefix(self, req: Request) -> int:
+        """Prompt tokens of `req` this engine holds now, as it would reuse them."""
+        self._catch_up()
+        bs = self.engine.config.block_size
+        limit = (req.prompt_len - 1) // bs
+        return self.engine.blocks.num_cached_prefix(req.block_hashes, limit) * bs
 
     def abort(self, req: Request) -> None:
         """The client left: stop spending the engine's time on it."""
         self.streams.pop(req.id, None)
+        self.incoming.pop(req.id, None)
         self._catch_up()
         self.engine.abort(req.id)
         self._wake.set()
@@ -311,11 +350,17 @@ class WallClockEngine:
 
     # EngineListener
     def on_first_token(self, seq: Seq, now: float) -> None:
-        self.cached_tokens[seq.req.id] = seq.num_cached_tokens or 0
+        local = seq.num_cached_tokens or 0
+        sent = self.incoming.pop(seq.req.id, None)
+        # vLLM counts a prompt's tokens loaded through its connector as cached too.
+        self.cached_tokens[seq.req.id] = local if sent is None else max(local, sent.cached)
         if self.metrics:
             m, labels = self.metrics, self.metrics.labels
             m.queries.labels(*labels).inc(seq.req.prompt_len)
-            m.hits.labels(*labels).inc(seq.num_cached_tokens or 0)
+            m.hits.labels(*labels).inc(local)
+            if sent is not None:
+                m.external_queries.labels(*labels).inc(seq.req.prompt_len - local)
+                m.external_hits.labels(*labels).inc(sent.tokens)
             m.prompt_tokens.labels(*labels).inc(seq.req.prompt_len)
             m.ttft.labels(*labels).observe((now - seq.req.arrival) / self.speed)
 
@@ -400,6 +445,7 @@ CATALOG = web.AppKey("catalog", Catalog)
 VOCAB = web.AppKey("vocab", list)
 ADAPTERS = web.AppKey("adapters", Adapters)
 PRIORITY_SCHEDULING = web.AppKey("priority_scheduling", bool)
+CONNECTOR = web.AppKey("connector", Connector)
 INT64 = 1 << 63
 
 
@@ -426,12 +472,13 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
     if (publisher := app.get(KV_EVENTS)) is not None:
         publisher.identify(req.block_hashes, app[ADAPTERS].lora(req.adapter), req.cache_salt)
-    engine = app[ENGINE]
-    queue = engine.submit(req)
+    engine, connector = app[ENGINE], app[CONNECTOR]
+    connector.note(body)
+    queue = engine.submit(req, connector.incoming(body, req, engine.cached_prefix(req)))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
     # vLLM answers with the name asked for: an adapter's, for a request run under it
     created, model, vocab = int(time.time()), body["model"], app[VOCAB]
-    rng = random.Random(req.id)
+    rng = random.Random(prompt_key(body))
 
     def piece(n: int) -> str:
         return "".join(rng.choice(vocab) for _ in range(n))
@@ -463,16 +510,18 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
             if chat
             else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": "length"}
         )
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": usage(n_out),
-            }
-        )
+        answer = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(n_out),
+        }
+        if (params := connector.answer_params(body, req, rid)) is not None:
+            answer["kv_transfer_params"] = params
+        connector.stored(body)
+        return web.json_response(answer)
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
@@ -616,13 +665,24 @@ def create_app(
     adapter_load_time: float = ADAPTER_LOAD_TIME,
     lora_modules: dict[str, str] | None = None,
     scheduling_policy: str = "fcfs",
+    role: str = "mixed",
+    kv_shape: str = "handshake",
+    kv_shared_dir: str | Path | None = None,
+    topology: str | None = None,
+    topology_gpu: int = 0,
+    topology_gpus: int = 1,
+    port: int = 0,
 ) -> web.Application:
     """`kv_events`: a ZMQ endpoint to publish KV events on (bound); `kv_events_drop`: the share
     of them to lose once `kv_events_drop_after` batches went out. `enable_lora`: serve LoRA
     adapters, `max_loras` resident at once, each load adding `adapter_load_time` simulated
     seconds to its step; `lora_modules` (name -> folder) registered at start (a ValueError if
     one is not an adapter, as vLLM will not start then). `scheduling_policy`: "fcfs", or
-    "priority" (vLLM's: the waiting queue by priority, the lowest-priority victim)."""
+    "priority" (vLLM's: the waiting queue by priority, the lowest-priority victim).
+    `role` (mixed, prefill, decode) and `kv_shape` (handshake, shared; `kv_shared_dir` its
+    folder): its KV connector on a split fleet; `topology` (a preset or a YAML file) of
+    `topology_gpus` GPUs, this server on `topology_gpu`: the network its transfers are timed
+    on (none: instant); `port`: the one it serves on, named in its handshakes."""
     if lora_modules and not enable_lora:
         raise ValueError("LoRA modules need LoRA enabled (--enable-lora)")
     if enable_lora and max_loras < 1:
@@ -642,6 +702,16 @@ def create_app(
     )
     app[ENCODER] = encoder
     app[PRIORITY_SCHEDULING] = by_priority
+    app[CONNECTOR] = Connector(
+        role,
+        kv_shape,
+        network(topology, topology_gpus) if topology else None,
+        topology_gpu,
+        kv_shared_dir,
+        MODELS[preset].kv_bytes_per_token,
+        block_size,
+        port=port,
+    )
     app[MODEL] = model_name
     app[MODEL_DIR] = str(model_dir)
     app[LIMITS] = ProxySettings(model_name=model_name, max_model_len=encoder.max_model_len)
@@ -712,7 +782,8 @@ def command(
     lora_modules: dict[str, str] | None = None,
     scheduling_policy: str = "fcfs",
 ) -> list[str]:
-    """The argv that starts one emulated server (for the Ray pool and the benchmarks)."""
+    """The argv that starts one emulated server (for the Ray pool and the benchmarks); a
+    split fleet's role and network are added to it (workers/launch.py, SplitLaunch)."""
     argv = [sys.executable, "-m", "workers.emulated", "--port", str(port),
             "--model-dir", str(model_dir), "--served-model-name", model_name,
             "--block-size", str(block_size), "--preset", preset, "--gpu", gpu,
@@ -756,6 +827,17 @@ def main(argv: list[str] | None = None) -> None:
         default="fcfs",
         help="priority: the waiting queue by the requests' priority, as vLLM's",
     )
+    p.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
+    p.add_argument(
+        "--kv-shape",
+        choices=("handshake", "shared"),
+        default="handshake",
+        help="the KV connector's: kv_transfer_params (NIXL-like), or a shared folder",
+    )
+    p.add_argument("--kv-shared-dir", help="the shared connector's folder")
+    p.add_argument("--topology", help="network preset or YAML file timing KV transfers")
+    p.add_argument("--topology-gpu", type=int, default=0, help="this server's GPU in it")
+    p.add_argument("--topology-gpus", type=int, default=1, help="GPUs in the network")
     args = p.parse_args(argv)
     modules = dict(m.partition("=")[::2] for m in args.lora_modules)
     if any(not name or not path for name, path in modules.items()):
@@ -777,6 +859,13 @@ def main(argv: list[str] | None = None) -> None:
             args.adapter_load_time,
             modules,
             args.scheduling_policy,
+            args.role,
+            args.kv_shape,
+            args.kv_shared_dir,
+            args.topology,
+            args.topology_gpu,
+            args.topology_gpus,
+            args.port,
         )
     except ValueError as e:
         p.error(str(e))

@@ -11,10 +11,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from router.proxy.fleet.config import ClusterConfig, FleetWorker, ModelGroupConfig, WorkersConfig
-from workers import emulated, tiny_model
+from router.proxy.ports import free_ports
+from router.traits import Role
+from workers import emulated, emulated_split, kv_connector, tiny_model
 from workers.pool import ServerSpec, WorkerPool
 
 log = logging.getLogger("fairway.serve")
@@ -57,11 +60,15 @@ def server_specs(
     first: int = 0,
 ) -> list[ServerSpec]:
     """The servers of one model group (by default the fleet's first, or only, one); `first`
-    numbers their logs and KV-event endpoints after the groups before it."""
+    numbers their logs and KV-event endpoints after the groups before it. On a split fleet
+    server i (counted across groups) is GPU i of the emulated servers' network."""
     g = group or config.groups[0]
     w = g.workers
+    roles = w.server_roles
+    where = f"models.{config.groups.index(g)}.workers" if config.models else "workers"
+    split = SplitLaunch.of(config, w, scratch, where) if w.is_split else None
     specs = []
-    for n in range(w.count):
+    for n, role in enumerate(roles):
         i = first + n
         port = w.first_port + n
         log_path = str(scratch / f"worker-{i}.log")
@@ -78,6 +85,8 @@ def server_specs(
             )
             if g.adapters:
                 argv += emulated_lora_args(g)
+            if split is not None:
+                argv += split.emulated_args(role, i)
             specs.append(ServerSpec(argv, port, {"PYTHONPATH": str(ROOT)}, None, log_path, 60.0))
             continue
         kv = f"ipc://{scratch}/kv-events-{i}"
@@ -121,9 +130,71 @@ def server_specs(
                 str(w.kv_cache_bytes),
             ]
             env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=str(i % _cores()))
+        if split is not None:
+            argv += split.vllm_args(role)
+            env.update(split.vllm_env(role))
         argv += w.vllm_args
         specs.append(ServerSpec(argv, port, env, kv, log_path, 240.0))
     return specs
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """What a split fleet's servers are started with besides the usual: each role's KV
+    connector arguments (vLLM: workers/kv_connector.py), or the emulated servers' roles,
+    connector shape and network (simulator/topology.py), one GPU each."""
+
+    shape: str
+    connector: str
+    extra: dict
+    shared_path: Path
+    topology: str
+    num_gpus: int
+
+    @classmethod
+    def of(cls, config: ClusterConfig, w: WorkersConfig, scratch: Path, where: str) -> SplitLaunch:
+        """Checked here, before any server starts: errors name the field (`where`: the
+        worker group's, `workers` or `models.N.workers`)."""
+        c = w.connector
+        shared = Path(c.shared_path).expanduser() if c.shared_path else scratch / "kv-shared"
+        num_gpus = sum(g.workers.num_servers for g in config.groups)
+        if w.backend == "vllm":
+            try:
+                known = kv_connector.connector(c.connector)
+            except ValueError as e:
+                raise ValueError(f"{where}.kv_connector.name: {e}") from None
+            if known.handshake != (c.shape == "handshake"):
+                raise ValueError(
+                    f"{where}.kv_connector.shape: {c.connector} is a "
+                    f"{'handshake' if known.handshake else 'shared'} connector, not {c.shape}"
+                )
+        else:
+            try:
+                emulated_split.network(w.emulated_topology, num_gpus)
+            except ValueError as e:
+                raise ValueError(f"{where}.emulated_topology: {e}") from None
+        if c.shape == "shared":
+            shared.mkdir(parents=True, exist_ok=True)
+        return cls(c.shape, c.connector, dict(c.extra_config), shared, w.emulated_topology,
+                   num_gpus)  # fmt: skip
+
+    def emulated_args(self, role: Role, gpu: int) -> list[str]:
+        argv = ["--role", role.value, "--kv-shape", self.shape, "--topology", self.topology,
+                "--topology-gpu", str(gpu), "--topology-gpus", str(self.num_gpus)]  # fmt: skip
+        if self.shape == "shared":
+            argv += ["--kv-shared-dir", str(self.shared_path)]
+        return argv
+
+    def vllm_args(self, role: Role) -> list[str]:
+        return kv_connector.vllm_role_args(
+            role.value, self.connector, self.shared_path, extra=self.extra
+        )
+
+    def vllm_env(self, role: Role) -> dict[str, str]:
+        """A handshake connector's side channel: a port of each server's own."""
+        if role is Role.MIXED or self.shape != "handshake":
+            return {}
+        return kv_connector.vllm_role_env(role.value, self.connector, free_ports(1)[0])
 
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
@@ -180,14 +251,18 @@ def running_workers(
         slots = g.adapter_slots if g.adapters else 0
         w = g.workers
         ordered = w.scheduling_policy == "priority"  # requests carry their priority there
+        shape = w.connector.shape
         if w.urls:
             kv = list(w.kv_events) + [None] * len(w.urls)
             given += [
-                FleetWorker(u, k, model, slots, ordered) for u, k in zip(w.urls, kv, strict=False)
+                FleetWorker(u, k, model, slots, ordered, role.value, shape)
+                for u, k, role in zip(w.urls, kv, w.server_roles, strict=False)
             ]
             continue
-        for spec in server_specs(config, model_dir_of(config, g), scratch, g, len(specs)):
-            specs.append((spec, FleetWorker(spec.url, spec.kv_events, model, slots, ordered)))
+        started = server_specs(config, model_dir_of(config, g), scratch, g, len(specs))
+        for spec, role in zip(started, w.server_roles, strict=True):
+            worker = FleetWorker(spec.url, spec.kv_events, model, slots, ordered, role.value, shape)
+            specs.append((spec, worker))
     if not specs:
         yield given
         return

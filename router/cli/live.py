@@ -55,6 +55,11 @@ def serve_config(args: argparse.Namespace):  # -> ClusterConfig
         workers["backend"] = args.backend
     if args.workers is not None:
         workers["count"] = args.workers
+    for role in ("prefill", "decode"):
+        if (n := getattr(args, f"{role}_workers")) is not None:
+            workers[role] = n
+    if ("prefill" in workers or "decode" in workers) and "count" not in workers:
+        workers["count"] = 0  # the roles' flags describe the fleet: mixed ones only by --workers
     if args.config:
         config = load_config(args.config, **overrides)
         if workers:
@@ -140,7 +145,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start workers (through Ray) and the OpenAI proxy")
     p.add_argument("--config", help="cluster.yaml (everything; flags below override it)")
     p.add_argument("--backend", choices=["vllm", "emulated"])
-    p.add_argument("--workers", type=int)
+    p.add_argument("--workers", type=int, help="mixed workers (prefill and decode both)")
+    p.add_argument("--prefill-workers", type=int, help="workers that prefill only (a split fleet)")
+    p.add_argument("--decode-workers", type=int, help="workers that decode only (a split fleet)")
     p.add_argument("--model", help="model folder (default: build the tiny test model)")
     p.add_argument("--policy")
     p.add_argument("--local-policy")

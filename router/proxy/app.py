@@ -152,6 +152,7 @@ def _describe(cluster: LiveCluster, w: LiveWorker) -> dict[str, object]:
     return {
         "id": w.id,
         "url": w.url,
+        "role": w.role.value,
         "healthy": state.healthy,
         "queued": len(w.dispatch),
         "in_flight": w.dispatch.in_flight,

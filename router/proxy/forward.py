@@ -4,6 +4,13 @@ Forwarding commits at the client's first byte: until then (a whole non-streamed 
 stream's first chunk), a failure (refused connection, 5xx, a stalled worker) sends the request
 to another worker; after it, the bytes already sent cannot be taken back, so a broken stream
 ends with a framed SSE error event and `data: [DONE]`.
+
+On a split fleet a request routed to a prefill worker makes two trips (`_split`): the prefill
+(max_tokens 1, never streamed: router/proxy/split.py), then the client's own request at the
+decode worker the router hands it to, relayed as any other. Both stages fail as one worker
+does: a failure before the client's first byte, at either, sends the whole request through
+again (the prefill worker or decode worker that failed left out); after it, the stream ends
+with an error event.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import orjson
 from aiohttp import web
 
 from router.classes import Refused
-from router.proxy import admission
+from router.proxy import admission, split
 from router.proxy.adapters import ADAPTERS, AdapterLoadFailed
 from router.proxy.capture import TraceCapture
 from router.proxy.errors import APIError, unavailable
@@ -29,6 +36,7 @@ from router.proxy.settings import ProxySettings
 from router.proxy.sse import StreamAccount, client_wants_usage, with_usage_requested
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
+from router.traits import Role
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +95,16 @@ class Forward:
         self.session = app[SESSION]
         self.adapters = app[ADAPTERS]
         self.http, self.body, self.req = http, body, req
-        self.upstream_body = with_usage_requested(body)
+        self.upstream_body = with_usage_requested(split.client_body(body))
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.metrics = self.cluster.metrics
         self.counted = False  # its outcome is in fairway_requests_total
         self.output_tokens = 0
         self.cached_tokens: int | None = None  # what the worker reported it reused, if it did
+        # A split request's prefill worker (where routing placed it, and sought its reuse)
+        # and the reuse it reported; the decode worker's cached tokens are the KV it was sent.
+        self.prefill_worker: LiveWorker | None = None
+        self.prefill_hit: int | None = None
         self.first_byte_at: float | None = None
         self.admitted_at: float | None = None
         self.response: web.StreamResponse | None = None  # a stream the client is reading
@@ -118,7 +130,8 @@ class Forward:
             return self.response
 
     async def _attempts(self, path: str) -> web.StreamResponse:
-        tried: set[int] = set()
+        tried: set[int] = set()  # workers that failed it (mixed or prefill)
+        decoders: set[int] = set()  # decode workers that failed it
         last_error: APIError = unavailable("no healthy worker")
         for _ in range(self.settings.max_retries + 1):
             try:
@@ -137,28 +150,17 @@ class Forward:
             if not await self._admitted(worker, reason, admitted):
                 tried.add(worker.id)
                 continue
-            try:
-                if self.req.adapter is not None:
-                    await self.adapters.ensure(self.session, worker, self.req.adapter)
-                upstream, head, stream = await self._send(worker, path)
-            except AdapterLoadFailed as e:  # the worker is fine; the adapter will not load there
-                self._book(self.cluster.router.adapters.drop, worker.id, self.req.adapter)
-                self._book(self.cluster.release, worker, self.req, 0)
-                self._count(reason, worker, "retried")
-                tried.add(worker.id)
-                last_error = e
+            if worker.role is Role.PREFILL:
+                answer = await self._split(worker, reason, path, tried, decoders)
+                if isinstance(answer, APIError):
+                    last_error = answer
+                    continue
+                return answer
+            sent = await self._attempt(worker, reason, path, tried)
+            if isinstance(sent, APIError):  # nothing reached the client yet: try elsewhere
+                last_error = sent
                 continue
-            except APIError as e:  # nothing reached the client yet: try elsewhere
-                self._book(self.cluster.release, worker, self.req, 0)
-                self._book(self.cluster.mark_failure, worker)
-                self._count(reason, worker, "retried")
-                self.metrics.retries.labels(worker.label).inc()
-                tried.add(worker.id)
-                last_error = e
-                continue
-            except BaseException:
-                self._book(self.cluster.release, worker, self.req, 0)
-                raise
+            upstream, head, stream = sent
             try:
                 if stream:
                     return await self._relay(upstream, head, worker, reason)
@@ -173,15 +175,116 @@ class Forward:
         ).inc()
         raise last_error
 
+    async def _split(
+        self, prefill: LiveWorker, reason: str, path: str, tried: set[int], decoders: set[int]
+    ) -> web.StreamResponse | APIError:
+        """One attempt on a split fleet, from the prefill worker's release of the request to
+        the decode worker's answer. An APIError returned, not raised, failed before the
+        client's first byte: the caller sends the request through again, without the worker
+        that failed (`tried` for prefill workers, `decoders` for decode ones). Each stage is
+        given back once: the prefill's by `prefilled` (`release` if it failed), the decode's
+        by `release` (`abandon` while it waits in the decode worker's queue)."""
+        req = self.req
+        body = split.prefill_body(self.upstream_body, prefill.kv_shape)
+        sent = await self._attempt(prefill, reason, path, tried, body)
+        if isinstance(sent, APIError):
+            return sent
+        upstream, data, _ = sent
+        upstream.release()  # its body is read whole
+        if upstream.status >= 400:  # the server refused the request itself: the client's answer
+            try:
+                return self._answer(upstream, data, prefill, reason)
+            finally:
+                self._book(self.cluster.release, prefill, req, 0)
+        params, self.prefill_hit = split.prefill_answer(data, prefill.kv_shape)
+        self.prefill_worker = prefill
+        if params is None and prefill.kv_shape == split.HANDSHAKE and not prefill.kv_warned:
+            prefill.kv_warned = True  # once: every prefill it answers will lack them
+            log.warning(
+                "worker %s answers prefills without kv_transfer_params (is it started with "
+                "its KV connector?): decode workers compute those prompts again",
+                prefill.id,
+            )
+        answered = time.monotonic()
+        try:
+            decode, admitted = self.cluster.prefilled(prefill, req, self.prefill_hit, decoders)
+        except WorkerDown:  # it ended at its prefill; routed again, it goes to a mixed worker
+            self._count(reason, prefill, "retried")
+            return _unavailable("no decode worker is healthy", "no_decode_worker")
+        except Exception as e:
+            log.exception("request %s: the handoff to a decode worker failed", self.request_id)
+            raise _unavailable("the router could not place the request", "routing_error") from e
+        if not await self._admitted(decode, reason, admitted, started=True):
+            self._count(reason, decode, "retried")
+            decoders.add(decode.id)
+            return _unavailable(f"decode worker {decode.id} went down", "worker_down")
+        body = split.decode_body(self.upstream_body, params)
+        sent = await self._attempt(decode, reason, path, decoders, body)
+        if isinstance(sent, APIError):
+            return sent
+        upstream, head, stream = sent
+        if stream:  # a plain answer's first byte is its whole: only a stream's says this
+            self.metrics.handoff_seconds.observe(time.monotonic() - answered)
+        try:
+            if stream:
+                return await self._relay(upstream, head, decode, reason)
+            return self._answer(upstream, head, decode, reason)
+        finally:
+            upstream.release()
+            self._book(self.cluster.release, decode, req, self.output_tokens)
+
+    async def _attempt(
+        self, worker: LiveWorker, reason: str, path: str, tried: set[int], body: dict | None = None
+    ) -> tuple[aiohttp.ClientResponse, bytes, bool] | APIError:
+        """`_send` to `worker`, its adapter loaded there first. An APIError returned failed
+        before the client's first byte: the attempt is given back and `worker` joins `tried`."""
+        try:
+            if self.req.adapter is not None:
+                await self.adapters.ensure(self.session, worker, self.req.adapter)
+            return await self._send(worker, path, body)
+        except AdapterLoadFailed as e:  # the worker is fine; the adapter will not load there
+            self._book(self.cluster.router.adapters.drop, worker.id, self.req.adapter)
+            return self._retry(worker, reason, tried, e, failed=False)
+        except APIError as e:
+            return self._retry(worker, reason, tried, e)
+        except BaseException:
+            self._book(self.cluster.release, worker, self.req, 0)
+            raise
+
+    def _retry(
+        self,
+        worker: LiveWorker,
+        reason: str,
+        tried: set[int],
+        error: APIError,
+        failed: bool = True,
+    ) -> APIError:
+        """`worker` could not answer before the client's first byte: give its attempt back,
+        count it against the worker's health if it `failed` (rather than refusing what it
+        cannot serve), and leave it out of the next attempt. Returns `error`, the answer if
+        no other attempt does better."""
+        self._book(self.cluster.release, worker, self.req, 0)
+        if failed:
+            self._book(self.cluster.mark_failure, worker)
+            self.metrics.retries.labels(worker.label).inc()
+        self._count(reason, worker, "retried")
+        tried.add(worker.id)
+        return error
+
     async def _admitted(
-        self, worker: LiveWorker, reason: str, admitted: asyncio.Future[LiveWorker]
+        self,
+        worker: LiveWorker,
+        reason: str,
+        admitted: asyncio.Future[LiveWorker],
+        started: bool = False,
     ) -> bool:
         """Wait until the worker's dispatch queue releases the request. False: the worker went
         down first (try another). Timing out in the queue is the client's answer (503): past
         its class's limit (admission control) a refusal, `queue_time`, unless it was released
-        meanwhile; past `queue_timeout`, `queue_timeout`."""
+        meanwhile; past `queue_timeout`, `queue_timeout`. A `started` request (a split one
+        waiting for its decode worker) is never refused: only `queue_timeout` ends its wait."""
         limit = self.settings.queue_timeout
-        class_limit = self.cluster.queue_limit(self.req)
+        class_limit = None if started else self.cluster.queue_limit(self.req)
         refuses = class_limit is not None and class_limit <= limit
         if refuses:
             limit = class_limit
@@ -206,7 +309,7 @@ class Forward:
                     "timed out waiting in the router queue", "queue_timeout"
                 ) from None
             # Released as its time ran out: a request the worker has is never refused.
-            return await self._admitted(worker, reason, admitted)
+            return await self._admitted(worker, reason, admitted, started)
         except BaseException:  # the client left (cancelled), or the cluster failed the wait
             self._book(self.cluster.abandon, worker, self.req)
             raise
@@ -222,12 +325,15 @@ class Forward:
             return False
 
     async def _send(
-        self, worker: LiveWorker, path: str
+        self, worker: LiveWorker, path: str, body: dict | None = None
     ) -> tuple[aiohttp.ClientResponse, bytes, bool]:
-        """Send, and wait for what the client would see first: a non-streamed answer whole, or
-        a stream's first chunk. Failing anywhere before that is an APIError (retryable).
-        Returns the response, those bytes, and whether it is a stream."""
+        """Send `body` (default: the client's, as a worker gets it) and wait for what the
+        client would see first: a non-streamed answer whole, or a stream's first chunk.
+        Failing anywhere before that is an APIError (retryable). Returns the response, those
+        bytes, and whether it is a stream."""
         s = self.settings
+        if body is None:
+            body = self.upstream_body
         headers = {k: v for k, v in self.http.headers.items() if k.lower() not in NOT_PASSED}
         headers["X-Request-Id"] = self.request_id
         headers["Content-Type"] = "application/json"
@@ -237,9 +343,7 @@ class Forward:
                 resp = await self.session.post(
                     f"{worker.url}{path}",
                     data=orjson.dumps(
-                        admission.upstream_body(
-                            self.upstream_body, self.req.priority, worker.priority_scheduling
-                        )
+                        admission.upstream_body(body, self.req.priority, worker.priority_scheduling)
                     ),
                     headers=headers,
                     timeout=self.settings.upstream_timeout,
@@ -428,17 +532,20 @@ class Forward:
                 first_token=self.first_byte_at - t0,
                 finish=now - t0,
                 prompt_tokens=req.prompt_len,
-                cached_tokens=self.cached_tokens or 0,
+                cached_tokens=(self.cached_tokens if self.prefill_hit is None else self.prefill_hit)
+                or 0,
                 output_tokens=self.output_tokens,
                 preemptions=0,
                 weight=req.weight,
                 priority=req.priority,
                 predicted_ttft=self.cluster.predicted_ttft(req),
+                prefill_worker=None if self.prefill_worker is None else self.prefill_worker.id,
             )
             self.recorder.write(record, flush=True)
         if self.capture is not None and status == "ok":
+            routed = worker if self.prefill_worker is None else self.prefill_worker
             self.capture.write(
-                req, req.arrival - self.t0, self.output_tokens, worker.id, req.session
+                req, req.arrival - self.t0, self.output_tokens, routed.id, req.session
             )
         service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)

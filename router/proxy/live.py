@@ -5,6 +5,9 @@
                                   ▼
                       future resolved ─▶ proxy forwards ─▶ release() ─▶ next in queue
 
+A split fleet's request (router.traits.Role) goes through two such queues: a prefill worker's,
+then, once its prompt is computed (`prefilled`), a decode worker's, each with its own future.
+
 The router's own accounting (queued, in flight, tokens outstanding) is exact and immediate;
 worker-reported gauges (`/metrics`) and KV events refine the view in the background. Nothing
 here does HTTP: the proxy forwards, the monitor polls, this module only keeps state.
@@ -25,10 +28,10 @@ from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
 from router.policy import GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
-from router.proxy.metrics import RouterMetrics
+from router.proxy.metrics import NO_DECODE, RouterMetrics
 from router.request import Request
 from router.runtime.collector import CollectorPacing
-from router.traits import IndexLevel, IndexMode
+from router.traits import IndexLevel, IndexMode, Role
 
 log = logging.getLogger(__name__)
 LEVEL_CODES = {IndexLevel.PRECISE: 2, IndexLevel.APPROXIMATE: 1, IndexLevel.LOAD: 0}
@@ -50,6 +53,9 @@ class LiveWorker:
     consecutive_successes: int = 0
     waiters: dict[int, asyncio.Future[LiveWorker]] = field(default_factory=dict)
     reported: dict[str, float] = field(default_factory=dict)  # last scraped vllm:* gauges
+    role: Role = Role.MIXED
+    kv_shape: str = "handshake"  # its KV connector's: router/proxy/split.py
+    kv_warned: bool = False  # its prefill answers lacked kv_transfer_params: logged once
 
     @property
     def label(self) -> str:
@@ -147,23 +153,31 @@ class LiveCluster:
         model: str | None = None,
         adapter_slots: int = 0,
         priority_scheduling: bool | None = None,
+        role: str = Role.MIXED,
+        kv_shape: str = "handshake",
     ) -> LiveWorker:
         """Add the worker at `url` as `wid`, by default the next id of this cluster's own
         (router replicas take ids from their store, so that every replica names it alike).
         `model`: its model group in a fleet of several; `adapter_slots`: its --max-loras;
         `priority_scheduling`: whether it runs vLLM's priority scheduling (None: the
-        cluster's default)."""
+        cluster's default); `role`: mixed, prefill or decode (router.traits.Role), and
+        `kv_shape` its KV connector's shape (router/proxy/split.py)."""
         if wid is None:
             wid = self._next_id
         assert wid not in self.workers, f"worker id {wid} is taken"
+        role = Role(role)
         self._next_id = max(self._next_id, wid + 1)
-        dispatch = self.router.add_worker(wid, model=model, adapter_slots=adapter_slots)
+        dispatch = self.router.add_worker(wid, model=model, adapter_slots=adapter_slots, role=role)
         if priority_scheduling is None:
             priority_scheduling = self.priority_scheduling
         worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events, model, priority_scheduling)
+        worker.role, worker.kv_shape = role, kv_shape
         self.workers[wid] = worker
         self.metrics.healthy.labels(worker.label).set(1)
         self.metrics.retries.labels(worker.label)  # a zero series from the start, not on demand
+        self.metrics.worker_role.labels(worker.label, role.value).set(1)
+        if role is Role.DECODE:
+            self.metrics.handoffs.labels(worker.label)
         return worker
 
     def remove_worker(self, wid: WorkerId) -> None:
@@ -247,18 +261,54 @@ class LiveCluster:
         cached_tokens: int | None = None,
     ) -> None:
         """`request` is done at `worker` (answered or failed); start the next one there.
-        `cached_tokens` is what the worker reported it reused, when it did."""
-        if cached_tokens is not None:
-            predicted = self.router.prediction(request)
-            if predicted is not None:
-                self.metrics.hit_tokens_predicted.labels(worker.label).inc(predicted)
-                self.metrics.hit_tokens_actual.labels(worker.label).inc(cached_tokens)
+        `cached_tokens` is what the worker reported it reused, when it did (a decode
+        worker's is the KV it was sent: not a prediction's to score)."""
+        self._score_hits(worker, request, cached_tokens)
         level = self.router.index_level
         self._predicted_ttft.pop(request.id, None)
         self._send(worker, self.router.finish(request, self.clock(), cached_tokens))
-        if self.router.index_level != level:
+        self._note_level(level)
+
+    def prefilled(
+        self,
+        worker: LiveWorker,
+        request: Request,
+        cached_tokens: int | None = None,
+        exclude: Iterable[WorkerId] = (),
+    ) -> tuple[LiveWorker, asyncio.Future[LiveWorker]]:
+        """A split request's prefill `worker` answered: that stage ends there (what its queue
+        releases is woken) and the request is queued at a decode worker (not in `exclude`).
+        Returns that worker and a future resolved when its queue releases the request, as
+        `route` does. WorkerDown when no decode worker is healthy: the request has ended.
+        `cached_tokens`: the prefix the prefill worker reported it reused."""
+        fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
+        self._score_hits(worker, request, cached_tokens)
+        level = self.router.index_level
+        handoff = self.router.prefilled(request, self.clock(), cached_tokens, exclude)
+        self._note_level(level)
+        self._send(worker, handoff.released_prefill)
+        if handoff.decode is None:
+            self._predicted_ttft.pop(request.id, None)
+            self.metrics.handoffs.labels(NO_DECODE).inc()
+            raise WorkerDown("no decode worker is healthy")
+        decode = self.workers[handoff.decode]
+        decode.waiters[request.id] = fut
+        self.metrics.handoffs.labels(decode.label).inc()
+        self._send(decode, handoff.released)
+        return decode, fut
+
+    def _score_hits(self, worker: LiveWorker, request: Request, cached: int | None) -> None:
+        """The hit the index predicted for `request` against the one `worker` reported."""
+        if cached is not None:
+            predicted = self.router.prediction(request)
+            if predicted is not None:
+                self.metrics.hit_tokens_predicted.labels(worker.label).inc(predicted)
+                self.metrics.hit_tokens_actual.labels(worker.label).inc(cached)
+
+    def _note_level(self, before: IndexLevel) -> None:
+        if self.router.index_level != before:
             new = self.router.index_level
-            log.warning("prefix-cache predictions drifted: routing by %s (was %s)", new, level)
+            log.warning("prefix-cache predictions drifted: routing by %s (was %s)", new, before)
             self.metrics.index_level.set(LEVEL_CODES[new])
             self.metrics.index_level_changes.labels(new).inc()
 

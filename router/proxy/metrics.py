@@ -21,6 +21,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 
 
 
 OTHER = "other"
+NO_DECODE = "none"  # fairway_handoffs_total's worker when no decode worker was healthy
 
 
 class SyncState(Protocol):
@@ -157,6 +158,33 @@ class RouterMetrics:
                 ["worker"],
                 registry=r,
             )
+        )
+        # Split fleets: each worker's role, once, so that any per-worker series can be split
+        # into the prefill and decode pools by a join (`* on (worker) group_left (role)`).
+        self.worker_role = Labelled(
+            Gauge(
+                "fairway_worker_role",
+                "1 for each worker, labelled by its role: mixed, prefill or decode",
+                ["worker", "role"],
+                registry=r,
+            )
+        )
+        self.handoffs = Labelled(
+            Counter(
+                "fairway_handoffs",
+                "Split requests handed from their prefill worker to a decode worker, by the "
+                'decode worker ("none": no decode worker was healthy, and the attempt ended)',
+                ["worker"],
+                registry=r,
+            )
+        )
+        self.handoffs.labels(NO_DECODE)  # a zero series from the start: rate() needs one
+        self.handoff_seconds = Histogram(
+            "fairway_handoff_seconds",
+            "From a split request's prefill answer to its decode worker's first byte: the KV "
+            "transfer and the decode queues (the router's and the server's), as the proxy sees it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Labelled(
             Counter("fairway_prompt_tokens", "Prompt tokens routed", ["worker"], registry=r)

@@ -44,11 +44,20 @@ from router.proxy.settings import (
     MIN_PRIORITY,
     MIN_WEIGHT,
 )
-from router.traits import IndexMode
+from router.traits import IndexMode, Role
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FieldError(ValueError):
+    """A check across a model's fields, blamed on one of them: named `model.field` in the
+    error, as a check of that field alone would be (`_error_line`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _one_of(known: Mapping[str, object], what: str) -> Callable[[str], str]:
@@ -109,11 +118,52 @@ def _secret_forms(data: object, name: str, required: bool) -> object:
     return out
 
 
+class KVConnectorConfig(Strict):
+    """How a split fleet's prefill workers hand a prompt's KV to its decode workers
+    (router/proxy/split.py): `handshake`, the prefill answer's kv_transfer_params name where
+    the decode worker pulls it from (vLLM's NixlConnector); `shared`, the prefill worker
+    stores it by prompt where the decode worker finds it (vLLM's ExampleConnector)."""
+
+    shape: Literal["handshake", "shared"] = "handshake"
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="the vLLM connector (workers/kv_connector.py: nixl, example); none: nixl "
+        "(handshake), example (shared)",
+    )
+    extra_config: dict[str, object] = Field(
+        default_factory=dict, description="vLLM's kv_connector_extra_config"
+    )
+    shared_path: str | None = Field(
+        None, description="shared: where the KV is stored; none: a folder of the serve's own"
+    )
+
+    @property
+    def connector(self) -> str:
+        if self.name is not None:
+            return self.name
+        return "nixl" if self.shape == "handshake" else "example"
+
+
+MAX_WORKERS = 256
+
+
 class WorkersConfig(Strict):
     backend: Literal["vllm", "emulated"] = "emulated"
-    count: int = Field(2, ge=1, le=256)
+    count: int = Field(2, ge=0, le=MAX_WORKERS, description="mixed servers to start")
+    prefill: int = Field(0, ge=0, le=MAX_WORKERS, description="prefill servers to start")
+    decode: int = Field(0, ge=0, le=MAX_WORKERS, description="decode servers to start")
     urls: list[str] = Field(default_factory=list, description="existing servers: no Ray")
     kv_events: list[str] = Field(default_factory=list, description="their KV-event endpoints")
+    roles: list[Role] = Field(
+        default_factory=list, description="their roles, in the order of urls; none: mixed"
+    )
+    kv_connector: KVConnectorConfig | None = Field(
+        None, description="with prefill and decode workers: how the KV moves between them"
+    )
+    emulated_topology: str = Field(
+        "dgx-h100", description="the network the emulated servers' KV transfers are timed on"
+    )
     ray_address: str | None = None
     gpus_per_worker: float = Field(0.0, ge=0)
     first_port: int = Field(8100, ge=1024, le=65000)
@@ -126,6 +176,75 @@ class WorkersConfig(Strict):
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="the servers' --scheduling-policy; priority: requests carry theirs"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_mixed_beside_roles(cls, data: object) -> object:
+        """Prefill and decode counts given alone describe the whole fleet: no mixed servers
+        besides (`count` still adds them when given)."""
+        if (
+            isinstance(data, dict)
+            and "count" not in data
+            and (data.get("prefill") or data.get("decode"))
+        ):
+            return {**data, "count": 0}
+        return data
+
+    @model_validator(mode="after")
+    def _roles(self) -> WorkersConfig:
+        if self.urls:
+            for name in ("prefill", "decode"):
+                if getattr(self, name):
+                    raise FieldError(name, "servers to start, not with urls (give roles)")
+            if self.roles and len(self.roles) != len(self.urls):
+                raise FieldError(
+                    "roles", f"one per url: {len(self.urls)} urls, {len(self.roles)} roles"
+                )
+        elif self.roles:
+            raise FieldError("roles", "the roles of urls; servers to start: prefill and decode")
+        elif self.num_servers == 0:
+            raise FieldError("count", "no servers to start (count, prefill and decode are all 0)")
+        elif self.num_servers > MAX_WORKERS:
+            raise FieldError("count", f"{self.num_servers} servers in all, at most {MAX_WORKERS}")
+        roles = self.server_roles
+        num_prefill, num_decode = roles.count(Role.PREFILL), roles.count(Role.DECODE)
+        if num_prefill and not num_decode:
+            raise FieldError(
+                "roles" if self.urls else "decode",
+                "prefill workers need decode workers to hand their requests to",
+            )
+        if num_decode and not num_prefill:
+            raise FieldError(
+                "roles" if self.urls else "prefill",
+                "decode workers need prefill workers to take requests from",
+            )
+        if self.kv_connector is not None and not num_prefill:
+            raise FieldError("kv_connector", "only for a fleet of prefill and decode workers")
+        return self
+
+    @property
+    def server_roles(self) -> list[Role]:
+        """Each server's role, in order: `roles` for urls; else the mixed servers, then the
+        prefill ones, then the decode ones (their ports follow first_port in that order)."""
+        if self.urls:
+            return list(self.roles) or [Role.MIXED] * len(self.urls)
+        return (
+            [Role.MIXED] * self.count + [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
+        )
+
+    @property
+    def num_servers(self) -> int:
+        """Servers to start (none with urls)."""
+        return 0 if self.urls else self.count + self.prefill + self.decode
+
+    @property
+    def is_split(self) -> bool:
+        return any(r is not Role.MIXED for r in self.server_roles)
+
+    @property
+    def connector(self) -> KVConnectorConfig:
+        """The KV connector (the default one when a split fleet names none)."""
+        return self.kv_connector or KVConnectorConfig()
 
 
 class PolicyConfig(Strict):
@@ -293,13 +412,16 @@ class ModelGroupConfig(Strict):
 @dataclass(frozen=True)
 class FleetWorker:
     """A worker of the fleet as started: where it answers, its KV events, its model group (in
-    a fleet of several) and how many adapters it holds at once."""
+    a fleet of several), how many adapters it holds at once, and its role and KV connector's
+    shape on a split fleet."""
 
     url: str
     kv_events: str | None = None
     model: str | None = None
     adapter_slots: int = 0
     priority_scheduling: bool = False  # it runs --scheduling-policy priority
+    role: str = "mixed"  # router.traits.Role
+    kv_shape: str = "handshake"  # KVConnectorConfig.shape
 
 
 class ClusterConfig(Strict):
@@ -389,9 +511,7 @@ class ClusterConfig(Strict):
                     raise ValueError(f"models.{i}: the name {name!r} is served twice")
                 names.add(name)
             w = group.workers
-            if w.urls:
-                continue
-            for port in range(w.first_port, w.first_port + w.count):
+            for port in range(w.first_port, w.first_port + w.num_servers):
                 if port in ports:
                     raise ValueError(
                         f"models.{i}.workers.first_port: port {port} is models.{ports[port]}'s"
@@ -544,6 +664,10 @@ def validate_config(raw: dict, source: str = "config") -> ClusterConfig:
 
 def _error_line(err) -> str:
     """One validation error, named by its field; a whole model's own checks name it in their
-    message (`admin_port: ...`). Never the input: it may be a secret."""
+    message (`admin_port: ...`), or blame a field (FieldError). Never the input: it may be a
+    secret."""
     where = ".".join(str(p) for p in err["loc"])
+    blamed = (err.get("ctx") or {}).get("error")
+    if isinstance(blamed, FieldError):
+        return f"{where + '.' if where else ''}{blamed.field}: {blamed}"
     return f"{where}: {err['msg']}" if where else err["msg"]

@@ -77,6 +77,8 @@ def add_workers(cluster: LiveCluster, workers: list[FleetWorker]) -> None:
             model=w.model,
             adapter_slots=w.adapter_slots,
             priority_scheduling=w.priority_scheduling,
+            role=w.role,
+            kv_shape=w.kv_shape,
         )
 
 
