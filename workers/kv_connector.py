@@ -1,5 +1,5 @@
 """Disaggregated prefill/decode on vLLM: the command line each worker role needs for a KV
-connector, and the shape of the requests a proxy sends to a split fleet.
+connector. The bodies the proxy sends each stage are router/proxy/split.py's.
 
 A split fleet has prefill workers and decode workers. The proxy sends a request to a prefill
 worker with `max_tokens: 1`: it computes the prompt's KV cache and hands it to its connector.
@@ -35,7 +35,6 @@ tests each take what they need from here.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,20 +61,6 @@ CONNECTORS = {
 # vLLM's roles. ExampleConnector behaves the same under each (both sides store and load);
 # NixlConnector logs kv_both as deprecated and wants producer/consumer.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-# What the prefill request carries for a handshake connector: "decode happens elsewhere, keep
-# the blocks and tell me where they are" (the shape of vLLM's own disaggregation proxy).
-PREFILL_KV_TRANSFER_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-# Fields vLLM's proxy drops from a prefill request: min_tokens cannot hold with max_tokens 1.
-_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 def connector(name: str) -> Connector:
@@ -151,33 +136,6 @@ def vllm_role_env(
         raise ValueError("a NIXL worker needs a side_channel_port of its own")
     port = str(side_channel_port)
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": port}
-
-
-def prefill_request(body: dict, name: str) -> dict:
-    """The body sent to a prefill worker: the client's, computing the prompt and one token,
-    not streamed; for a handshake connector, asking the worker to keep the blocks."""
-    out = copy.deepcopy(body)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    for key in _PREFILL_DROPS:
-        out.pop(key, None)
-    if connector(name).handshake:
-        out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    return out
-
-
-def decode_request(body: dict, prefill_answer: dict | None, name: str) -> dict:
-    """The body sent to a decode worker: the client's request, plus for a handshake connector
-    the `kv_transfer_params` the prefill worker answered with. Without them (no answer, or a
-    prefill worker without the connector) the decode worker computes the prompt itself: slower,
-    the same answer."""
-    out = copy.deepcopy(body)
-    params = (prefill_answer or {}).get("kv_transfer_params")
-    if connector(name).handshake and params:
-        out["kv_transfer_params"] = params
-    return out
 
 
 def transferred_tokens(prompt_tokens: int, name: str, block_size: int, local_hit: int = 0) -> int:

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.proxy import split
 from router.proxy.fleet.config import ClusterConfig
 from router.proxy.ports import free_ports
 from router.runtime.processes import guarded, process, wait_healthy
@@ -144,7 +145,7 @@ def test_the_decode_server_answers_from_the_prefill_servers_kv(scratch, plain) -
     ]
     with vllm_servers(scratch, roles) as (prefill, decode):
         client = complete(PROMPTS["reused"])
-        answer = post(prefill, kvc.prefill_request(client, "example"))
+        answer = post(prefill, split.prefill_body(client, split.SHARED))
         prompt_tokens = answer["usage"]["prompt_tokens"]
         assert answer["usage"]["completion_tokens"] == 1
         assert answer.get("kv_transfer_params") is None  # nothing to hand over: keyed by prompt
@@ -152,7 +153,7 @@ def test_the_decode_server_answers_from_the_prefill_servers_kv(scratch, plain) -
         assert len(stored) == 1 and len(list(stored[0].glob("*.safetensors"))) == 4  # 4 layers
 
         before = counters(decode)
-        out = post(decode, kvc.decode_request(client, answer, "example"))
+        out = post(decode, split.decode_body(client, None))
         after = counters(decode)
         moved = kvc.transferred_tokens(prompt_tokens, "example", BLOCK)
         assert moved >= 5 * BLOCK
@@ -164,10 +165,10 @@ def test_the_decode_server_answers_from_the_prefill_servers_kv(scratch, plain) -
 
         # Zeroed KV in the folder: the decode server loads it and answers from it.
         client = complete(PROMPTS["poisoned"])
-        post(prefill, kvc.prefill_request(client, "example"))
+        post(prefill, split.prefill_body(client, split.SHARED))
         (folder,) = [d for d in shared.iterdir() if d.is_dir() and d not in stored]
         assert zero_tensors(folder) == 4
-        out = post(decode, kvc.decode_request(client, None, "example"))
+        out = post(decode, split.decode_body(client, None))
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert out["choices"][0]["text"] != plain["poisoned"]
 
@@ -187,7 +188,7 @@ def test_nixl_hands_the_kv_over_through_kv_transfer_params(scratch, plain) -> No
     ]
     with vllm_servers(scratch, roles) as (prefill, decode):
         client = complete(PROMPTS["reused"])
-        body = kvc.prefill_request(client, "nixl")
+        body = split.prefill_body(client, split.HANDSHAKE)
         assert body["kv_transfer_params"]["do_remote_decode"] is True
         answer = post(prefill, body)
         params = answer["kv_transfer_params"]
@@ -196,7 +197,7 @@ def test_nixl_hands_the_kv_over_through_kv_transfer_params(scratch, plain) -> No
         assert params["remote_block_ids"] and params["remote_engine_id"]
 
         before = counters(decode)
-        out = post(decode, kvc.decode_request(client, answer, "nixl"))
+        out = post(decode, split.decode_body(client, answer["kv_transfer_params"]))
         after = counters(decode)
         prompt_tokens = out["usage"]["prompt_tokens"]
         assert out["choices"][0]["text"] == plain["reused"]
@@ -207,7 +208,7 @@ def test_nixl_hands_the_kv_over_through_kv_transfer_params(scratch, plain) -> No
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_role_arguments_and_request_shapes() -> None:
+def test_role_arguments_and_what_a_connector_moves() -> None:
     """The pure part, no server: what each role and connector put on the command line and in
     the bodies."""
     shared = Path("/tmp/kv")
@@ -239,19 +240,6 @@ def test_role_arguments_and_request_shapes() -> None:
         kvc.vllm_role_args("both", "example", shared)
     with pytest.raises(ValueError, match="connector"):
         kvc.vllm_role_args("prefill", "lmcache")
-
-    client = {"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": True,
-              "stream_options": {"include_usage": True}, "min_tokens": 5}  # fmt: skip
-    body = kvc.prefill_request(client, "example")
-    assert body == {"model": "tiny", "prompt": "x", "max_tokens": 1, "stream": False}
-    assert kvc.prefill_request(client, "nixl")["kv_transfer_params"] == (
-        kvc.PREFILL_KV_TRANSFER_PARAMS
-    )
-    answer = {"kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [[1]]}}
-    assert kvc.decode_request(client, answer, "example") == client
-    assert kvc.decode_request(client, answer, "nixl") == {**client, **answer}
-    assert kvc.decode_request(client, {"kv_transfer_params": None}, "nixl") == client
-    assert client["max_tokens"] == 50  # the client's body is left alone
 
     assert kvc.transferred_tokens(906, "example", 128) == 896
     assert kvc.transferred_tokens(129, "example", 128) == 0

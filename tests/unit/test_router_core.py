@@ -220,7 +220,7 @@ def _recorded(name: str, answer=None):
 
     def call(self, *args, **kw):
         said = args
-        if name in ("route", "finish") and len(args) == 3 and not args[2]:
+        if name in ("route", "finish", "prefilled") and not any(args[2:]):
             said = args[:2]  # no exclusions, no reported hit: however it is said
         try:
             out = getattr(self._router, name)(*args, **kw)
@@ -250,6 +250,10 @@ class RecordingRouter:
     report = _recorded("report")
     worker_up = _recorded("worker_up")
     time_out = _recorded("time_out", bool)  # a class's queue limit: refused, or it goes on
+    # A split request's handoff: its decode worker, and what both queues released.
+    prefilled = _recorded(
+        "prefilled", lambda h: (h.decode, _ids(h.released_prefill), _ids(h.released))
+    )
     never_started = _recorded("never_started", _ids)  # refused inside an engine (sim only)
     # A simulated engine's decode progress in sum, settled on requests later (credited).
     work_done_on = _recorded("work_done_on")
@@ -293,8 +297,8 @@ def replay_live(
         step_tokens=config.engine.max_num_batched_tokens,
     )
     recorder = Recorder()
-    for _ in range(config.num_workers):
-        live.add_worker("http://127.0.0.1:1")
+    for role in config.roles:
+        live.add_worker("http://127.0.0.1:1", role=role)
     for state in live.view.workers.values():
         state.kv_capacity_blocks = config.engine.num_kv_blocks
     recorder.attach(live)
@@ -319,6 +323,10 @@ def replay_live(
                 except Refused:  # the proxy's 503 `unmeetable`
                     continue
                 futures[request.id], where[request.id] = fut, worker
+            elif name == "prefilled":  # the prefill worker's answer came back
+                request, clock.now = requests[args[0].id], args[1]
+                decode, fut = live.prefilled(where[request.id], request)
+                futures[request.id], where[request.id] = fut, decode
             elif name == "time_out":  # the proxy's queue timer for the request's class
                 request, clock.now = requests[args[0].id], args[1]
                 live.time_out(where[request.id], request)
@@ -446,3 +454,40 @@ def test_both_drivers_refuse_the_same_requests_for_the_same_reasons() -> None:
     for wid, state in live.view.workers.items():
         assert state.tokens_in_flight == cluster.router.view.workers[wid].tokens_in_flight == 0
     assert all(live.predicted_ttft(r) is None for r in trace.requests), "dropped at the end"
+
+
+@pytest.mark.parametrize("policy", ["lpm", "vtc", "d2lpm", "dlpm"])
+def test_both_drivers_route_and_hand_off_a_split_fleet_alike(policy: str) -> None:
+    """A split fleet (2 prefill, 2 decode workers): every routing decision, every handoff's
+    decode worker and release, every token and finish from a simulated run fed to the live
+    driver agree, through outages of a prefill and a decode worker, and so does every
+    fairness counter (the prefill queues' charged the output as it decodes)."""
+    trace = flood(duration=5.0, flood_rate=20.0, calm_rate=2.0, seed=2)
+    config = SimConfig(
+        num_workers=4,
+        prefill_workers=2,
+        decode_workers=2,
+        topology="single-host",
+        placement="router",
+        window=2,
+        outages=((1.5, 3.0, 0), (2.0, 3.5, 2)),
+        engine=EngineConfig(num_kv_blocks=1500),
+        policy=policy,
+    )
+    cost = roofline("llama-3-8b", "a100-80g")
+    cluster = SimCluster(trace, cost, config)
+    sim_recorder = Recorder()
+    sim_recorder.attach(cluster)
+    cluster.run()
+    sim_calls = sim_recorder.calls
+    handoffs = [c for c in sim_calls if c[0] == "prefilled"]
+    assert len(handoffs) >= len(trace), "every request was handed off"
+    assert {c[3][0] for c in handoffs} == {2, 3}, "both decode workers took some"
+    assert {c[3][0].worker for c in sim_calls if c[0] == "route"} == {0, 1}
+    assert any(c[0] == "worker_down" and c[3] for c in sim_calls), "the outage withdrew some"
+
+    live_recorder, live = replay_live(sim_calls, config, cost, trace)
+    assert without_reports(live_recorder.calls) == without_reports(sim_calls)
+    assert counters(live.router) == counters(cluster.router)
+    for wid, state in live.view.workers.items():
+        assert state.tokens_in_flight == cluster.router.view.workers[wid].tokens_in_flight == 0
