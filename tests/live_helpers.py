@@ -111,6 +111,8 @@ async def proxy(
     window: int = 8,
     kv_events: list[str] | None = None,  # the workers' KV-event endpoints: a precise index
     config: dict | None = None,  # more cluster.yaml fields (classes, admission_control, ...)
+    roles: list[str] | None = None,  # a split fleet's (router.traits.Role), one per url
+    kv_shape: str = "handshake",  # its KV connectors' (router/proxy/split.py)
     **settings,
 ) -> AsyncIterator[tuple[ProxyURL, LiveCluster]]:
     """An in-process proxy in front of `worker_urls`: (its URL, whose `.admin` serves /metrics
@@ -124,8 +126,10 @@ async def proxy(
         **(config or {}),
     )
     cluster = build_cluster(config)
-    for url, events in zip(worker_urls, kv_events or [None] * len(worker_urls), strict=True):
-        cluster.add_worker(url, events)
+    events_of = kv_events or [None] * len(worker_urls)
+    roles = roles or ["mixed"] * len(worker_urls)
+    for url, events, role in zip(worker_urls, events_of, roles, strict=True):
+        cluster.add_worker(url, events, role=role, kv_shape=kv_shape)
     settings.setdefault("trust_client_headers", True)  # tests name clients as a gateway would
     settings.setdefault("health_interval", 0.2)
     settings.setdefault("admin_port", free_port())
@@ -321,9 +325,8 @@ async def split_proxy(
     workers: list[tuple[str, str]], kv_shape: str = "handshake", **kw
 ) -> AsyncIterator[tuple[ProxyURL, LiveCluster]]:
     """`proxy` in front of (url, role) workers whose KV connectors have `kv_shape`."""
-    async with proxy([], **kw) as (url, cluster):
-        for worker_url, role in workers:
-            cluster.add_worker(worker_url, role=role, kv_shape=kv_shape)
+    urls, roles = [u for u, _ in workers], [r for _, r in workers]
+    async with proxy(urls, roles=roles, kv_shape=kv_shape, **kw) as (url, cluster):
         yield url, cluster
 
 

@@ -193,7 +193,10 @@ def create_app(
     if settings.record_dir:
         app[RECORDER] = RecordWriter(Path(settings.record_dir) / "requests.csv")
         app[CAPTURE] = TraceCapture(
-            settings.record_dir, cluster.view.block_size, settings.policy_name
+            settings.record_dir,
+            cluster.view.block_size,
+            settings.policy_name,
+            roles=cluster.roles(),
         )
 
     async def session_ctx(app: web.Application):

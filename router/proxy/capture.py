@@ -30,7 +30,10 @@ class TraceCapture:
         policy: str,
         max_file_bytes: int = 64 << 20,
         keep: int = 4,
+        roles: list[str] | None = None,
     ) -> None:
+        """`roles`: a split fleet's worker roles by id, in each file's header, so that a
+        replay runs the same pools."""
         if max_file_bytes < 4096:
             raise ValueError(f"max_file_bytes: at least 4096, got {max_file_bytes}")
         if keep < 0:
@@ -39,6 +42,7 @@ class TraceCapture:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.block_size, self.policy = block_size, policy
         self.max_file_bytes, self.keep = max_file_bytes, keep
+        self.roles = roles
         self._next_part = (
             max((int(m[1]) for m in map(PART.match, names_in(self.folder)) if m), default=0) + 1
         )
@@ -53,7 +57,10 @@ class TraceCapture:
         output_tokens: int,
         worker: int,
         session: str | None = None,
+        decode_worker: int | None = None,
     ) -> None:
+        """`worker`: where routing placed it (a split request's prefill worker), and
+        `decode_worker` where a split request decoded."""
         line = {
             "id": request.id,
             "arrival": round(max(arrival, 0.0), 6),
@@ -64,6 +71,8 @@ class TraceCapture:
             "worker": worker,
             "policy": self.policy,
         }
+        if decode_worker is not None:
+            line["decode_worker"] = decode_worker
         if session:
             line["session"] = session
         # The hashes carry the cache identity already (the header says `keyed`). The salt is not
@@ -90,7 +99,13 @@ class TraceCapture:
             self._file = None
 
     def _header(self) -> str:
-        header = {"fairway_trace": 1, "block_size": self.block_size, "keyed": True}
+        header: dict[str, object] = {
+            "fairway_trace": 1,
+            "block_size": self.block_size,
+            "keyed": True,
+        }
+        if self.roles is not None:
+            header["roles"] = self.roles
         return json.dumps(header) + "\n"
 
     def _open(self) -> None:

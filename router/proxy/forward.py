@@ -543,9 +543,15 @@ class Forward:
             )
             self.recorder.write(record, flush=True)
         if self.capture is not None and status == "ok":
-            routed = worker if self.prefill_worker is None else self.prefill_worker
+            split = self.prefill_worker is not None
+            routed = self.prefill_worker if self.prefill_worker is not None else worker
             self.capture.write(
-                req, req.arrival - self.t0, self.output_tokens, routed.id, req.session
+                req,
+                req.arrival - self.t0,
+                self.output_tokens,
+                routed.id,
+                req.session,
+                decode_worker=worker.id if split else None,
             )
         service = weighted_tokens(req.prompt_len, self.output_tokens) / req.weight
         self.metrics.service.labels(req.client).inc(service)

@@ -180,6 +180,13 @@ class LiveCluster:
             self.metrics.handoffs.labels(worker.label)
         return worker
 
+    def roles(self) -> list[str] | None:
+        """A split fleet's worker roles by id (None for a fleet of mixed workers)."""
+        if all(w.role is Role.MIXED for w in self.workers.values()):
+            return None
+        known, mixed = self.workers, Role.MIXED.value
+        return [known[i].role.value if i in known else mixed for i in range(self._next_id)]
+
     def remove_worker(self, wid: WorkerId) -> None:
         self.mark_down(wid)
         self.router.remove_worker(wid, self.clock())

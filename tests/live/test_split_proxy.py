@@ -23,6 +23,7 @@ from tests.live_helpers import (
     run,
     split_proxy,
 )
+from traces.loaders import load_trace
 from workers import emulated
 from workers.launch import VLLM_PYTHON
 
@@ -176,12 +177,17 @@ class TestRecording:
             cached = [int(r["cached_tokens"]) for r in rows]
             prompt = int(rows[0]["prompt_tokens"])
             assert cached[0] == 0 and cached[1] == (prompt - 1) // 128 * 128, cached
-            trace = [
+            header, *trace = [
                 json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()
             ]
-            assert [t["worker"] for t in trace if "worker" in t] == [0, 0]
+            assert header["roles"] == ["prefill", "decode"]
+            assert [(t["worker"], t["decode_worker"]) for t in trace] == [(0, 1)] * 2
 
         run(go)
+        # The recording replays on the same pools, its requests on the policy's worker.
+        replay = load_trace(tmp_path)
+        assert replay.meta["roles"] == ["prefill", "decode"]
+        assert set(replay.meta["served_by"].values()) == {0}
 
 
 class TestClientTransferParams:
