@@ -160,16 +160,7 @@ class Forward:
             if isinstance(sent, APIError):  # nothing reached the client yet: try elsewhere
                 last_error = sent
                 continue
-            upstream, head, stream = sent
-            try:
-                if stream:
-                    return await self._relay(upstream, head, worker, reason)
-                return self._answer(upstream, head, worker, reason)
-            finally:
-                upstream.release()
-                self._book(
-                    self.cluster.release, worker, self.req, self.output_tokens, self.cached_tokens
-                )
+            return await self._deliver(sent, worker, reason, scored=True)
         self.metrics.requests.labels(
             self.settings.policy_name, "exhausted", "none", f"http_{last_error.status}"
         ).inc()
@@ -222,16 +213,29 @@ class Forward:
         sent = await self._attempt(decode, reason, path, decoders, body)
         if isinstance(sent, APIError):
             return sent
-        upstream, head, stream = sent
-        if stream:  # a plain answer's first byte is its whole: only a stream's says this
+        if sent[2]:  # a plain answer's first byte is its whole: only a stream's says this
             self.metrics.handoff_seconds.observe(time.monotonic() - answered)
+        # Its cached tokens are the KV it was sent: the prefill's hit was scored at the handoff.
+        return await self._deliver(sent, decode, reason, scored=False)
+
+    async def _deliver(
+        self,
+        sent: tuple[aiohttp.ClientResponse, bytes, bool],
+        worker: LiveWorker,
+        reason: str,
+        scored: bool,
+    ) -> web.StreamResponse:
+        """The worker's answer to the client (a stream relayed, a plain answer whole), then
+        its attempt given back, with the reuse it reported when that is the index's to score."""
+        upstream, head, stream = sent
         try:
             if stream:
-                return await self._relay(upstream, head, decode, reason)
-            return self._answer(upstream, head, decode, reason)
+                return await self._relay(upstream, head, worker, reason)
+            return self._answer(upstream, head, worker, reason)
         finally:
             upstream.release()
-            self._book(self.cluster.release, decode, req, self.output_tokens)
+            cached = self.cached_tokens if scored else None
+            self._book(self.cluster.release, worker, self.req, self.output_tokens, cached)
 
     async def _attempt(
         self, worker: LiveWorker, reason: str, path: str, tried: set[int], body: dict | None = None
