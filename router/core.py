@@ -443,22 +443,19 @@ class Router:
         self._prefilled(flight)
         self._hook(flight.queue.handed_off, request)
         released_prefill = self._release(prefill, now)
-        pool = self._decode_pools.get(request.model)
-        excluded = set(exclude)
-        choices = {
-            w: s
-            for w, s in (pool.workers.items() if pool is not None else ())
-            if s.healthy and w not in excluded
-        }
-        if not choices:
+        # The tracked pool keeps its orders over its healthy workers: a handoff costs the
+        # same on any fleet. Exclusions (a decode worker that failed it) take a pass.
+        among = self._decode_pools.get(request.model)
+        if among is not None and exclude:
+            excluded = set(exclude)
+            among = among.among({w: s for w, s in among.workers.items() if w not in excluded})
+        if among is None or not among.healthy_set():
             del self._flights[request.id]
             self._hook(flight.queue.done_elsewhere, request)
             self.view.now = now
             self._hook(self.policy.on_finish, request, flight.charged_to, self.view)
             return Handoff(None, released_prefill, [])
-        assert pool is not None
-        pool.now = now
-        among = pool if len(choices) == len(pool.workers) else pool.among(choices)
+        among.now = now
         wid = choose_decode(request, among, self.decode_slack)
         flight.prefill_queue = flight.queue
         flight.worker, flight.queue = wid, self.queues[wid]

@@ -209,3 +209,15 @@ def test_split_model_groups_route_apart() -> None:
     with pytest.raises(UnknownModel):
         router.route(Request(3, 0.0, 65, 4, [], model="c"), 0.0)
     assert router.models() == ["a", "b"]
+
+
+def test_a_handoff_leaves_out_the_decode_workers_that_failed_it() -> None:
+    router = split_router()
+    r = req(1)
+    router.route(r, 0.0)
+    assert router.prefilled(r, 0.1, exclude=[D0]).decode == D1
+    router.finish(r, 0.2)
+    again = req(2)
+    router.route(again, 0.3)
+    handoff = router.prefilled(again, 0.4, exclude=[D0, D1])
+    assert handoff.decode is None  # every decode worker failed it: it ends
