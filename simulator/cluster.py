@@ -226,10 +226,9 @@ class _Placement:
 
 @dataclass(slots=True)
 class _Prefilled:
-    """A split request's first stage, for its record: where and when its prompt ran."""
+    """A split request's first stage, for its record: where its prompt ran."""
 
     worker: int
-    admitted: float
     cached_tokens: int
     preemptions: int
     kv_transfer: float | None = None
@@ -654,9 +653,8 @@ class SimCluster:
     def _prefill_done(self, seq: Seq, now: float) -> None:
         """A split request's prompt is computed: the router hands it to a decode worker."""
         req = self._split_originals.pop(seq.req.id)
-        assert seq.admitted_at is not None
         self._prefilled[req.id] = _Prefilled(
-            seq.worker, seq.admitted_at, seq.num_cached_tokens or 0, seq.num_preemptions
+            seq.worker, seq.num_cached_tokens or 0, seq.num_preemptions
         )
         self._sync(now)  # the decode choice reads the decode workers' load
         handoff = self._router_of(req).prefilled(req, now)
@@ -709,7 +707,8 @@ class SimCluster:
             return
         req = seq.req
         assert seq.admitted_at is not None and seq.first_token_at is not None
-        # A split request waited for, and hit the cache of, its prefill worker.
+        # A split request hit the cache of its prefill worker; it was admitted (its waiting
+        # over, as the service curves count a backlog) when its decode began, as live.
         split = self._prefilled.pop(req.id, None) if self._prefilled else None
         if split is not None and self._stage_counts:
             self.engines[split.worker].local.on_finish(req)
@@ -720,7 +719,7 @@ class SimCluster:
                 session=req.session,
                 worker=seq.worker,
                 arrival=req.arrival,
-                admitted=seq.admitted_at if split is None else split.admitted,
+                admitted=seq.admitted_at,
                 first_token=seq.first_token_at,
                 finish=now,
                 prompt_tokens=req.prompt_len,

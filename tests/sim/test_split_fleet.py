@@ -243,3 +243,23 @@ def test_a_report_shows_the_two_pools(tmp_path) -> None:
     assert "<h2>Prefill and decode pools</h2>" in page and "id='pools'" in page
     table = page[page.index("id='pools'") :].split("</table>")[0]
     assert table.count("<td>prefill</td>") == table.count("<td>decode</td>") == 2
+
+
+@pytest.mark.parametrize("placement", ["engine", "router"])
+def test_fairness_policies_keep_a_flood_fair_where_the_decode_pool_is_the_bottleneck(
+    placement: str,
+) -> None:
+    """A flooding client beside calm ones, four times the flood experiment's rate, on one
+    prefill and one decode worker: requests wait at the decode pool, and VTC and DLPM (the
+    prefill queues charged the output, each decode queue its own) share it far more evenly
+    than arrival order does."""
+    from simulator.bench.experiments import WORKLOADS
+    from traces.transform import scale_rate
+
+    jain = {}
+    for policy in ("least_load", "vtc", "dlpm"):
+        config = SimConfig(policy=policy, placement=placement, window=4, **_split_fields(2, 1))
+        trace = scale_rate(WORKLOADS["flood_1"](0), 4.0)
+        jain[policy] = simulate(trace, COST, config).summary["fairness"]["jain"]
+    assert jain["vtc"] > jain["least_load"] + 0.2
+    assert jain["dlpm"] > jain["least_load"] + 0.1
