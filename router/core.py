@@ -434,10 +434,7 @@ class Router:
         flight = self._flights.get(request.id)
         if flight is None or not flight.split:
             raise ValueError(f"request {request.id} is not a split request at its prefill")
-        if cached_tokens is not None and self.drift is not None:
-            level = self.drift.observe(flight.predicted, cached_tokens)
-            if level is not None:
-                self.set_index_level(level, now)
+        self._observe_hit(flight, cached_tokens, now)
         prefill = flight.worker
         self._work_done(flight, flight.remaining)
         self._prefilled(flight)
@@ -680,14 +677,20 @@ class Router:
         if flight is None:
             return []
         # A split request's hit was scored at its prefill: its decode worker's is the KV sent.
-        if cached_tokens is not None and self.drift is not None and not flight.handed_off:
-            level = self.drift.observe(flight.predicted, cached_tokens)
-            if level is not None:
-                self.set_index_level(level, now)
+        if not flight.handed_off:
+            self._observe_hit(flight, cached_tokens, now)
         if not flight.released:
             self.withdraw(request, now)
             return []
         return self._end(flight, now, self.policy.on_finish)
+
+    def _observe_hit(self, flight: Flight, cached_tokens: int | None, now: float) -> None:
+        """Score the indexes' predicted hit against what the worker reports it reused, and
+        fall back (or climb) a level when the drift guard says so."""
+        if cached_tokens is not None and self.drift is not None:
+            level = self.drift.observe(flight.predicted, cached_tokens)
+            if level is not None:
+                self.set_index_level(level, now)
 
     def _end(
         self, flight: Flight, now: float, hook: Callable[[Request, WorkerId, ClusterView], None]

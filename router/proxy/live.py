@@ -170,8 +170,16 @@ class LiveCluster:
         dispatch = self.router.add_worker(wid, model=model, adapter_slots=adapter_slots, role=role)
         if priority_scheduling is None:
             priority_scheduling = self.priority_scheduling
-        worker = LiveWorker(wid, url.rstrip("/"), dispatch, kv_events, model, priority_scheduling)
-        worker.role, worker.kv_shape = role, kv_shape
+        worker = LiveWorker(
+            wid,
+            url.rstrip("/"),
+            dispatch,
+            kv_events,
+            model,
+            priority_scheduling,
+            role=role,
+            kv_shape=kv_shape,
+        )
         self.workers[wid] = worker
         self.metrics.healthy.labels(worker.label).set(1)
         self.metrics.retries.labels(worker.label)  # a zero series from the start, not on demand

@@ -276,6 +276,15 @@ class FakeClock:
         return self.now
 
 
+def run_recorded(trace, cost, config: SimConfig) -> tuple[SimCluster, list[tuple]]:
+    """A simulated run, and the calls its driver made on the router core."""
+    cluster = SimCluster(trace, cost, config)
+    recorder = Recorder()
+    recorder.attach(cluster)
+    cluster.run()
+    return cluster, recorder.calls
+
+
 def replay_live(
     sim_calls: list[tuple], config: SimConfig, cost, trace
 ) -> tuple[Recorder, LiveCluster]:
@@ -386,11 +395,7 @@ def test_simulator_and_proxy_drivers_make_the_same_decisions(name: str) -> None:
         **SCENARIOS[name],
     )
     cost = roofline("llama-3-8b", "a100-80g")
-    cluster = SimCluster(trace, cost, config)
-    sim_recorder = Recorder()
-    sim_recorder.attach(cluster)
-    cluster.run()
-    sim_calls = sim_recorder.calls
+    cluster, sim_calls = run_recorded(trace, cost, config)
     assert any(c[0] == "worker_down" and c[3] for c in sim_calls), "the outage withdrew requests"
     assert len({c[3][0].worker for c in sim_calls if c[0] == "route"}) == 3
 
@@ -425,11 +430,7 @@ def test_both_drivers_refuse_the_same_requests_for_the_same_reasons() -> None:
         policy="lpm",
     )
     cost = roofline("llama-3-8b", "a100-80g")
-    cluster = SimCluster(trace, cost, config)
-    sim_recorder = Recorder()
-    sim_recorder.attach(cluster)
-    cluster.run()
-    sim_calls = sim_recorder.calls
+    cluster, sim_calls = run_recorded(trace, cost, config)
     # The proxy never refuses a request its worker has: the simulated run must not either.
     assert not [c for c in sim_calls if c[0] == "never_started"]
     refusals = cluster.router.refusals
@@ -475,11 +476,7 @@ def test_both_drivers_route_and_hand_off_a_split_fleet_alike(policy: str) -> Non
         policy=policy,
     )
     cost = roofline("llama-3-8b", "a100-80g")
-    cluster = SimCluster(trace, cost, config)
-    sim_recorder = Recorder()
-    sim_recorder.attach(cluster)
-    cluster.run()
-    sim_calls = sim_recorder.calls
+    cluster, sim_calls = run_recorded(trace, cost, config)
     handoffs = [c for c in sim_calls if c[0] == "prefilled"]
     assert len(handoffs) >= len(trace), "every request was handed off"
     assert {c[3][0] for c in handoffs} == {2, 3}, "both decode workers took some"
