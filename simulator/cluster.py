@@ -158,9 +158,7 @@ class SimConfig:
 
     def network(self) -> Topology:
         """The topology a split fleet's KV moves over, one GPU per worker."""
-        if self.topology.endswith((".yaml", ".yml", ".json")):
-            return Topology.load(self.topology, self.num_workers)
-        return Topology.preset(self.topology, self.num_workers)
+        return Topology.named(self.topology, self.num_workers)
 
     def _check_roles(self) -> None:
         p, d = self.prefill_workers, self.decode_workers
@@ -630,9 +628,7 @@ class SimCluster:
         """Move `req`'s prompt KV from its prefill worker's GPU to `worker`'s, less the prefix
         `worker` holds already (vLLM's connectors fetch only the blocks missing there)."""
         assert self.transfers is not None
-        engine = self.engines[worker]
-        bs = self.trace.block_size
-        held = min(engine.cached_blocks(req), (req.prompt_len - 1) // bs) * bs
+        held = self.engines[worker].reusable_tokens(req)
         nbytes = kv_bytes(req.prompt_len - held, self._kv_bytes_per_token)
         prefilled = self._prefilled[req.id]
 

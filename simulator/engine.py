@@ -254,6 +254,13 @@ class Engine:
         hashes = seq.hashes if seq else req.block_hashes
         return self.blocks.num_cached_prefix(hashes, len(hashes))
 
+    def reusable_tokens(self, req: Request) -> int:
+        """Prompt tokens of `req` this engine holds now and would reuse if it started it: its
+        cached whole blocks, short of the prompt's last token, which is always computed."""
+        bs = self.config.block_size
+        limit = (req.prompt_len - 1) // bs
+        return self.blocks.num_cached_prefix(req.block_hashes, limit) * bs
+
     def sync(self, now: float) -> None:
         """Apply every planned step that has ended by `now`."""
         if self._apply_ended(now):

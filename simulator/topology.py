@@ -170,6 +170,13 @@ class Topology:
         return cls.from_spec(spec.model_copy(update={"hosts": hosts}), num_gpus)
 
     @classmethod
+    def named(cls, name: str, num_gpus: int) -> Topology:
+        """A YAML (or JSON) file, by its suffix; else a preset's name (`preset`)."""
+        if Path(name).suffix in (".yaml", ".yml", ".json"):
+            return cls.load(name, num_gpus)
+        return cls.preset(name, num_gpus)
+
+    @classmethod
     def load(cls, path: str | Path, num_gpus: int | None = None) -> Topology:
         """A topology from YAML (or JSON); errors name the file and the field."""
         try:

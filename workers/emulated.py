@@ -68,7 +68,8 @@ from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import ProxySettings
 from router.request import BlockHash, Request
 from simulator.engine import Engine, EngineConfig, Seq
-from workers.emulated_split import Connector, Incoming, network, prompt_key
+from simulator.topology import Topology
+from workers.emulated_split import Connector, Incoming, prompt_key
 
 # A step that loads an adapter takes this much longer (simulated seconds). An estimate: with
 # vLLM's default --max-cpu-loras (= --max-loras) an adapter that lost its slot is read from disk
@@ -316,9 +317,7 @@ class WallClockEngine:
     def cached_prefix(self, req: Request) -> int:
         """Prompt tokens of `req` this engine holds now, as it would reuse them."""
         self._catch_up()
-        bs = self.engine.config.block_size
-        limit = (req.prompt_len - 1) // bs
-        return self.engine.blocks.num_cached_prefix(req.block_hashes, limit) * bs
+        return self.engine.reusable_tokens(req)
 
     def abort(self, req: Request) -> None:
         """The client left: stop spending the engine's time on it."""
@@ -705,7 +704,7 @@ def create_app(
     app[CONNECTOR] = Connector(
         role,
         kv_shape,
-        network(topology, topology_gpus) if topology else None,
+        Topology.named(topology, topology_gpus) if topology else None,
         topology_gpu,
         kv_shared_dir,
         MODELS[preset].kv_bytes_per_token,

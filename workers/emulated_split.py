@@ -39,13 +39,6 @@ _ENGINE_GPU = re.compile(r"^emulated-gpu(\d+)-")
 _HANDSHAKE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-def network(topology: str, num_gpus: int) -> Topology:
-    """A preset's name (simulator/topology.py's PRESETS) or a YAML file, with `num_gpus` GPUs."""
-    if Path(topology).suffix in (".yaml", ".yml", ".json"):
-        return Topology.load(topology, num_gpus)
-    return Topology.preset(topology, num_gpus)
-
-
 def prompt_key(body: dict) -> str:
     """A prompt's identity across servers: what it asks of which model, under which salt. As
     ExampleConnector's folder names, the same prompt gives the same key on every server."""

@@ -17,7 +17,8 @@ from pathlib import Path
 from router.proxy.fleet.config import ClusterConfig, FleetWorker, ModelGroupConfig, WorkersConfig
 from router.proxy.ports import free_ports
 from router.traits import Role
-from workers import emulated, emulated_split, kv_connector, tiny_model
+from simulator.topology import Topology
+from workers import emulated, kv_connector, tiny_model
 from workers.pool import ServerSpec, WorkerPool
 
 log = logging.getLogger("fairway.serve")
@@ -170,7 +171,7 @@ class SplitLaunch:
                 )
         else:
             try:
-                emulated_split.network(w.emulated_topology, num_gpus)
+                Topology.named(w.emulated_topology, num_gpus)
             except ValueError as e:
                 raise ValueError(f"{where}.emulated_topology: {e}") from None
         if c.shape == "shared":

@@ -122,13 +122,10 @@ def cmd_kv_transfer(args: argparse.Namespace) -> int:
 
     from dashboards.tables import format_table
     from router.cost_model import MODELS
-    from simulator.topology import PRESETS, KVTransfers, Topology, kv_bytes
+    from simulator.topology import KVTransfers, Topology, kv_bytes
 
     try:
-        if args.topology in PRESETS:
-            topology = Topology.preset(args.topology, args.gpus)
-        else:
-            topology = Topology.load(args.topology, args.gpus)
+        topology = Topology.named(args.topology, args.gpus)
     except ValueError as e:
         raise SystemExit(f"fairway: --topology: {e}") from None
     n, k = topology.num_gpus, args.concurrent
