@@ -2,7 +2,8 @@
 
 Live prompts go through the served model's tokenizer (the `tokenizers` library; chat messages
 rendered with the model's chat template first) and are hashed with the simulator's chained block
-hash, so the live index and the simulated one speak the same language.
+hash, so the live index and the simulated one speak the same language. A byte-level BPE tokenizer
+is run by its tiktoken twin instead when that gives the same ids (router/proxy/fast_bpe.py).
 
 Hostile input is refused before it costs anything: text longer than `max_model_len` tokens could
 possibly hold (characters over the longest vocabulary entry, the bound vLLM applies) is rejected
@@ -13,12 +14,16 @@ surrogate cannot be tokenized, or sent on). Every refusal is a PromptError namin
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jinja2
 from tokenizers import Tokenizer
 
+from router.proxy import fast_bpe
 from router.request import BlockHash, hash_token_blocks
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
 
@@ -34,7 +39,12 @@ class PromptError(ValueError):
 class PromptEncoder:
     def __init__(self, model_dir: str | Path, block_size: int) -> None:
         model_dir = Path(model_dir)
+        spec = json.loads((model_dir / "tokenizer.json").read_text())
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        twin = fast_bpe.twin(self.tokenizer, spec)
+        if twin.encode is None:
+            log.info("%s: tokenizing with the tokenizers library (%s)", model_dir, twin.reason)
+        self._fast = twin.encode
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.block_size = block_size
@@ -54,9 +64,11 @@ class PromptEncoder:
         self.max_token_id = max(len(vocab), int(model.get("vocab_size") or 0)) - 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The fast batch path skips character offsets the router never reads (tokenizing is the
-        # proxy's costliest step per request), and releases the GIL, so a long prompt can be
-        # encoded off the event loop.
+        # Tokenizing is the proxy's costliest step before routing. Both paths release the GIL,
+        # so a long prompt can be encoded off the event loop; the batch path of the tokenizers
+        # library skips the character offsets the router never reads.
+        if self._fast is not None:
+            return self._fast(text, add_special_tokens)
         batch = self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         return batch[0].ids
 
