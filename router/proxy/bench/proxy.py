@@ -1,14 +1,17 @@
 """`make bench` (proxy part): what the proxy costs, against calling a worker directly and against
 sglang-router (a Rust gateway) in front of the same emulated workers, in one run.
 
-- TTFT overhead: one streaming request at a time, time to the first content byte, direct vs
-  through each router.
+- TTFT overhead: one streaming request at a time, time to the first content byte, through
+  each router and straight to a worker in turn (so that both see the same machine: on a shared
+  one, what else runs moves a median by more than the overhead measured).
 - Sustained streaming throughput: the router pinned to core 0 (taskset), the emulated workers to
   core 1; closed loop with fixed concurrency for a fixed time. The load generator (Python) floats
   over both cores, so streams/s is what router and generator reach together; the router's own
   cost is its CPU time (from /proc) per stream: streams per CPU-second is its rate per core.
 - Both routers with a locality-blind policy (round robin) and with their prefix-aware one
   (Fairway's lpm tokenizes and hashes every prompt; sglang-router's cache_aware matches text).
+- A reference: aiohttp relaying the same streams with nothing else (router/proxy/bench/relay.py),
+  which tells aiohttp's share of Fairway's cost from Fairway's own.
 """
 
 from __future__ import annotations
@@ -49,17 +52,31 @@ admission_control: true
 """
 
 
-async def ttfts(url: str, n: int, body: dict, headers: dict[str, str] | None = None) -> np.ndarray:
-    out = []
+async def ttfts(
+    url: str, workers: list[str], n: int, body: dict, headers: dict[str, str] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """TTFTs in ms through the router at `url` and straight to `workers`, one request at a
+    time, alternating (and alternating which goes first): (through the router, direct)."""
+    routed, direct = [], []
     async with aiohttp.ClientSession(headers=headers) as s:
-        for _ in range(n):
+
+        async def first_byte(target: str) -> float:
             start = time.perf_counter()
-            async with s.post(f"{url}/v1/completions", json=body) as r:
+            async with s.post(f"{target}/v1/completions", json=body) as r:
                 async for _chunk in r.content.iter_any():
-                    out.append(time.perf_counter() - start)
                     break
+                elapsed = time.perf_counter() - start
                 await r.read()
-    return np.array(out[5:]) * 1000  # drop warm-up
+            return elapsed
+
+        for i in range(n + 5):
+            pair = (url, workers[i % len(workers)])
+            first, second = pair if i % 2 else pair[::-1]
+            times = {first: await first_byte(first), second: await first_byte(second)}
+            if i >= 5:  # warm-up dropped
+                routed.append(times[url])
+                direct.append(times[pair[1]])
+    return np.array(routed) * 1000, np.array(direct) * 1000
 
 
 @dataclass(frozen=True)
@@ -125,20 +142,10 @@ def run_proxy_bench(quick: bool = False) -> int:
             workers.append(f"http://127.0.0.1:{port}")
         for url in workers:
             wait_healthy(url)
-        direct = asyncio.run(ttfts(workers[0], n, stream))
-        rows = [
-            {
-                "path": "direct to a worker",
-                "TTFT p50 ms": float(np.median(direct)),
-                "TTFT p99 ms": float(np.percentile(direct, 99)),
-                "overhead p50 ms": 0.0,
-                "overhead p99 ms": 0.0,
-                "streams/s": None,
-                "router cores": None,
-                "streams per router CPU-s": None,
-            }
-        ]
+        rows = []
+        directs = []
         routers = [("fairway", "round_robin"), ("fairway", "lpm"), ("fairway+classes", "lpm")]
+        routers.append(("aiohttp relay", "round_robin"))
         if _has_sglang_router():
             routers += [("sglang-router", "round_robin"), ("sglang-router", "cache_aware")]
         # One router at a time, so that each has core 0 to itself.
@@ -146,9 +153,15 @@ def run_proxy_bench(quick: bool = False) -> int:
             classes = kind == "fairway+classes"
             headers = {"Authorization": f"Bearer {BENCH_KEY}"} if classes else None
             with _router(kind, policy, workers, model, scratch) as (url, pid):
-                t = asyncio.run(ttfts(url, n, stream, headers))
+                t, direct = asyncio.run(ttfts(url, workers, n, stream, headers))
                 rate = measured(url, pid, seconds, concurrency, stream, headers)
-            label = "fairway (lpm, classes + budgets)" if classes else f"{kind} ({policy})"
+            directs.append(direct)
+            if classes:
+                label = "fairway (lpm, classes + budgets)"
+            elif kind == "aiohttp relay":
+                label = "aiohttp relay, nothing else (reference)"
+            else:
+                label = f"{kind} ({policy})"
             rows.append(
                 {
                     "path": label,
@@ -161,9 +174,24 @@ def run_proxy_bench(quick: bool = False) -> int:
                     "streams per router CPU-s": rate.streams_per_cpu_s,
                 }
             )
+        direct = np.concatenate(directs)
+        rows.insert(
+            0,
+            {
+                "path": "direct to a worker",
+                "TTFT p50 ms": float(np.median(direct)),
+                "TTFT p99 ms": float(np.percentile(direct, 99)),
+                "overhead p50 ms": 0.0,
+                "overhead p99 ms": 0.0,
+                "streams/s": None,
+                "router cores": None,
+                "streams per router CPU-s": None,
+            },
+        )
     print(
         f"Proxy overhead: 2 emulated workers (50x time), 16-token streams of a ~200-token "
-        f"prompt; {n} sequential requests for TTFT, {concurrency} concurrent for "
+        f"prompt; {n} sequential requests for TTFT, each router's alternating with as many "
+        f"straight to a worker (its overhead is against those); {concurrency} concurrent for "
         f"{seconds:.0f} s for throughput; the router pinned to core 0, workers to core 1, the "
         f"load generator floating; router cores: its CPU-seconds per second (from /proc)."
     )
@@ -194,6 +222,15 @@ def verdict(rows: list[dict]) -> str:
             f"{mine['streams per router CPU-s'] / other['streams per router CPU-s']:.2f}x "
             f"(target >= {TARGET_RATIO:.1f}x per core)."
         )
+    relay = by.get("aiohttp relay, nothing else (reference)")
+    theirs = by.get("sglang-router (round_robin)")
+    if relay is not None and theirs is not None:
+        per_core = "streams per router CPU-s"
+        lines.append(
+            f"aiohttp relaying alone (no routing, accounting or metrics): "
+            f"{relay[per_core] / theirs[per_core]:.2f}x sglang-router round_robin per core; "
+            f"fairway round_robin {ours[per_core] / relay[per_core]:.2f}x of it."
+        )
     classes = by.get("fairway (lpm, classes + budgets)")
     if classes is not None:
         plain = by["fairway (lpm)"]
@@ -221,6 +258,9 @@ def _router(kind: str, policy: str, workers: list[str], model: Path, scratch: Pa
             + (WITH_CLASSES if kind == "fairway+classes" else "")
         )
         argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+        env = {"PYTHONPATH": str(ROOT)}
+    elif kind == "aiohttp relay":
+        argv = [sys.executable, "-m", "router.proxy.bench.relay", str(port), *workers]
         env = {"PYTHONPATH": str(ROOT)}
     else:
         argv = [
