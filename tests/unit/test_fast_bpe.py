@@ -38,7 +38,9 @@ def pair(spec: dict) -> tuple[Tokenizer, fast_bpe.Encode]:
 TEXT = st.lists(
     st.one_of(
         st.text(min_size=1, max_size=40),
-        st.sampled_from(["<s>", "</s>", "<pad>", " ", "\n\n", "  \t", "'s", "'ll", "123", "☃"]),
+        st.sampled_from(
+            ["<s>", "</s>", "<pad>", "<|eot_id|>", " ", "\n\n", "  \t", "'s", "'ll", "123", "☃"]
+        ),
     ),
     max_size=12,
 ).map("".join)
@@ -134,3 +136,59 @@ def test_a_tokenizer_without_a_twin_still_encodes(tmp_path, spec: dict) -> None:
     assert encoder._fast is None
     text = "hello world"
     assert encoder.completion_ids(text) == encoder.tokenizer.encode(text).ids
+
+
+# Llama 3's pre-tokenizer regex; Llama 3 and Qwen 2 split with one such regex, then map bytes.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@pytest.fixture(scope="module")
+def split_pair() -> tuple[Tokenizer, fast_bpe.Encode]:
+    """A byte-level BPE trained here with Llama 3's shape: a Split regex, then ByteLevel, and a
+    begin-of-text token put before each sequence."""
+    from tokenizers import Regex, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    specials = ["<|begin_of_text|>", "<|eot_id|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
+    corpus = [
+        "The quick brown fox jumps over the lazy dog 1234567 times.",
+        "def route(request):\n    return min(workers, key=load)\n",
+        "Prefix caching lets a server reuse the KV cache of a shared prompt prefix.",
+        "naïve café 東京 Ελληνικά — it's we'll they'd",
+    ] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[(specials[0], 0)]
+    )
+    spec = json.loads(tokenizer.to_str())
+    made = fast_bpe.twin(tokenizer, spec)
+    assert made.encode is not None, made.reason
+    return tokenizer, made.encode
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=TEXT, special=st.booleans())
+def test_a_split_regex_tokenizer_has_an_exact_twin(
+    split_pair: tuple[Tokenizer, fast_bpe.Encode], text: str, special: bool
+) -> None:
+    tokenizer, encode = split_pair
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return
+    assert encode(text, special) == tokenizer.encode(text, add_special_tokens=special).ids
