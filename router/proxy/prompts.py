@@ -44,6 +44,8 @@ class PromptEncoder:
         twin = fast_bpe.twin(self.tokenizer, spec)
         if twin.encode is None:
             log.info("%s: tokenizing with the tokenizers library (%s)", model_dir, twin.reason)
+        else:
+            log.info("%s: tokenizing with its tiktoken twin (the same ids)", model_dir)
         self._fast = twin.encode
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
