@@ -36,7 +36,7 @@ from router.proxy.forward import (
 from router.proxy.health import HEALTH_NOTES, health
 from router.proxy.identity import check_admin, metric_labels
 from router.proxy.live import LiveCluster, LiveWorker
-from router.proxy.membership import MEMBERSHIP, Membership, kv_events_endpoint, worker_url
+from router.proxy.membership import MEMBERSHIP, Membership, new_worker
 from router.proxy.monitor import Monitor
 from router.proxy.openai_request import (
     header_limits,
@@ -128,8 +128,7 @@ async def admin_workers(request: web.Request) -> web.Response:
         if request.method == "POST":
             s: ProxySettings = request.app[SETTINGS]
             body = await parse_body(request, s.max_body_bytes, s.body_timeout)
-            url = worker_url(body.get("url"))
-            worker = await membership.add(url, kv_events_endpoint(body.get("kv_events")))
+            worker = await membership.add(new_worker(body, request.app[CATALOG]))
             return web.json_response(_describe(cluster, worker), status=201)
         if request.method == "DELETE":
             wid = request.query.get("id")
@@ -152,6 +151,7 @@ def _describe(cluster: LiveCluster, w: LiveWorker) -> dict[str, object]:
     return {
         "id": w.id,
         "url": w.url,
+        "model": w.model,
         "role": w.role.value,
         "healthy": state.healthy,
         "queued": len(w.dispatch),

@@ -70,6 +70,9 @@ class Catalog:
             raise APIError(404, message, "NotFoundError", "model", "model_not_found")
         return served
 
+    def base_models(self) -> list[Served]:
+        return [s for s in self._served.values() if s.adapter is None]
+
     def cards(self) -> list[dict]:
         """/v1/models' entries, as vLLM lists them: base models, then each one's adapters with
         it as their `parent`."""

@@ -56,6 +56,7 @@ class LiveWorker:
     role: Role = Role.MIXED
     kv_shape: str = "handshake"  # its KV connector's: router/proxy/split.py
     kv_warned: bool = False  # its prefill answers lacked kv_transfer_params: logged once
+    adapter_slots: int = 0  # LoRA adapters it holds at once (its --max-loras; 0: no limit)
 
     @property
     def label(self) -> str:
@@ -179,6 +180,7 @@ class LiveCluster:
             priority_scheduling,
             role=role,
             kv_shape=kv_shape,
+            adapter_slots=adapter_slots,
         )
         self.workers[wid] = worker
         self.metrics.healthy.labels(worker.label).set(1)
@@ -187,6 +189,32 @@ class LiveCluster:
         if role is Role.DECODE:
             self.metrics.handoffs.labels(worker.label)
         return worker
+
+    def add_worker_like_peers(
+        self,
+        url: str,
+        kv_events: str | None = None,
+        model: str | None = None,
+        role: str = Role.MIXED,
+        wid: WorkerId | None = None,
+    ) -> LiveWorker:
+        """Add a server started as the others of its model group were (the admin API's adds):
+        their adapter slots and priority scheduling (a worker of its own role's first), and on a
+        split fleet their KV connector's shape."""
+        role = Role(role)
+        peers = [w for w in self.workers.values() if w.model == model]
+        peer = next((w for w in peers if w.role is role), peers[0] if peers else None)
+        split = next((w for w in peers if w.role is not Role.MIXED), None)
+        return self.add_worker(
+            url,
+            kv_events,
+            wid,
+            model,
+            adapter_slots=peer.adapter_slots if peer else 0,
+            priority_scheduling=peer.priority_scheduling if peer else None,
+            role=role,
+            kv_shape=split.kv_shape if split else "handshake",
+        )
 
     def roles(self) -> list[str] | None:
         """A split fleet's worker roles by id (None for a fleet of mixed workers)."""

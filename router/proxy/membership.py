@@ -1,8 +1,12 @@
 """Who is in the pool: the admin API's adds and removes, checked.
 
-    POST /admin/workers {"url", "kv_events"}  ─▶ worker_url(): http(s), a host, a port in range
+    POST /admin/workers {"url", "kv_events",  ─▶ new_worker(): the URL http(s), a host, a port in
+                         "model", "role"}        range; the model one the proxy serves; the role
                                               ─▶ Membership.add: 409 if the URL is in the pool
     DELETE /admin/workers?id=N                ─▶ Membership.remove: 404 if it is not
+
+An added server is taken to be started as the others of its model group were: it gets their
+adapter slots, priority scheduling and KV connector shape (`LiveCluster.add_worker_like_peers`).
 
 `Membership` changes one proxy's own pool. Router replicas share theirs through the store
 (router/proxy/fleet/shared_state.py, `SharedMembership`): there an add or a remove is an event
@@ -11,13 +15,16 @@ in a log every replica applies in the same order, so worker ids agree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from router.prefix_index import WorkerId
+from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError, bad_request
 from router.proxy.live import LiveCluster, LiveWorker
+from router.traits import Role
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -57,6 +64,43 @@ def kv_events_endpoint(value: object) -> str | None:
     raise bad_request("'kv_events' must be a ZMQ endpoint (a string) or null", "kv_events")
 
 
+@dataclass(frozen=True)
+class NewWorker:
+    """A server the admin API adds."""
+
+    url: str  # as worker_url spells it
+    kv_events: str | None = None
+    model: str | None = None  # its model group, in a fleet of several
+    role: Role = Role.MIXED
+
+
+def new_worker(body: dict, catalog: Catalog) -> NewWorker:
+    """The server a POST /admin/workers body describes, or a 400 naming the field."""
+    role = body.get("role", Role.MIXED.value)
+    if role not in {r.value for r in Role}:
+        raise bad_request("'role' must be mixed, prefill or decode", "role")
+    return NewWorker(
+        worker_url(body.get("url")),
+        kv_events_endpoint(body.get("kv_events")),
+        _model_group(body.get("model"), catalog),
+        Role(role),
+    )
+
+
+def _model_group(value: object, catalog: Catalog) -> str | None:
+    models = catalog.base_models()
+    names = ", ".join(m.name for m in models)
+    if value is None:
+        if len(models) > 1:
+            raise bad_request(f"'model' is required: the proxy serves {names}", "model")
+        return None
+    model = next((m for m in models if m.name == value), None)
+    if model is None:
+        shown = str(value)[:80]
+        raise bad_request(f"'model' {shown!r} is none of the models served ({names})", "model")
+    return model.group
+
+
 def same_url(url: str) -> str:
     """The one spelling of `url`, or `url` itself if it is not one the admin API would take."""
     try:
@@ -83,12 +127,12 @@ class Membership:
     def __init__(self, cluster: LiveCluster) -> None:
         self.cluster = cluster
 
-    async def add(self, url: str, kv_events: str | None) -> LiveWorker:
-        """Add the worker at `url` (as `worker_url` spells it); a 409 if it is in the pool."""
+    async def add(self, new: NewWorker) -> LiveWorker:
+        """Add the server; a 409 if its URL is in the pool."""
         for w in self.cluster.workers.values():
-            if same_url(w.url) == url:
-                raise duplicate(url, w.id)
-        return self.cluster.add_worker(url, kv_events)
+            if same_url(w.url) == new.url:
+                raise duplicate(new.url, w.id)
+        return self.cluster.add_worker_like_peers(new.url, new.kv_events, new.model, new.role)
 
     async def remove(self, wid: WorkerId) -> None:
         if wid not in self.cluster.workers:

@@ -22,6 +22,7 @@ from tests.live_helpers import BLOCK, run, serving, tokenizer_dir
 from workers import emulated
 
 PROMPT = "the same long document for every request " * 40
+ADMIN_TOKEN = "admin-token-for-groups"
 
 
 @contextlib.asynccontextmanager
@@ -39,7 +40,9 @@ async def two_groups():
         for name in ("alpha", "beta"):
             catalog.add_group(name, encoder, 4096)
         admin = free_port()
-        settings = ProxySettings(model_name="alpha", admin_port=admin, health_interval=0.2)
+        settings = ProxySettings(
+            model_name="alpha", admin_port=admin, health_interval=0.2, admin_token=ADMIN_TOKEN
+        )
         url = await stack.enter_async_context(
             serving(create_app(cluster, catalog, settings), admin_port=admin)
         )
@@ -95,5 +98,31 @@ def test_another_salt_or_group_predicts_no_hit() -> None:
             for bad in ("", 7):
                 status, _, error = await complete(session, url, "beta", cache_salt=bad)
                 assert status == 400 and error["error"]["param"] == "cache_salt"
+
+    run(body)
+
+
+def test_a_server_added_through_the_admin_api_joins_the_group_it_names() -> None:
+    async def body() -> None:
+        async with (
+            two_groups() as (session, url, admin),
+            serving(emulated.create_app(tokenizer_dir(), "beta", BLOCK, speed=50)) as beta,
+        ):
+            workers, auth = f"{admin}/admin/workers", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            for bad, why in (({"url": beta}, "is required"), ({"url": beta, "model": "x"}, "none")):
+                async with session.post(workers, json=bad, headers=auth) as r:
+                    error = (await r.json())["error"]
+                    assert r.status == 400 and error["param"] == "model", error
+                    assert why in error["message"] and "alpha, beta" in error["message"]
+            async with session.post(
+                workers, json={"url": beta, "model": "beta"}, headers=auth
+            ) as r:
+                assert r.status == 201 and (await r.json())["model"] == "beta"
+            async with session.delete(f"{workers}?id=2", headers=auth) as r:
+                assert r.status == 200  # beta's first server: the added one must serve beta
+            for i in range(4):
+                for model, expect in (("beta", {"3"}), ("alpha", {"0", "1"})):
+                    status, headers, _ = await complete(session, url, model, user=f"u{i}")
+                    assert status == 200 and headers["X-Fairway-Worker"] in expect, headers
 
     run(body)

@@ -223,6 +223,42 @@ class TestClientTransferParams:
         run(go)
 
 
+class TestAdminAPI:
+    def test_servers_added_with_a_role_serve_as_that_role(self) -> None:
+        """A prefill and a decode server added through POST /admin/workers, the mixed one
+        removed: a request goes through both added servers, each in its own stage."""
+
+        async def go() -> None:
+            async with (
+                emulated_split_workers(["mixed", "prefill", "decode"], speed=20) as servers,
+                proxy([servers[0][0]], admin_token="s3cret") as (base, cluster),
+                aiohttp.ClientSession(headers={"Authorization": "Bearer s3cret"}) as s,
+            ):
+                admin = f"{base.admin}/admin/workers"
+                for url, role in roles_of(servers)[1:]:
+                    async with s.post(admin, json={"url": url, "role": role}) as r:
+                        assert r.status == 201, await r.text()
+                        assert (await r.json())["role"] == role
+                async with s.post(admin, json={"url": "http://127.0.0.1:1", "role": "leader"}) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["param"] == "role"
+                async with s.delete(f"{admin}?id=0") as r:
+                    assert r.status == 200
+                assert cluster.roles() == ["mixed", "prefill", "decode"]  # id 0: gone
+
+                raw = await client(base).completions.with_raw_response.create(
+                    model="tiny", prompt=PROMPT, max_tokens=3
+                )
+                assert raw.headers["X-Fairway-Worker"] == "2", "answered by the decode worker"
+                (_, mixed), (_, prefill), (_, decode) = servers
+                assert received(prefill) == [(1, REMOTE_DECODE)]
+                assert [limit for limit, _ in received(decode)] == [3]
+                assert received(mixed) == []
+                assert_idle(cluster)
+
+        run(go)
+
+
 class TestFleetTrouble:
     def test_without_a_decode_worker_the_mixed_ones_serve(self) -> None:
         async def go() -> None:

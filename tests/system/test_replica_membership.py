@@ -71,9 +71,11 @@ async def assert_refuses_nonsense(s: aiohttp.ClientSession, base: str, pool_urls
         status, body = await call(s, "POST", f"{base}/admin/workers", json={"url": url})
         assert status == 400, (url, status, body)
         assert_error_shape(body, "url")
-    bad_kv = {"url": "http://127.0.0.1:1", "kv_events": 5557}
-    status, body = await call(s, "POST", f"{base}/admin/workers", json=bad_kv)
-    assert status == 400 and body["error"]["param"] == "kv_events", body
+    for field, value in (("kv_events", 5557), ("role", "leader"), ("model", "no-such-model")):
+        bad = {"url": "http://127.0.0.1:1", field: value}
+        status, body = await call(s, "POST", f"{base}/admin/workers", json=bad)
+        assert status == 400, (bad, status, body)
+        assert_error_shape(body, field)
     for url in pool_urls:
         for spelling in (url, url + "/", url.upper().replace("HTTP://", "http://")):
             status, body = await call(s, "POST", f"{base}/admin/workers", json={"url": spelling})
@@ -172,5 +174,16 @@ def test_an_add_or_remove_at_one_replica_reaches_every_replica(tmp_path) -> None
                     assert r.status == 200, await r.text()
                     seen.add(int(r.headers["X-Fairway-Worker"]))
             assert seen == {1, 2, 3, 4}, seen
+
+            # A server's role travels with it: added as a decode worker at one replica, it is
+            # one at the other (a dead address: it only has to be listed).
+            dead = "http://127.0.0.1:1"
+            status, body = await call(
+                s, "POST", f"{own[0]}/admin/workers", json={"url": dead, "role": "decode"}
+            )
+            assert status == 201 and body["role"] == "decode", body
+            await every_replica()
+            status, body = await call(s, "GET", f"{own[1]}/admin/workers")
+            assert {w["url"]: w["role"] for w in body["workers"]}[dead] == "decode", body
 
     run(go, timeout=180)

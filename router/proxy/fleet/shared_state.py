@@ -19,8 +19,9 @@ about two intervals late: the lag the simulator measures (`fairway experiment re
 
 The pool is shared as a log of adds and removes (`SharedMembership`). An admin call at any
 replica runs one script that checks the URL against the pool, takes the next worker id and
-appends the event; every replica applies the log in order (this one at once, the others when
-their next round sees the log longer), so worker ids, and the ledger keys that hold them, agree.
+appends the event (an add with the server's model group and role); every replica applies the
+log in order (this one at once, the others when their next round sees the log longer), so
+worker ids, and the ledger keys that hold them, agree.
 
 Keys and fields are JSON (a ledger key `("queue", 0, "counters")`, a field `"tenant-1"` or
 `["tenant-1", 0]`), so every replica encodes the same thing the same way. Routing decisions
@@ -54,7 +55,14 @@ from router.proxy.errors import APIError
 from router.proxy.fleet.store import Store
 from router.proxy.health import HEALTH_NOTES
 from router.proxy.live import LiveCluster, LiveWorker
-from router.proxy.membership import MEMBERSHIP, Membership, duplicate, missing, same_url
+from router.proxy.membership import (
+    MEMBERSHIP,
+    Membership,
+    NewWorker,
+    duplicate,
+    missing,
+    same_url,
+)
 from router.proxy.metrics import SharedStateMetrics
 
 log = logging.getLogger(__name__)
@@ -160,7 +168,7 @@ if ARGV[1] == 'add' then
   if have then return cjson.encode({conflict = tonumber(have)}) end
   local id = redis.call('INCR', KEYS[2]) - 1
   redis.call('HSET', KEYS[1], ARGV[3], id)
-  local version = redis.call('RPUSH', KEYS[3], cjson.encode({'add', id, ARGV[3], ARGV[4]}))
+  local version = redis.call('RPUSH', KEYS[3], cjson.encode({'add', id, ARGV[3], ARGV[4], ARGV[5]}))
   return cjson.encode({id = id, version = version})
 end
 if ARGV[1] == 'remove' then
@@ -471,14 +479,15 @@ class SharedMembership(Membership):
         pool = [[same_url(w.url), wid] for wid, w in sorted(self.cluster.workers.items())]
         return json.dumps({"pool": pool, "next": self.cluster.next_worker_id})
 
-    async def add(self, url: str, kv_events: str | None) -> LiveWorker:
-        out = await self._call("add", url, kv_events or "")
+    async def add(self, new: NewWorker) -> LiveWorker:
+        kind = json.dumps({"model": new.model, "role": new.role.value})
+        out = await self._call("add", new.url, new.kv_events or "", kind)
         if "conflict" in out:
-            raise duplicate(url, out["conflict"])
+            raise duplicate(new.url, out["conflict"])
         await self._read_back(out["version"])
         worker = self.cluster.workers.get(out["id"])
         if worker is None:  # another replica removed it in between
-            raise APIError(409, f"worker {url} was added and removed again", param="url")
+            raise APIError(409, f"worker {new.url} was added and removed again", param="url")
         return worker
 
     async def remove(self, wid: WorkerId) -> None:
@@ -493,9 +502,12 @@ class SharedMembership(Membership):
             if version <= self.version:
                 return
             for raw in await self.client.lrange(self.log, self.version, version - 1):
-                op, wid, url, kv_events = json.loads(raw)
+                op, wid, url, kv_events, *rest = json.loads(raw)
                 if op == "add" and wid not in self.cluster.workers:
-                    self.cluster.add_worker(url, kv_events or None, wid)
+                    kind = json.loads(rest[0]) if rest else {}  # its model group and role
+                    self.cluster.add_worker_like_peers(
+                        url, kv_events or None, kind.get("model"), kind.get("role", "mixed"), wid
+                    )
                 elif op == "remove" and wid in self.cluster.workers:
                     self.cluster.remove_worker(wid)
                 self.version += 1
