@@ -77,7 +77,7 @@ class NewWorker:
 def new_worker(body: dict, catalog: Catalog) -> NewWorker:
     """The server a POST /admin/workers body describes, or a 400 naming the field."""
     role = body.get("role", Role.MIXED.value)
-    if role not in {r.value for r in Role}:
+    if not isinstance(role, str) or role not in {r.value for r in Role}:
         raise bad_request("'role' must be mixed, prefill or decode", "role")
     return NewWorker(
         worker_url(body.get("url")),

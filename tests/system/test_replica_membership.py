@@ -71,7 +71,9 @@ async def assert_refuses_nonsense(s: aiohttp.ClientSession, base: str, pool_urls
         status, body = await call(s, "POST", f"{base}/admin/workers", json={"url": url})
         assert status == 400, (url, status, body)
         assert_error_shape(body, "url")
-    for field, value in (("kv_events", 5557), ("role", "leader"), ("model", "no-such-model")):
+    wrong = [("kv_events", 5557), ("role", "leader"), ("role", ["decode"]), ("model", "no-such")]
+    wrong += [("model", {"name": "tiny"})]
+    for field, value in wrong:
         bad = {"url": "http://127.0.0.1:1", field: value}
         status, body = await call(s, "POST", f"{base}/admin/workers", json=bad)
         assert status == 400, (bad, status, body)
