@@ -192,3 +192,16 @@ def test_a_split_regex_tokenizer_has_an_exact_twin(
     except UnicodeEncodeError:
         return
     assert encode(text, special) == tokenizer.encode(text, add_special_tokens=special).ids
+
+
+def test_a_regex_tiktoken_cannot_compile_is_refused(spec: dict) -> None:
+    changed = copy.deepcopy(spec)
+    changed["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "(\\p{L}+"}, "behavior": "Isolated"},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
+        ],
+    }
+    made = fast_bpe.twin(Tokenizer.from_str(json.dumps(spec)), changed)
+    assert made.encode is None and "cannot build" in made.reason
