@@ -39,9 +39,9 @@ class PromptError(ValueError):
 class PromptEncoder:
     def __init__(self, model_dir: str | Path, block_size: int) -> None:
         model_dir = Path(model_dir)
-        spec = json.loads((model_dir / "tokenizer.json").read_text())
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        twin = fast_bpe.twin(self.tokenizer, spec)
+        raw = (model_dir / "tokenizer.json").read_text()
+        self.tokenizer = Tokenizer.from_str(raw)
+        twin = fast_bpe.twin(self.tokenizer, json.loads(raw))
         if twin.encode is None:
             log.info("%s: tokenizing with the tokenizers library (%s)", model_dir, twin.reason)
         else:
