@@ -5,11 +5,11 @@ from __future__ import annotations
 import bisect
 import random
 
-from router.cluster import ClusterView, WorkerState
 from router.policy import Decision, GlobalPolicy
 from router.registry import global_policies
 from router.request import Request
 from router.traits import PolicyTraits
+from router.view import ClusterView, WorkerState
 
 
 def worker_id(view: ClusterView, worker: WorkerState) -> tuple[int]:

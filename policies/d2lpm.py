@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 from policies.lpm import healthy_matches, is_imbalanced, shortest_queue
 from policies.service_params import DEFAULT_SERVICE_COST, ServiceCostParams
-from router.cluster import ClusterView
 from router.ledger import Ledger
 from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
 from router.registry import global_policies
 from router.request import Request
+from router.view import ClusterView
 
 
 @dataclass(slots=True)

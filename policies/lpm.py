@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from policies.queues import FifoQueue
-from router.cluster import ClusterView, WorkerState
 from router.policy import Decision, GlobalPolicy
 from router.prefix_index import WorkerId
 from router.registry import global_policies, local_policies
 from router.request import Request
 from router.traits import DisciplineTraits, PolicyTraits, ReordersOn
+from router.view import ClusterView, WorkerState
 
 
 def shortest_queue(view: ClusterView, worker: WorkerState) -> tuple[int, int]:

@@ -81,12 +81,12 @@ import numpy as np
 
 from policies.lpm import healthy_matches
 from policies.preble_load import Group, GroupWindow, PerWorker, TTFTOverloadDetector, WindowEntry
-from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.policy import Decision, GlobalPolicy
 from router.prefix_index import Node, WorkerId
 from router.registry import global_policies
 from router.request import BlockHash, Request
 from router.traits import PolicyTraits
+from router.view import ClusterView, CostEstimates, WorkerState
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from router.cluster import ClusterView, WorkerState
 from router.prefix_index import WorkerId
+from router.view import ClusterView, WorkerState
 
 
 class AdapterSlots:

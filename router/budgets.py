@@ -19,7 +19,7 @@ A request is admitted when, on every bucket its tenant has, the level reaches wh
 All or nothing: admitted, it takes 1 request and its prompt's tokens; refused, it takes nothing.
 Output tokens are charged after the fact (`charge_output`) and may leave the bucket negative.
 
-The step function, the one arithmetic (the Redis script in router/proxy/fleet/budget_store.py
+The step function, the one arithmetic (the Redis script in router/proxy/service/budget_store.py
 applies the same steps, in the same order, on the same doubles, and a test holds both equal):
 
     1. refill   each bucket: elapsed = now - t, 0 if negative (a clock that stepped back, or

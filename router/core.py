@@ -30,7 +30,6 @@ from mypy_extensions import mypyc_attr
 from router.adapters import AdapterSlots
 from router.bands import Banded
 from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
-from router.cluster import ClusterView, CostEstimates, WorkerState
 from router.cost_model import StepShape, prefill_pairs
 from router.decode import DEFAULT_SLACK, choose_decode
 from router.dispatch import DispatchQueue
@@ -40,6 +39,7 @@ from router.policy import Decision, GlobalPolicy, LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
 from router.traits import IndexLevel, Role
+from router.view import ClusterView, CostEstimates, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class Router:
         self.routed[wid] += 1
 
         bs = view.block_size
-        hashes = request.block_hashes[: request.prompt_len // bs]
+        hashes = request.prompt_blocks(bs)
         approximate = self._insert_routed(self.approx_index, hashes, wid, now)
         if self.routing_log is not None and self.approx_index is not None:
             self.routing_log.append((hashes, wid, now))
@@ -378,7 +378,7 @@ class Router:
             self._level_index[IndexLevel.PRECISE].touch(hashes, wid, now) if self.precise else 0
         )
         # Capped as an engine caps a hit: the last prompt token is always computed.
-        cap = (request.prompt_len - 1) // bs
+        cap = request.reusable_blocks(bs)
         predicted_hits: dict[str, int] = {IndexLevel.APPROXIMATE: min(approximate, cap) * bs}
         if self.precise:
             predicted_hits[IndexLevel.PRECISE] = min(precise, cap) * bs
@@ -461,7 +461,7 @@ class Router:
         self.view.workers[wid].tokens_in_flight += request.output_len
         self.handoffs[wid] += 1
         # It holds the prompt's KV from now on: a later turn's decode may reuse it.
-        hashes = request.block_hashes[: request.prompt_len // self.view.block_size]
+        hashes = request.prompt_blocks(self.view.block_size)
         self._insert_routed(self.approx_index, hashes, wid, now)
         if self.routing_log is not None and self.approx_index is not None:
             self.routing_log.append((hashes, wid, now))
@@ -499,7 +499,7 @@ class Router:
 
     def _predict_on(self, request: Request, view: ClusterView, wid: WorkerId) -> float:
         hit = view.index.match_of(request.block_hashes, wid)
-        cap = (request.prompt_len - 1) // view.block_size
+        cap = request.reusable_blocks(view.block_size)
         return self._predict(request, view.workers[wid], min(hit, cap))
 
     def _predict(self, request: Request, state: WorkerState, hit_blocks: int) -> float:
@@ -530,7 +530,7 @@ class Router:
 
     def _predict_all(self, request: Request, view: ClusterView) -> dict[WorkerId, float]:
         """Predicted TTFT on each healthy worker of `view`, from one walk of the index."""
-        cap = (request.prompt_len - 1) // view.block_size
+        cap = request.reusable_blocks(view.block_size)
         hits = view.index.match(request.block_hashes[:cap])
         return {
             w.id: self._predict(request, w, hits.get(w.id, 0))
@@ -800,9 +800,7 @@ class Router:
         for request in out:
             self._flights[request.id].released = True
             if self._tracks_held:  # the worker computes this prompt from now on
-                self._insert_routed(
-                    self.held, request.block_hashes[: request.prompt_len // bs], wid, now
-                )
+                self._insert_routed(self.held, request.prompt_blocks(bs), wid, now)
         self._count(wid)
         return out
 

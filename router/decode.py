@@ -17,9 +17,9 @@ stages: router.core charges it all to the prefill worker the policy chose (see R
 
 from __future__ import annotations
 
-from router.cluster import ClusterView, WorkerState
 from router.prefix_index import WorkerId
 from router.request import Request
+from router.view import ClusterView, WorkerState
 
 DEFAULT_SLACK = 4  # sequences: about what a batch absorbs without a visible step-time change
 
@@ -32,7 +32,7 @@ def decode_load(view: ClusterView, w: WorkerState) -> tuple[int, float, WorkerId
 def choose_decode(request: Request, view: ClusterView, slack: int = DEFAULT_SLACK) -> WorkerId:
     """The decode worker of `view` (healthy ones only; at least one) for `request`."""
     least = view.least(decode_load)
-    cap = (request.prompt_len - 1) // view.block_size
+    cap = request.reusable_blocks(view.block_size)
     healthy = view.healthy_set()
     held = {w: m for w, m in view.index.match(request.block_hashes[:cap]).items() if w in healthy}
     if held:

@@ -37,7 +37,7 @@ hold none.
 Per key, adds, raises and lowers between two refills compose into one function
 x -> min(max(x, lo), hi) + add (`Segment`); a refill spans keys and closes the segment. `take`
 returns the steps since the last take, `apply_steps` applies them to a store's values (the
-simulator's `LedgerStore`; the Redis script in router/proxy/fleet/shared_state.py does the same
+simulator's `LedgerStore`; the Redis script in router/proxy/service/shared_state.py does the same
 arithmetic in Lua, to the bit), and `rebase` sets a replica's values from the store's.
 """
 

@@ -35,10 +35,10 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from router.cluster import ClusterView
 from router.prefix_index import WorkerId
 from router.request import Request
 from router.traits import DisciplineTraits, PolicyTraits
+from router.view import ClusterView
 
 
 @dataclass(slots=True, frozen=True)

@@ -105,3 +105,12 @@ class Request:
     @property
     def num_blocks(self) -> int:
         return len(self.block_hashes)
+
+    def prompt_blocks(self, block_size: int) -> list[BlockHash]:
+        """The hashes of the prompt's full blocks: what a worker that computes it holds."""
+        return self.block_hashes[: self.prompt_len // block_size]
+
+    def reusable_blocks(self, block_size: int) -> int:
+        """The most prompt blocks an engine can reuse from its cache: the last prompt token is
+        always computed (its logits give the first output token), as vLLM caps a hit."""
+        return (self.prompt_len - 1) // block_size

@@ -84,7 +84,7 @@ class Seq:
         self.prompt_len, self.output_len = req.prompt_len, req.output_len
         self.table = BlockTable()
         # Only full prompt blocks are ever cached.
-        self.hashes = req.block_hashes[: req.prompt_len // block_size]
+        self.hashes = req.prompt_blocks(block_size)
         self.num_computed = 0  # tokens whose KV exists (prompt, then generated ones fed back)
         self.num_output = 0
         self.num_cached_tokens: int | None = None  # prefix hit at first admission
@@ -258,7 +258,7 @@ class Engine:
         """Prompt tokens of `req` this engine holds now and would reuse if it started it: its
         cached whole blocks, short of the prompt's last token, which is always computed."""
         bs = self.config.block_size
-        limit = (req.prompt_len - 1) // bs
+        limit = req.reusable_blocks(bs)
         return self.blocks.num_cached_prefix(req.block_hashes, limit) * bs
 
     def sync(self, now: float) -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster import ClusterView, WorkerState
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
+from router.view import ClusterView, WorkerState
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "traces" / "samples" / "mooncake_conversation_head1000.jsonl"

@@ -23,12 +23,12 @@ from openai import AsyncOpenAI
 from router.proxy.app import RUNNER_OPTIONS, create_app
 from router.proxy.bench.load import LoadResult
 from router.proxy.connections import ProxySite
-from router.proxy.fleet.config import ClusterConfig
-from router.proxy.fleet.serve import build_cluster
+from router.proxy.driver import LiveCluster
 from router.proxy.forward import SETTINGS
-from router.proxy.live import LiveCluster
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.config import ClusterConfig
+from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from router.runtime.processes import process
 from router.runtime.processes import wait_healthy as wait_healthy_sync

@@ -110,7 +110,7 @@ class InfiniteCache:
 
     def observe(self, request: Request) -> int:
         full = request.prompt_len // self.block_size
-        cap = min(len(request.block_hashes), (request.prompt_len - 1) // self.block_size)
+        cap = min(len(request.block_hashes), request.reusable_blocks(self.block_size))
         n = 0
         for h in request.block_hashes[:cap]:
             if h not in self._seen:

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.proxy.fleet.config import ClusterConfig, FleetWorker, ModelGroupConfig, WorkersConfig
 from router.proxy.ports import free_ports
+from router.proxy.service.config import ClusterConfig, FleetWorker, ModelGroupConfig, WorkersConfig
 from router.traits import Role
 from simulator.topology import Topology
 from workers import emulated, kv_connector, tiny_model

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from router.cli import bench, live, offline, reports
+from router.cli import bench, offline, reports, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Cluster-level router and scheduler for LLM serving: simulate, serve, compare.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (offline, live, reports, bench):
+    for group in (offline, serve, reports, bench):
         group.register(sub)
     return parser
 

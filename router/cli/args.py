@@ -297,7 +297,7 @@ def load_workload(args: argparse.Namespace):  # -> Trace
 
 def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
     from router.cost_model import FittedCost, roofline
-    from simulator.cluster import SimConfig, simulate
+    from simulator.driver import SimConfig, simulate
     from simulator.engine import EngineConfig
     from simulator.fleet import load_fleet
 

@@ -16,8 +16,8 @@ import aiohttp
 from aiohttp import web
 
 from router.prefix_index import WorkerId
+from router.proxy.driver import LiveWorker
 from router.proxy.errors import APIError
-from router.proxy.live import LiveWorker
 from router.proxy.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)

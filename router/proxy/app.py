@@ -21,6 +21,7 @@ from router.proxy import drain, ratelimit
 from router.proxy.adapters import ADAPTERS, AdapterLoader
 from router.proxy.capture import TraceCapture
 from router.proxy.catalog import Catalog
+from router.proxy.driver import LiveCluster, LiveWorker
 from router.proxy.errors import APIError, openai_errors
 from router.proxy.exposure import public_scope
 from router.proxy.forward import (
@@ -35,7 +36,6 @@ from router.proxy.forward import (
 )
 from router.proxy.health import HEALTH_NOTES, health
 from router.proxy.identity import check_admin, metric_labels
-from router.proxy.live import LiveCluster, LiveWorker
 from router.proxy.membership import MEMBERSHIP, Membership, new_worker
 from router.proxy.monitor import Monitor
 from router.proxy.openai_request import (

@@ -30,8 +30,8 @@ from router.classes import Refused
 from router.proxy import admission, split
 from router.proxy.adapters import ADAPTERS, AdapterLoadFailed
 from router.proxy.capture import TraceCapture
+from router.proxy.driver import LiveCluster, LiveWorker, WorkerDown
 from router.proxy.errors import APIError, unavailable
-from router.proxy.live import LiveCluster, LiveWorker, WorkerDown
 from router.proxy.settings import ProxySettings
 from router.proxy.sse import StreamAccount, client_wants_usage, with_usage_requested
 from router.records import RecordWriter, RequestRecord, weighted_tokens

@@ -9,7 +9,7 @@ An added server is taken to be started as the others of its model group were: it
 adapter slots, priority scheduling and KV connector shape (`LiveCluster.add_worker_like_peers`).
 
 `Membership` changes one proxy's own pool. Router replicas share theirs through the store
-(router/proxy/fleet/shared_state.py, `SharedMembership`): there an add or a remove is an event
+(router/proxy/service/shared_state.py, `SharedMembership`): there an add or a remove is an event
 in a log every replica applies in the same order, so worker ids agree.
 """
 
@@ -22,8 +22,8 @@ from aiohttp import web
 
 from router.prefix_index import WorkerId
 from router.proxy.catalog import Catalog
+from router.proxy.driver import LiveCluster, LiveWorker
 from router.proxy.errors import APIError, bad_request
-from router.proxy.live import LiveCluster, LiveWorker
 from router.traits import Role
 
 DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -25,7 +25,7 @@ NO_DECODE = "none"  # fairway_handoffs_total's worker when no decode worker was 
 
 
 class SyncState(Protocol):
-    """What the shared-state series read (router/proxy/fleet/shared_state.py's SharedState)."""
+    """What the shared-state series read (router/proxy/service/shared_state.py's SharedState)."""
 
     in_sync: bool
 

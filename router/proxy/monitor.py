@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.kv_events import KVEventIndexer
 from router.proxy.adapters import AdapterLoader
-from router.proxy.live import LiveCluster, LiveWorker
+from router.proxy.driver import LiveCluster, LiveWorker
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
 A tenant is an API key's (cluster.yaml `tenants`); a request with no tenant has no budget, and
 nor has a tenant without `rate_limit`. The buckets are this process's (`LocalBudgets`) for one
 router, or, in a replica of `fairway serve --routers N`, the replicas' store
-(fleet/budget_store.py, installed with `use`): one budget however many replicas share it.
+(service/budget_store.py, installed with `use`): one budget however many replicas share it.
 
 A refusal is OpenAI's 429: {"error": {"message", "type": "requests" | "tokens", "param": null,
 "code": "rate_limit_exceeded"}}, with Retry-After (whole seconds, rounded up). Every answer to

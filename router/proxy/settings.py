@@ -1,5 +1,5 @@
 """What the proxy is told at start: its limits, timeouts and tenants (cluster.yaml's proxy part,
-after validation in `router.proxy.fleet.config`)."""
+after validation in `router.proxy.service.config`)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class ProxySettings:
     # The event loop: uvloop (libuv) where installed, else asyncio's own (event_loop.py).
     event_loop: str = "uvloop"
     # Tenant budgets when the replicas' store does not answer: "open" admits, "closed" is a
-    # 503 (router/proxy/fleet/budget_store.py says why open is the default).
+    # 503 (router/proxy/service/budget_store.py says why open is the default).
     rate_limit_store_failure: str = "open"
 
     @property

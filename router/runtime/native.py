@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "build" / "native"
 MODULES = (
-    "router/cluster.py",
+    "router/view.py",
     "router/core.py",
     "router/dispatch.py",
     "router/prefix_index.py",

@@ -20,7 +20,7 @@ import policies
 from dashboards.report import load_run, write_report
 from dashboards.tables import format_table
 from router.cost_model import roofline
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.results import write_results
 from traces.generators import shared_prefix
 from traces.loaders import load_trace

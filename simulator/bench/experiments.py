@@ -18,7 +18,7 @@ from pathlib import Path
 from dashboards.tables import format_table, summary_row
 from router.cost_model import roofline
 from simulator.bench import pd, priority
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.fleet import ModelGroup
 from traces.generators import agent_loops, flood, late_joiner, lora_tenants, shared_prefix
 from traces.loaders import load_trace

@@ -30,7 +30,7 @@ from pathlib import Path
 from dashboards.tables import format_table
 from router.cost_model import roofline
 from router.records import RequestRecord
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from traces import transform
 from traces.loaders import load_trace
 from traces.schema import Trace

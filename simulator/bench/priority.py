@@ -40,7 +40,7 @@ from pathlib import Path
 from dashboards.tables import format_table
 from router.classes import ClassTable, TrafficClass
 from router.cost_model import roofline
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
 from simulator.results import class_summary, fleet_goodput
 from traces.generators import priority_mix

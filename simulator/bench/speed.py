@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from dashboards.tables import format_table
-from router.cluster import ClusterView, WorkerState
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
 from router.runtime import native
-from simulator.cluster import SimConfig, SimResult, simulate
+from router.view import ClusterView, WorkerState
+from simulator.driver import SimConfig, SimResult, simulate
 from simulator.engine import EngineConfig
 from traces.loaders import load_trace
 
@@ -38,7 +38,7 @@ AREAS = {
     "simulator/engine.py": "engine (scheduling, stepping)",
     "simulator/block_manager.py": "KV block manager",
     "router/cost_model.py": "cost model",
-    "simulator/cluster.py": "router loop (view, dispatch)",
+    "simulator/driver.py": "router loop (view, dispatch)",
     "router/prefix_index.py": "prefix index",
     "router/": "router core (route, dispatch, load)",
     "policies/": "policies",

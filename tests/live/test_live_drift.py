@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from router.drift import DriftGuard
-from router.proxy.live import LiveCluster
+from router.proxy.driver import LiveCluster
 from router.request import hash_token_blocks
 from tests.live_helpers import (
     BLOCK,

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 import policies
-from router.proxy.live import LiveCluster
+from router.proxy.driver import LiveCluster
 from router.proxy.monitor import CHECKS_AT_ONCE, REPORTED, Monitor, wanted_families
 from tests.live_helpers import run, serving
 

@@ -13,10 +13,10 @@ import aiohttp
 
 from router.proxy.app import create_app
 from router.proxy.catalog import Catalog
-from router.proxy.fleet.config import ClusterConfig
-from router.proxy.fleet.serve import build_cluster
 from router.proxy.ports import free_port
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.config import ClusterConfig
+from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from tests.live_helpers import BLOCK, run, serving, tokenizer_dir
 from workers import emulated

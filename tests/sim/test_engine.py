@@ -8,7 +8,7 @@ import pytest
 
 from router.cost_model import StepShape, roofline
 from router.request import Request, hash_token_blocks
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace

@@ -12,7 +12,7 @@ import pytest
 
 from router.cost_model import FittedCost, Measurement, StepShape
 from router.request import Request
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.schema import Trace

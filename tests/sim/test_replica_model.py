@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from router.cost_model import roofline
-from simulator.cluster import SimCluster, SimConfig
+from simulator.driver import SimCluster, SimConfig
 from traces.generators import flood
 
 COST = roofline("llama-3-8b", "a100-80g")

@@ -13,7 +13,7 @@ import pytest
 from router.cli import main
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
-from simulator.cluster import SimCluster, SimConfig, collector_for_a_run, simulate
+from simulator.driver import SimCluster, SimConfig, collector_for_a_run, simulate
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.loaders import load_trace

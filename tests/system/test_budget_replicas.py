@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.proxy.fleet.replicas import REPLICA_HEADER
-from router.proxy.fleet.store import OwnRedis
+from router.proxy.service.replicas import REPLICA_HEADER
+from router.proxy.service.store import OwnRedis
 from tests.live_helpers import emulated_workers, run
 from tests.system.test_live_replicas import fairway_serve
 from tests.system.test_store_outage import metric

@@ -1,5 +1,5 @@
 """The tenant budgets' two forms apply one arithmetic: router/budgets.py in this process, and
-the Redis script replicas share (router/proxy/fleet/budget_store.py). Random admissions and
+the Redis script replicas share (router/proxy/service/budget_store.py). Random admissions and
 output charges of tenants with every kind of limit, on a hand-driven wall clock that sometimes
 steps back: the same verdicts, and the same stored levels and times, with ==."""
 
@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio
 
 from router.budgets import Budgets, Levels, RateLimit
-from router.proxy.fleet.budget_store import MARGIN_MS, SharedBudgets
-from router.proxy.fleet.store import redis_server
+from router.proxy.service.budget_store import MARGIN_MS, SharedBudgets
+from router.proxy.service.store import redis_server
 from tests.live_helpers import run
 
 pytestmark = pytest.mark.skipif(

@@ -28,7 +28,7 @@ import yaml
 from aiohttp import web
 
 from router.proxy.bench.load import LoadResult, LoadSpec, run_load, send
-from router.proxy.fleet.config import ClusterConfig
+from router.proxy.service.config import ClusterConfig
 from tests.live_helpers import (
     ROOT,
     assert_every_request_ended,

@@ -28,10 +28,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.proxy.fleet.config import validate_config
-from router.proxy.fleet.serve import settings_of
 from router.proxy.metrics import ClientLabels, RouterMetrics
 from router.proxy.ports import free_ports
+from router.proxy.service.config import validate_config
+from router.proxy.service.serve import settings_of
 from router.proxy.settings import Tenant, keyed
 from router.runtime.processes import wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir

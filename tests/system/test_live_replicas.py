@@ -29,10 +29,10 @@ import yaml
 from router.core import Router
 from router.ledger import Ledger
 from router.proxy.bench.load import LoadSpec, Outcome, request_body, send
-from router.proxy.fleet.replicas import REPLICA_HEADER
-from router.proxy.fleet.serve import SHUTDOWN_GRACE
-from router.proxy.fleet.shared_state import SharedState, decode_key, encode_key
-from router.proxy.fleet.store import redis_server
+from router.proxy.service.replicas import REPLICA_HEADER
+from router.proxy.service.serve import SHUTDOWN_GRACE
+from router.proxy.service.shared_state import SharedState, decode_key, encode_key
+from router.proxy.service.store import redis_server
 from tests.live_helpers import (
     BLOCK,
     ROOT,
@@ -86,14 +86,14 @@ class TestConfig:
         ],
     )
     def test_errors_name_the_field(self, raw, field) -> None:
-        from router.proxy.fleet.config import validate_config
+        from router.proxy.service.config import validate_config
 
         with pytest.raises(ValueError, match=rf"{field}: "):
             validate_config(raw)
 
     def test_replica_ports_default_to_the_ports_after_port(self) -> None:
-        from router.proxy.fleet.config import validate_config
-        from router.proxy.fleet.replicas import replica_ports
+        from router.proxy.service.config import validate_config
+        from router.proxy.service.replicas import replica_ports
 
         config = validate_config({"routers": 3, "port": 9000, "router_sync": 0.5})
         assert replica_ports(config) == [9001, 9002, 9003]
@@ -101,7 +101,7 @@ class TestConfig:
 
 class TestSupervisor:
     def test_restarts_a_replica_that_dies_and_gives_up_on_one_that_cannot_start(self) -> None:
-        from router.proxy.fleet.replicas import ReplicaSpec, Supervisor
+        from router.proxy.service.replicas import ReplicaSpec, Supervisor
 
         spec = ReplicaSpec(0, {}, "", [], "redis://127.0.0.1:9/0", "p", 9, os.getpid())
         dying = Supervisor([spec], poll=0.05, argv=[sys.executable, "-c", "raise SystemExit(3)"])
@@ -231,8 +231,8 @@ class TestSharedCounters:
 
 
 def _router() -> Router:
-    from router.proxy.fleet.config import ClusterConfig
-    from router.proxy.fleet.serve import build_cluster
+    from router.proxy.service.config import ClusterConfig
+    from router.proxy.service.serve import build_cluster
 
     cluster = build_cluster(ClusterConfig(policy={"name": "vtc"}, block_size=BLOCK))
     cluster.add_worker("http://127.0.0.1:9")

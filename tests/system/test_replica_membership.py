@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from router.proxy.app import create_app
-from router.proxy.fleet.config import ClusterConfig
-from router.proxy.fleet.serve import build_cluster
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.config import ClusterConfig
+from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from tests.live_helpers import BLOCK, emulated_workers, free_port, run, serving, tokenizer_dir
 from tests.system.test_live_replicas import fairway_serve

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from router.proxy.bench.load import LoadResult, LoadSpec
-from router.proxy.live import LiveCluster
+from router.proxy.driver import LiveCluster
 from tests.live.test_class_admission import samples
 from tests.live_helpers import (
     ProxyURL,

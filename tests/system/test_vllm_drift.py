@@ -26,10 +26,10 @@ import zmq.asyncio
 
 from router.drift import DriftGuard
 from router.proxy.app import create_app
-from router.proxy.fleet.config import ClusterConfig
-from router.proxy.fleet.serve import build_cluster
-from router.proxy.live import LiveCluster
+from router.proxy.driver import LiveCluster
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.config import ClusterConfig
+from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from tests.live.test_live_drift import (
     Asker,

@@ -31,8 +31,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.proxy import split
-from router.proxy.fleet.config import ClusterConfig
 from router.proxy.ports import free_ports
+from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import guarded, process, wait_healthy
 from workers import kv_connector as kvc
 from workers.launch import VLLM_PYTHON, server_specs

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.proxy.app import create_app
-from router.proxy.fleet.config import ClusterConfig
-from router.proxy.fleet.serve import build_cluster
 from router.proxy.monitor import REPORTED, kv_cache_blocks
 from router.proxy.ports import free_ports
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.config import ClusterConfig
+from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from tests.live_helpers import client, run, serving
 from workers.launch import VLLM_PYTHON, server_specs
@@ -176,7 +176,7 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     from dashboards.report import load_run
     from router.cost_model import FittedCost
     from router.proxy.bench.replay import replay
-    from simulator.cluster import SimConfig, simulate
+    from simulator.driver import SimConfig, simulate
     from traces.generators import shared_prefix
     from traces.transform import scale_time
     from workers.profiler import measure

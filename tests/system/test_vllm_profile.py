@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.proxy.fleet.config import ClusterConfig
 from router.proxy.ports import free_ports
+from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import wait_healthy
 from workers.bench.validate import started
 from workers.launch import VLLM_PYTHON, server_specs

@@ -14,9 +14,9 @@ from router.budgets import (
     RateLimit,
     Verdict,
 )
-from router.proxy.fleet.config import validate_config
-from router.proxy.fleet.serve import settings_of
 from router.proxy.ratelimit import duration, headers, limits_of, refusal
+from router.proxy.service.config import validate_config
+from router.proxy.service.serve import settings_of
 from router.proxy.settings import ProxySettings, Tenant, keyed
 
 

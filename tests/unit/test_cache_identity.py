@@ -12,7 +12,7 @@ from router.cost_model import roofline
 from router.kv_events import KVEventIndexer
 from router.prefix_index import PrefixIndex
 from router.request import Request, cache_root, hash_token_blocks
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace
 

@@ -15,11 +15,11 @@ import policies
 from router.classes import QUEUE_TIME, ClassTable, TrafficClass
 from router.cost_model import roofline
 from router.proxy.admission import queue_time_refused, refused, upstream_body
+from router.proxy.driver import LiveCluster
 from router.proxy.errors import APIError
-from router.proxy.fleet.config import ClusterConfig, validate_config
-from router.proxy.fleet.serve import build_cluster
 from router.proxy.identity import authenticate, client_priority
-from router.proxy.live import LiveCluster
+from router.proxy.service.config import ClusterConfig, validate_config
+from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings, Tenant, keyed
 from router.request import Request
 from workers import emulated

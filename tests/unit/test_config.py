@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.proxy.fleet.config import load_config, validate_config
+from router.proxy.service.config import load_config, validate_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "workers" / "cluster.example.yaml"
 
@@ -47,7 +47,7 @@ def test_bad_yaml_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_a_profile_prices_the_live_policies(tmp_path: Path) -> None:
     from router.cost_model import FittedCost
-    from router.proxy.fleet.serve import build_cluster
+    from router.proxy.service.serve import build_cluster
 
     terms = dict.fromkeys(FittedCost.COEFFICIENTS, 0.001)
     FittedCost(terms, 50_000, "fitted:tiny").save(tmp_path / "p.json")

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import policies
-from router.proxy.live import LiveCluster, WorkerDown
+from router.proxy.driver import LiveCluster, WorkerDown
 from router.request import Request
 
 

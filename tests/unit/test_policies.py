@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.cluster import ClusterView
+from router.view import ClusterView
 from tests.helpers import BS, make_req, make_view, no_cache
 
 # ----------------------------------------------------------------------------------- LPM

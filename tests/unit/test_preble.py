@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.cluster import ClusterView
 from router.request import Request
+from router.view import ClusterView
 from tests import helpers
 from tests.helpers import BS, COST, make_view
 
@@ -514,7 +514,7 @@ def test_the_fleet_vector_search_picks_what_explore_costs_ranks_first(monkeypatc
     on a simulated run with full caches (M > 0) and rebalancing, every choice is the argmin of
     the per-worker terms `explore_costs` lists."""
     from policies.preble import PrebleE2
-    from simulator.cluster import SimConfig, simulate
+    from simulator.driver import SimConfig, simulate
     from simulator.engine import EngineConfig
     from traces.generators import shared_prefix
 

@@ -12,9 +12,9 @@ from policies.fcfs import FCFS
 from router.classes import ClassTable, Refused, TrafficClass
 from router.core import Router
 from router.cost_model import roofline
-from router.proxy.live import LiveCluster, WorkerDown
+from router.proxy.driver import LiveCluster, WorkerDown
 from router.request import Request
-from simulator.cluster import SimCluster, SimConfig
+from simulator.driver import SimCluster, SimConfig
 from simulator.engine import EngineConfig
 from traces.generators import flood, priority_mix, shared_prefix
 

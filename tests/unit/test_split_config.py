@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from router.cli import build_parser
-from router.cli.live import serve_config
-from router.proxy.fleet.config import validate_config
-from router.proxy.fleet.serve import add_workers, build_cluster
+from router.cli.serve import serve_config
+from router.proxy.service.config import validate_config
+from router.proxy.service.serve import add_workers, build_cluster
 from router.proxy.split import REMOTE_DECODE, client_body, decode_body, prefill_answer, prefill_body
 from router.traits import Role
 from tests.unit.test_config import EXAMPLE

@@ -16,7 +16,7 @@ from router.traits import (
     PolicyTraits,
     ReordersOn,
 )
-from simulator.cluster import SimConfig
+from simulator.driver import SimConfig
 
 
 class TestTraits:

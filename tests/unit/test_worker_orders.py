@@ -10,10 +10,10 @@ import pytest
 import policies
 from policies.baselines import least_tokens
 from policies.lpm import shortest_queue, shortest_queue_among, smallest_cache
-from router.cluster import ClusterView
 from router.core import Router
 from router.kv_events import KVEventIndexer
 from router.request import Request
+from router.view import ClusterView
 
 BS = 16
 KEYS = (least_tokens, shortest_queue, smallest_cache)

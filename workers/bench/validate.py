@@ -44,10 +44,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.cost_model import FittedCost, Measurement
 from router.proxy.bench.replay import replay
-from router.proxy.fleet.config import ClusterConfig
 from router.proxy.ports import free_ports
+from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import wait_healthy
-from simulator.cluster import SimConfig, simulate
+from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
 from simulator.results import summarize, write_results
 from traces.generators import shared_prefix

@@ -25,7 +25,7 @@ import aiohttp
 import policies
 from dashboards.tables import format_table
 from router.proxy.bench.proxy import ROOT
-from router.proxy.live import LiveCluster
+from router.proxy.driver import LiveCluster
 from router.proxy.monitor import Monitor, sample_loop_lag, wanted_families
 from router.proxy.ports import free_port
 from router.request import Request

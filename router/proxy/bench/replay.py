@@ -36,7 +36,7 @@ def prompt_tokens(req: Request, block_size: int, salt: str = "") -> list[int]:
     Another `salt` gives other tokens for the same structure."""
     low, high = TOKEN_IDS
     ids: list[int] = []
-    for h in req.block_hashes[: req.prompt_len // block_size]:
+    for h in req.prompt_blocks(block_size):
         rng = random.Random(f"{salt}:{h}")
         ids.extend(rng.randrange(low, high) for _ in range(block_size))
     rng = random.Random(f"{salt}:tail:{req.id}")

@@ -33,13 +33,13 @@ import aiohttp
 from dashboards.tables import format_table
 from router.cost_model import CostModel, roofline
 from router.proxy.bench.proxy import measured, throughput
-from router.proxy.fleet.replicas import REPLICA_HEADER
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.replicas import REPLICA_HEADER
 from router.records import RequestRecord
 from router.request import Request
 from router.runtime.processes import cpu_seconds, process, wait_healthy
-from simulator.cluster import SimCluster, SimConfig, simulate
+from simulator.driver import SimCluster, SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace, finish
 from workers import emulated

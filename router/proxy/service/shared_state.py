@@ -51,10 +51,9 @@ from aiohttp import web
 from router.core import Router
 from router.ledger import NONE_ABOVE, Refill, Segment, Step
 from router.prefix_index import WorkerId
+from router.proxy.driver import LiveCluster, LiveWorker
 from router.proxy.errors import APIError
-from router.proxy.fleet.store import Store
 from router.proxy.health import HEALTH_NOTES
-from router.proxy.live import LiveCluster, LiveWorker
 from router.proxy.membership import (
     MEMBERSHIP,
     Membership,
@@ -64,6 +63,7 @@ from router.proxy.membership import (
     same_url,
 )
 from router.proxy.metrics import SharedStateMetrics
+from router.proxy.service.store import Store
 
 log = logging.getLogger(__name__)
 

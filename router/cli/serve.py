@@ -16,9 +16,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from router.proxy.fleet.config import ClusterConfig
-    from router.proxy.fleet.serve import add_workers, build_cluster, run_proxy, shut_down
     from router.proxy.overload import raise_fd_limit
+    from router.proxy.service.config import ClusterConfig
+    from router.proxy.service.serve import add_workers, build_cluster, run_proxy, shut_down
     from workers.launch import model_dir_of, running_workers
 
     config: ClusterConfig = serve_config(args).with_salt()  # one salt, shared by replicas
@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         with running_workers(config, scratch, on_lost=shut_down) as workers:
             if config.routers > 1:  # N proxy processes on one port
-                from router.proxy.fleet.replicas import run_replicas
+                from router.proxy.service.replicas import run_replicas
 
                 return run_replicas(config, model_dirs, workers, scratch)
             add_workers(cluster, workers)
@@ -41,7 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace):  # -> ClusterConfig
     """cluster.yaml (if given) with the command line's flags over it."""
-    from router.proxy.fleet.config import load_config, validate_config
+    from router.proxy.service.config import load_config, validate_config
 
     overrides: dict[str, object] = {}
     if args.port is not None:

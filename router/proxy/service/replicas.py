@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from router.proxy.fleet.config import FleetWorker
+from router.proxy.service.config import FleetWorker
 
 if TYPE_CHECKING:
-    from router.proxy.fleet.config import ClusterConfig
+    from router.proxy.service.config import ClusterConfig
 
 log = logging.getLogger("fairway.replicas")
 REPLICA_HEADER = "X-Fairway-Replica"  # <index>-<pid> of the replica that answered
@@ -75,7 +75,7 @@ def run_replicas(
 ) -> int:
     """Start Redis and keep it (unless the user's is configured: then check it answers), then
     keep `config.routers` replicas until stopped."""
-    from router.proxy.fleet.store import OwnRedis, Store, forget
+    from router.proxy.service.store import OwnRedis, Store, forget
 
     with contextlib.ExitStack() as stack:
         own: OwnRedis | None = None
@@ -135,7 +135,7 @@ class Supervisor:
         watch: list[Callable[[], None]] | None = None,
     ) -> None:
         self.specs, self.poll, self.watch = specs, poll, watch or []
-        self.argv = argv or [sys.executable, "-m", "router.proxy.fleet.replicas"]
+        self.argv = argv or [sys.executable, "-m", "router.proxy.service.replicas"]
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
         self.failures: dict[int, int] = {}  # deaths in a row, each within 10 s of its start
@@ -213,7 +213,7 @@ class Supervisor:
         )
 
     def _stop_all(self) -> None:
-        from router.proxy.fleet.serve import SHUTDOWN_GRACE
+        from router.proxy.service.serve import SHUTDOWN_GRACE
 
         for proc in self.procs.values():
             _signal(proc, signal.SIGTERM)
@@ -240,12 +240,12 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     task that shares counters and routing decisions through Redis."""
     from router.proxy.app import CLUSTER, create_app
     from router.proxy.errors import APIError
-    from router.proxy.fleet.budget_store import shared_budgets_ctx
-    from router.proxy.fleet.config import validate_config
-    from router.proxy.fleet.serve import add_workers, build_cluster, catalog_of, settings_of
-    from router.proxy.fleet.shared_state import SHARED, shared_state_ctx
-    from router.proxy.fleet.store import Store
     from router.proxy.identity import check_admin
+    from router.proxy.service.budget_store import shared_budgets_ctx
+    from router.proxy.service.config import validate_config
+    from router.proxy.service.serve import add_workers, build_cluster, catalog_of, settings_of
+    from router.proxy.service.shared_state import SHARED, shared_state_ctx
+    from router.proxy.service.store import Store
 
     config = validate_config(spec.config, source=f"replica {spec.index}")
     cluster = build_cluster(config)
@@ -281,8 +281,8 @@ async def serve_replica(spec: ReplicaSpec) -> None:
     SIGINT, then stop as `fairway serve` does (in-flight requests get the grace)."""
     from router.proxy.app import RUNNER_OPTIONS
     from router.proxy.connections import serving
-    from router.proxy.fleet.serve import SHUTDOWN_GRACE
     from router.proxy.forward import SETTINGS
+    from router.proxy.service.serve import SHUTDOWN_GRACE
 
     app = build_replica_app(spec)
     host, port, own_port = spec.config["host"], spec.config["port"], spec.own_port

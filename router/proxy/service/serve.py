@@ -17,10 +17,10 @@ from router.cost_model import FittedCost, roofline
 from router.proxy import connections
 from router.proxy.app import RUNNER_OPTIONS, create_app
 from router.proxy.catalog import Catalog
+from router.proxy.driver import LiveCluster
 from router.proxy.exposure import admin_socket
-from router.proxy.fleet.config import ClusterConfig, FleetWorker, TenantConfig
-from router.proxy.live import LiveCluster
 from router.proxy.prompts import PromptEncoder
+from router.proxy.service.config import ClusterConfig, FleetWorker, TenantConfig
 from router.proxy.settings import SHUTDOWN_GRACE, ProxySettings, Tenant, keyed, new_salt
 
 log = logging.getLogger("fairway.serve")

@@ -48,8 +48,8 @@ from prometheus_client import Counter
 
 from router.budgets import UNLIMITED, Levels, RateLimit, Verdict, judge
 from router.proxy.errors import APIError
-from router.proxy.fleet.store import Store
 from router.proxy.ratelimit import RATE_LIMITS
+from router.proxy.service.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
-from router.cluster import CostEstimates
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
@@ -32,6 +31,7 @@ from router.proxy.metrics import NO_DECODE, RouterMetrics
 from router.request import Request
 from router.runtime.collector import CollectorPacing
 from router.traits import IndexLevel, IndexMode, Role
+from router.view import CostEstimates
 
 log = logging.getLogger(__name__)
 LEVEL_CODES = {IndexLevel.PRECISE: 2, IndexLevel.APPROXIMATE: 1, IndexLevel.LOAD: 0}
