@@ -12,7 +12,7 @@ Admission control refuses early rather than queueing without end:
 - `queue_time`: the request waited in a router queue longer than its class allows, never
   having started (it is withdrawn, charged nothing, and answered 503 with Retry-After);
 - `unmeetable`: at arrival no worker's predicted time to first token meets the class's target
-  (`Router.predict_ttft`), so serving it would miss the target and delay the requests behind.
+  (router.latency), so serving it would miss the target and delay the requests behind.
 Tenant budgets (`rate_limit`) refuse with 429 before routing (router.budgets).
 """
 

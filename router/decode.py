@@ -12,7 +12,16 @@ it batches and their context, and it must have room for the prompt's KV plus the
 
 DistServe and Splitwise place decode by load alone; Mooncake's Conductor also weighs the
 decode-side cache. Neither says how a fairness policy's service is counted across the two
-stages: router.core charges it all to the prefill worker the policy chose (see Router).
+stages. The papers define a policy's service on one server; across two stages the router core
+counts the whole of a request on the worker its policy chose: input at admission there, output
+as it is decoded elsewhere, and every hook names that prefill worker. So VTC's client counters
+mean what they mean on a mixed fleet, and D²LPM's (client, worker) deficits are the prefill
+worker's, the choice they steer. The prefill worker's queue discipline orders by the same
+service: it charges the prompt at admission and keeps the request's account open after the
+handoff, charged the output as it is decoded (DispatchQueue.handed_off). A decode worker's
+discipline orders its own queue by its own definition of the request, whose prompt is cached
+there (its KV arrived): DLPM, charging extend tokens, charges it the output; VTC, whose service
+is prompt and output, charges both, as that batch holds and reads the prompt.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from router.bands import Banded
+from router.ledger import Ledger, ledgers_of
 from router.policy import LocalPolicy
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
@@ -95,6 +97,20 @@ class DispatchQueue:
 
     def on_token(self, request: Request, num_tokens: int) -> None:
         self.discipline.on_token(request, num_tokens)
+
+    def ledgers(self) -> dict[tuple[object, ...], Ledger]:
+        """Its discipline's shareable counters (each band's own), keyed so that router
+        replicas' keys for the same thing match."""
+        discipline = self.discipline
+        if isinstance(discipline, Banded):
+            return {
+                ("queue", self.worker, priority, name): ledger
+                for priority, band in discipline.bands.items()
+                for name, ledger in ledgers_of(band).items()
+            }
+        return {
+            ("queue", self.worker, name): ledger for name, ledger in ledgers_of(discipline).items()
+        }
 
     def __len__(self) -> int:
         return len(self.discipline)

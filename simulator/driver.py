@@ -39,6 +39,7 @@ from router.classes import (
     Refused,
     TrafficClass,
 )
+from router.config import RouterConfig, slowest_adapter_load
 from router.core import Router
 from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
@@ -264,6 +265,7 @@ class SimCluster:
         self.env = simpy.Environment()
         self.policy: GlobalPolicy = self._global_policy()
         local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
+        self.local_name = local_name  # the discipline: in each engine, or in the router's queues
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
             local_name, config.local_params, config.seed
         )
@@ -281,23 +283,23 @@ class SimCluster:
             unbanded = engine_local
             engine_local = lambda: Banded(unbanded, bands)  # noqa: E731
         by_priority = banded and config.priority_scheduling
+        self.router_config = RouterConfig(
+            block_size=trace.block_size,
+            window=config.window if in_router else None,
+            cost=cost,
+            index=config.index,
+            adapter_load_time=slowest_adapter_load(p.engine.adapter_load_time for p in placements),
+            adapter_affinity=config.adapter_affinity,
+            classes=self.classes if banded else None,
+            latency_routing=config.latency_routing,
+            admission=config.admission,
+            step_tokens=config.engine.max_num_batched_tokens,
+        )
         self.routers = [
             Router(
                 self.policy if r == 0 else self._global_policy(),
                 self.local_factory if in_router else fcfs,
-                trace.block_size,
-                window=config.window if in_router else None,
-                cost=cost,
-                precise=self.precise,
-                # One load time per router, the longest of any group's: it never spills a
-                # request to a load it believes cheaper than it is (a group loading faster
-                # keeps to its holders a little longer than it need).
-                adapter_load_time=max(p.engine.adapter_load_time for p in placements),
-                adapter_affinity=config.adapter_affinity,
-                classes=self.classes if banded else None,
-                latency_routing=config.latency_routing,
-                admission=config.admission,
-                step_tokens=config.engine.max_num_batched_tokens,
+                self.router_config,
             )
             for r in range(config.routers)
         ]
@@ -370,7 +372,7 @@ class SimCluster:
         if len(self.routers) > 1:
             if config.router_sync > 0:
                 for router in self.routers:
-                    router.routing_log = []
+                    router.indexes.routing_log = []
             else:
                 self._share_state()
         # Which engines an arrival must bring up to date: those with any step ended, or, when
@@ -416,14 +418,14 @@ class SimCluster:
             for r in self.routers:
                 for key, ledger in r.ledgers().items():
                     store.apply(key, ledger.take())
-                routed.append(r.routing_log or [])
-                r.routing_log = []
+                routed.append(r.indexes.routing_log or [])
+                r.indexes.routing_log = []
             for i, router in enumerate(self.routers):
                 for key, ledger in router.ledgers().items():
                     ledger.rebase(store.values.get(key, {}))
                 for j, decisions in enumerate(routed):
                     if i != j:
-                        router.learn_routed(decisions)
+                        router.indexes.learn_routed(decisions)
             if self._done():
                 return
 
@@ -551,7 +553,7 @@ class SimCluster:
             read = (
                 None
                 if partial or router.banded
-                else router.policy.progress_read(req, router.routing_pool(req))
+                else router.policy.progress_read(req, router.pools.routing_pool(req))
             )
             for wid in range(len(self.engines)) if read is None else read:
                 self.engines[wid].sync(now)

@@ -296,8 +296,15 @@ def load_workload(args: argparse.Namespace):  # -> Trace
 
 
 def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
+    from simulator.driver import simulate
+
+    return simulate(trace, *sim_setup(args, trace, policy))
+
+
+def sim_setup(args: argparse.Namespace, trace, policy: str | None = None):
+    """The cost model and SimConfig the command line describes for `trace`."""
     from router.cost_model import FittedCost, roofline
-    from simulator.driver import SimConfig, simulate
+    from simulator.driver import SimConfig
     from simulator.engine import EngineConfig
     from simulator.fleet import load_fleet
 
@@ -347,4 +354,13 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )
-    return simulate(trace, cost, config)
+    return cost, config
+
+
+def print_config(policy: str, local_policy: str, config) -> None:  # config: RouterConfig
+    """The router core's effective settings, one `name: value` a line, the same for
+    `fairway simulate` and `fairway serve`: diff the two to see where they differ."""
+    rows = {"policy": policy, "local_policy": local_policy, **config.describe()}
+    width = max(map(len, rows)) + 1
+    for name, value in rows.items():
+        print(f"{name + ':':<{width}} {value}")

@@ -7,7 +7,15 @@ import argparse
 from pathlib import Path
 
 from dashboards.tables import class_rows, format_table, pool_rows, summary_row
-from router.cli.args import add_sim_args, add_trace_args, key_values, load_workload, run_simulation
+from router.cli.args import (
+    add_sim_args,
+    add_trace_args,
+    key_values,
+    load_workload,
+    print_config,
+    run_simulation,
+    sim_setup,
+)
 from router.registry import call_with_params
 
 
@@ -15,6 +23,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from simulator.results import write_results
 
     trace = load_workload(args)
+    if args.print_config:
+        from simulator.driver import SimCluster
+
+        cluster = SimCluster(trace, *sim_setup(args, trace))
+        print_config(cluster.policy.name, cluster.local_name, cluster.router_config)
+        return 0
     result = run_simulation(args, trace)
     print(format_table([summary_row(args.policy, result.summary)]))
     classes = class_rows(args.policy, result.summary)
@@ -228,6 +242,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_trace_args(p)
     add_sim_args(p)
     p.add_argument("--out", help="write summary.json and requests.csv into this folder")
+    p.add_argument(
+        "--print-config", action="store_true", help="print the router's effective settings and stop"
+    )
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="run several policies on one trace, then a report")

@@ -22,6 +22,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from workers.launch import model_dir_of, running_workers
 
     config: ClusterConfig = serve_config(args).with_salt()  # one salt, shared by replicas
+    if args.print_config:
+        from router.cli.args import print_config
+
+        cluster = build_cluster(config)
+        local = cluster.router.local_factory().name
+        print_config(config.policy.name, local, cluster.router.config)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     raise_fd_limit()  # before the workers and replicas start: they inherit it
     cluster = build_cluster(config)  # first: a bad policy parameter fails before any work
@@ -144,6 +151,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start workers (through Ray) and the OpenAI proxy")
     p.add_argument("--config", help="cluster.yaml (everything; flags below override it)")
+    p.add_argument(
+        "--print-config", action="store_true", help="print the router's effective settings and stop"
+    )
     p.add_argument("--backend", choices=["vllm", "emulated"])
     p.add_argument("--workers", type=int, help="mixed workers (prefill and decode both)")
     p.add_argument("--prefill-workers", type=int, help="workers that prefill only (a split fleet)")

@@ -19,9 +19,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
+from router.classes import QUEUE_TIME, UNMEETABLE, Refused, TrafficClass
+from router.config import RouterConfig
 from router.core import NoHealthyWorker, Router
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
@@ -31,7 +32,6 @@ from router.proxy.metrics import NO_DECODE, RouterMetrics
 from router.request import Request
 from router.runtime.collector import CollectorPacing
 from router.traits import IndexLevel, IndexMode, Role
-from router.view import CostEstimates
 
 log = logging.getLogger(__name__)
 LEVEL_CODES = {IndexLevel.PRECISE: 2, IndexLevel.APPROXIMATE: 1, IndexLevel.LOAD: 0}
@@ -74,44 +74,23 @@ class LiveCluster:
         self,
         policy: GlobalPolicy,
         local_factory: Callable[[], LocalPolicy],
-        block_size: int,
-        window: int = 8,
-        cost: CostEstimates | None = None,
+        config: RouterConfig,
         metrics: RouterMetrics | None = None,
-        kv_capacity_blocks: int = 1 << 20,
-        precise: bool = False,
         fall: int = 2,
         clock: Callable[[], float] = time.monotonic,
         drift: DriftGuard | None = None,
-        adapter_load_time: float = 0.0,
-        classes: ClassTable | None = None,
-        latency_routing: bool = False,
-        admission: bool = False,
         priority_scheduling: bool = False,
-        step_tokens: int = 2048,
     ) -> None:
-        """`classes` (None: no bands), `latency_routing`, `admission` and `step_tokens` (the
-        workers' max_num_batched_tokens): see router.core.Router. `priority_scheduling`: what
-        a worker added without saying runs (`add_worker`)."""
+        """`config`: the router core's settings (router.config), run live: a policy hook that
+        raises is logged and counted, not raised, and the approximate index is kept beside a
+        precise one (both estimates are exported). `priority_scheduling`: what a worker added
+        without saying runs (`add_worker`)."""
         self.fall = fall
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
-        self.precise = precise
+        self.precise = config.is_precise
         self.router = Router(
-            policy,
-            local_factory,
-            block_size,
-            window=window,
-            cost=cost,
-            precise=precise,
-            keep_approximate=True,
-            kv_capacity_blocks=kv_capacity_blocks,
-            strict=False,
-            adapter_load_time=adapter_load_time,
-            classes=classes,
-            latency_routing=latency_routing,
-            admission=admission,
-            step_tokens=step_tokens,
+            policy, local_factory, replace(config, strict=False, keep_approximate=True)
         )
         self.view = self.router.view
         self.priority_scheduling = priority_scheduling
@@ -121,15 +100,15 @@ class LiveCluster:
         # names it; any other priority (a gateway's choice) is folded into "other".
         self._class_labels = {c.priority: c.name for c in self.router.classes}
         self._class_labels.setdefault(0, self.router.classes.of_priority(0).name)
-        if admission:  # zero series from the start: rate() needs them
+        if config.admission:  # zero series from the start: rate() needs them
             for c in self.router.classes:
                 for reason in (QUEUE_TIME, UNMEETABLE):
                     self.metrics.refusals.labels(c.name, reason)
         self.policy = policy
         # Predicted against actual hits; `drift=None` builds the default guard over this
-        # router's levels (pass a guard with other settings, or use set_index_level by hand).
-        self.router.drift = drift or DriftGuard(self.router.index_levels())
-        self.metrics.index_level.set(LEVEL_CODES[self.router.index_level])
+        # router's levels (pass a guard with other settings, or call indexes.set_level).
+        self.router.drift = drift or DriftGuard(self.router.indexes.levels())
+        self.metrics.index_level.set(LEVEL_CODES[self.router.indexes.level])
         self.workers: dict[WorkerId, LiveWorker] = {}
         self._next_id = 0  # ids are never reused: ledger keys and metrics labels hold them
         self._collector = CollectorPacing()  # a full GC pass over the index is a 10+ ms stall
@@ -141,8 +120,8 @@ class LiveCluster:
 
     @property
     def approx_index(self) -> PrefixIndex:
-        assert self.router.approx_index is not None
-        return self.router.approx_index
+        assert self.router.indexes.approximate is not None
+        return self.router.indexes.approximate
 
     # ------------------------------------------------------------ membership
 
@@ -307,7 +286,7 @@ class LiveCluster:
         `cached_tokens` is what the worker reported it reused, when it did (a decode
         worker's is the KV it was sent: not a prediction's to score)."""
         self._score_hits(worker, request, cached_tokens)
-        level = self.router.index_level
+        level = self.router.indexes.level
         self._predicted_ttft.pop(request.id, None)
         self._send(worker, self.router.finish(request, self.clock(), cached_tokens))
         self._note_level(level)
@@ -326,7 +305,7 @@ class LiveCluster:
         `cached_tokens`: the prefix the prefill worker reported it reused."""
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         self._score_hits(worker, request, cached_tokens)
-        level = self.router.index_level
+        level = self.router.indexes.level
         handoff = self.router.prefilled(request, self.clock(), cached_tokens, exclude)
         self._note_level(level)
         self._send(worker, handoff.released_prefill)
@@ -349,8 +328,8 @@ class LiveCluster:
                 self.metrics.hit_tokens_actual.labels(worker.label).inc(cached)
 
     def _note_level(self, before: IndexLevel) -> None:
-        if self.router.index_level != before:
-            new = self.router.index_level
+        if self.router.indexes.level != before:
+            new = self.router.indexes.level
             log.warning("prefix-cache predictions drifted: routing by %s (was %s)", new, before)
             self.metrics.index_level.set(LEVEL_CODES[new])
             self.metrics.index_level_changes.labels(new).inc()

@@ -223,7 +223,11 @@ class Monitor:
         router = self.cluster.router
         view = self.cluster.view
         indexer = KVEventIndexer(
-            router.held, worker.id, view.block_size, changed=view.changed, model=worker.model
+            router.indexes.held,
+            worker.id,
+            view.block_size,
+            changed=view.changed,
+            model=worker.model,
         )
         socket = self._zmq.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)

@@ -29,6 +29,11 @@ NATIVE = ROOT / "build" / "native"
 MODULES = (
     "router/view.py",
     "router/core.py",
+    "router/flight.py",
+    "router/indexes.py",
+    "router/latency.py",
+    "router/load.py",
+    "router/pools.py",
     "router/dispatch.py",
     "router/prefix_index.py",
     "policies/service_cost.py",

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dashboards.tables import format_table
+from router.config import RouterConfig
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
@@ -260,11 +261,9 @@ def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
         router = Router(
             policies.global_policies.create("lpm"),
             lambda: policies.local_policies.create("lpm"),
-            bs,
-            window=4,
-            cost=roofline("llama-3-8b", "a100-80g"),
+            RouterConfig(block_size=bs, window=4, cost=roofline("llama-3-8b", "a100-80g")),
         )
-        router.view.index = router.approx_index = index
+        router.view.index = router.indexes.approximate = index
         for w in range(num_workers):
             router.add_worker(w, kv_capacity_blocks=index.num_blocks(w))
         pacing = CollectorPacing(every=1.0) if mode == "CollectorPacing" else None
@@ -339,10 +338,12 @@ def decision_groups(
             router = Router(
                 policies.global_policies.create(policy),
                 lambda: policies.local_policies.create("fcfs"),
-                bs,
-                window=4,
-                cost=roofline("llama-3-8b", "a100-80g"),
-                adapter_load_time=0.2,
+                RouterConfig(
+                    block_size=bs,
+                    window=4,
+                    cost=roofline("llama-3-8b", "a100-80g"),
+                    adapter_load_time=0.2,
+                ),
             )
             for w in range(workers):
                 model = f"m{w % groups}" if several else None
@@ -406,11 +407,13 @@ def decision_classes(num_requests: int = 20_000, workers: int = 64) -> list[dict
         router = Router(
             policies.global_policies.create("lpm"),
             lambda: policies.local_policies.create("fcfs"),
-            bs,
-            window=4,
-            cost=roofline("llama-3-8b", "a100-80g"),
-            classes=classes if on else None,
-            latency_routing=mode in modes[2:],
+            RouterConfig(
+                block_size=bs,
+                window=4,
+                cost=roofline("llama-3-8b", "a100-80g"),
+                classes=classes if on else None,
+                latency_routing=mode in modes[2:],
+            ),
         )
         budgets = Budgets({f"c{k}": limit for k in range(8)}) if mode == modes[3] else None
         for w in range(workers):

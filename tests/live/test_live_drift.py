@@ -57,7 +57,7 @@ def doc(d: int, n: int) -> list[int]:
 
 
 def to_levels(cluster: LiveCluster) -> list[str]:
-    return [change[2] for change in cluster.router.level_changes]
+    return [change[2] for change in cluster.router.indexes.level_changes]
 
 
 class Asker:
@@ -76,7 +76,7 @@ class Asker:
 async def until_precise_holds(cluster: LiveCluster, prompt: list[int], tries: int = 100) -> int:
     """Blocks of `prompt` the precise index places on some worker, once its KV events are in
     (bounded wait: events travel beside the answer, not with it)."""
-    index = cluster.router.held  # precise: the KV-event index, whatever routing uses now
+    index = cluster.router.indexes.held  # precise: the KV-event index, whatever routing uses now
     hashes = hash_token_blocks(prompt, BLOCK)
     for _ in range(tries):
         held = max(index.match(hashes).values(), default=0)
@@ -152,7 +152,7 @@ def test_a_worker_losing_its_cache_makes_routing_fall_back_and_recover() -> None
 
     async def go() -> None:
         async with emulated_workers(2, speed=20) as urls, proxy(urls, "lpm") as (base, cluster):
-            cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=6)
+            cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=6)
             oa = client(base)
             docs = [f"document {d} " * 120 for d in range(2)]
 
@@ -164,7 +164,7 @@ def test_a_worker_losing_its_cache_makes_routing_fall_back_and_recover() -> None
 
             for i in range(8):  # warm: predictions and reuse agree
                 await ask(i)
-            assert cluster.router.index_level == "approximate"
+            assert cluster.router.indexes.level == "approximate"
 
             async with aiohttp.ClientSession() as http:
                 for i in range(8, 16):  # each worker forgets everything before every request
@@ -172,13 +172,13 @@ def test_a_worker_losing_its_cache_makes_routing_fall_back_and_recover() -> None
                         async with http.post(f"{url}/reset_prefix_cache") as r:
                             assert r.status == 200
                     assert await ask(i) == 0
-                assert cluster.router.index_level == "load"
+                assert cluster.router.indexes.level == "load"
                 for i in range(16, 40):  # caches refill; the index is believable again
                     await ask(i)
-                    if cluster.router.index_level == "approximate":
+                    if cluster.router.indexes.level == "approximate":
                         break
-                assert cluster.router.index_level == "approximate"
-                levels = [change[2] for change in cluster.router.level_changes]
+                assert cluster.router.indexes.level == "approximate"
+                levels = [change[2] for change in cluster.router.indexes.level_changes]
                 assert levels == ["load", "approximate"]
 
                 async with http.get(f"{base.admin}/metrics") as r:
@@ -213,7 +213,7 @@ def test_a_restart_the_health_checks_miss_drops_both_indexes_then_recovers() -> 
                 cluster,
             ),
         ):
-            cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
+            cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=4)
             ask = Asker(base)
             await subscribed(ask, cluster)
             for prompt in DOCS:
@@ -221,7 +221,7 @@ def test_a_restart_the_health_checks_miss_drops_both_indexes_then_recovers() -> 
                 assert await until_precise_holds(cluster, prompt) == 5
             for prompt in DOCS:
                 assert await ask(prompt) == 5 * BLOCK
-            assert cluster.router.index_level == "precise" and not to_levels(cluster)
+            assert cluster.router.indexes.level == "precise" and not to_levels(cluster)
 
             await worker.stop()
             await worker.start()
@@ -230,7 +230,7 @@ def test_a_restart_the_health_checks_miss_drops_both_indexes_then_recovers() -> 
             fell_after = None
             for n, prompt in enumerate(DOCS, 1):
                 assert await ask(prompt) == 0, "a restarted worker has an empty cache"
-                if fell_after is None and cluster.router.index_level != "precise":
+                if fell_after is None and cluster.router.indexes.level != "precise":
                     fell_after = n
             assert to_levels(cluster) == ["load"] and fell_after == 3
             text = await scrape(base)
@@ -242,7 +242,7 @@ def test_a_restart_the_health_checks_miss_drops_both_indexes_then_recovers() -> 
             for n, prompt in enumerate(DOCS, 1):
                 await until_precise_holds(cluster, prompt)
                 assert await ask(prompt) == 5 * BLOCK
-                if recovered_after is None and cluster.router.index_level == "precise":
+                if recovered_after is None and cluster.router.indexes.level == "precise":
                     recovered_after = n
             assert to_levels(cluster) == ["load", "precise"] and recovered_after == 4
             text = await scrape(base)
@@ -265,7 +265,7 @@ def test_a_restart_the_health_checks_see_needs_no_fallback() -> None:
             restartable() as worker,
             proxy([worker.url], "lpm", kv_events=[worker.kv_events]) as (base, cluster),
         ):
-            cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
+            cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=4)
             ask = Asker(base)
             await subscribed(ask, cluster)
             for prompt in DOCS:
@@ -282,7 +282,7 @@ def test_a_restart_the_health_checks_see_needs_no_fallback() -> None:
                 await until_precise_holds(cluster, prompt)
             for prompt in DOCS:
                 assert await ask(prompt) == 5 * BLOCK
-            assert not to_levels(cluster) and cluster.router.index_level == "precise"
+            assert not to_levels(cluster) and cluster.router.indexes.level == "precise"
             text = await scrape(base)
             assert metric(text, "fairway_prefix_hit_tokens_predicted_total") == metric(
                 text, "fairway_prefix_hit_tokens_actual_total"
@@ -307,14 +307,14 @@ def test_lost_kv_events_drop_precise_to_approximate_and_recover() -> None:
             restartable() as worker,
             proxy([worker.url], "lpm", kv_events=[worker.kv_events]) as (base, cluster),
         ):
-            cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
+            cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=4)
             ask = Asker(base)
             await subscribed(ask, cluster)
             for prompt in DOCS[:2]:
                 await ask(prompt)
                 await until_precise_holds(cluster, prompt)
                 assert await ask(prompt) == 5 * BLOCK
-            assert cluster.router.index_level == "precise"
+            assert cluster.router.indexes.level == "precise"
 
             worker.publisher.drop(1.0)
             unheard = [doc(10 + d, 5 * BLOCK + 40) for d in range(4)]
@@ -322,7 +322,7 @@ def test_lost_kv_events_drop_precise_to_approximate_and_recover() -> None:
             for prompt in unheard:
                 for _ in range(2):  # stored, then reused
                     await ask(prompt)
-                    if fell_after is None and cluster.router.index_level != "precise":
+                    if fell_after is None and cluster.router.indexes.level != "precise":
                         fell_after = ask.sent - start
                 assert await until_precise_holds(cluster, prompt, tries=5) == 0
             assert to_levels(cluster) == ["approximate"], "the approximate index is right"
@@ -344,7 +344,7 @@ def test_lost_kv_events_drop_precise_to_approximate_and_recover() -> None:
                 await ask(prompt)
                 assert await until_precise_holds(cluster, prompt) == 5
                 assert await ask(prompt) == 5 * BLOCK
-                if recovered_after is None and cluster.router.index_level == "precise":
+                if recovered_after is None and cluster.router.indexes.level == "precise":
                     recovered_after = ask.sent - start
             assert to_levels(cluster) == ["approximate", "precise"]
             assert recovered_after == 4  # the window's two wrong answers have left it
@@ -373,7 +373,7 @@ def test_a_worker_with_another_block_size_loses_the_precise_index_for_good(caplo
             restartable(block_size=256) as worker,
             proxy([worker.url], "lpm", kv_events=[worker.kv_events]) as (base, cluster),
         ):
-            guard = cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
+            guard = cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=4)
             ask = Asker(base)
             await asyncio.sleep(0.5)  # subscribed, and /metrics scraped
             long_docs = [doc(30 + d, 7 * BLOCK + 20) for d in range(4)]  # 916 tokens
@@ -384,7 +384,7 @@ def test_a_worker_with_another_block_size_loses_the_precise_index_for_good(caplo
             assert guard.scores["precise"].drift == 1.0
             assert 0 < guard.scores["approximate"].drift < guard.threshold
             # Its events were heard, and left out of the index: they could never match.
-            assert cluster.router.held.num_blocks(0) == 0
+            assert cluster.router.indexes.held.num_blocks(0) == 0
             short = [doc(40 + d, BLOCK + 100) for d in range(4)]
             await short_then_long_blocks_256(ask, cluster, base, caplog, short, long_docs)
 
@@ -431,14 +431,14 @@ def test_a_worker_added_after_a_fallback_is_heard_by_the_precise_index() -> None
                 [first.url], "round_robin", kv_events=[first.kv_events], admin_token="admin-123"
             ) as (base, cluster),
         ):
-            cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
+            cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=4)
             ask = Asker(base)
             await subscribed(ask, cluster)
             first.publisher.drop(1.0)
             for d in range(3):
                 for _ in range(2):
                     await ask(doc(50 + d, 3 * BLOCK + 1))
-            assert cluster.router.index_level == "approximate"
+            assert cluster.router.indexes.level == "approximate"
 
             auth = {"Authorization": "Bearer admin-123"}
             body = {"url": second.url, "kv_events": second.kv_events}
@@ -453,7 +453,7 @@ def test_a_worker_added_after_a_fallback_is_heard_by_the_precise_index() -> None
             for d in range(6):  # round robin: every other one goes to the new worker
                 await ask(doc(60 + d, 3 * BLOCK + 1))
                 for _ in range(50):
-                    held = cluster.router.held.num_blocks(added)
+                    held = cluster.router.indexes.held.num_blocks(added)
                     if held:
                         break
                     await asyncio.sleep(0.02)

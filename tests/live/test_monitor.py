@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 import policies
+from router.config import RouterConfig
 from router.proxy.driver import LiveCluster
 from router.proxy.monitor import CHECKS_AT_ONCE, REPORTED, Monitor, wanted_families
 from tests.live_helpers import run, serving
@@ -69,7 +70,7 @@ def cluster_of(urls: list[str]) -> LiveCluster:
     cluster = LiveCluster(
         policies.global_policies.create("round_robin"),
         lambda: policies.local_policies.create("fcfs"),
-        block_size=16,
+        RouterConfig(block_size=16),
     )
     for url in urls:
         cluster.add_worker(url)

@@ -257,7 +257,7 @@ class TestSharedRouting:
                 docs = [f"document {i} " * 150 for i in range(6)]
                 at_a = [await _worker_of(base_a, d + "first question") for d in docs]
                 assert len(set(at_a)) == 2, "least load spread the documents at A"
-                routed = [h for h, _, _ in a.router.routing_log or []]
+                routed = [h for h, _, _ in a.router.indexes.routing_log or []]
                 assert all(not b.approx_index.match(h) for h in routed)
                 await sa.sync()
                 await sb.sync()

@@ -89,7 +89,7 @@ async def precise_proxy(
     config = ClusterConfig(policy={"name": "lpm"}, block_size=BLOCK, index_mode="precise")
     cluster = build_cluster(config)
     cluster.add_worker(spec.url, kv_events or spec.kv_events)
-    cluster.router.drift = DriftGuard(cluster.router.index_levels(), window=4)
+    cluster.router.drift = DriftGuard(cluster.router.indexes.levels(), window=4)
     settings = ProxySettings(
         model_name="tiny",
         policy_name="lpm",
@@ -170,7 +170,7 @@ def test_lost_kv_events(servers: Servers) -> None:
             ask = Asker(base, timeout=60)
             await subscribed(ask, cluster, first=1000)
             await warm(ask, cluster, [doc(100 + d, DOC) for d in range(2)])
-            assert cluster.router.index_level == "precise"
+            assert cluster.router.indexes.level == "precise"
 
             hop.passing = False
             start, fell_after = ask.sent, None
@@ -178,7 +178,7 @@ def test_lost_kv_events(servers: Servers) -> None:
                 prompt = doc(110 + d, DOC)
                 assert await ask(prompt) == 0
                 assert await ask(prompt) == 640, "reused, and not heard of"
-                if fell_after is None and cluster.router.index_level != "precise":
+                if fell_after is None and cluster.router.indexes.level != "precise":
                     fell_after = ask.sent - start
             assert to_levels(cluster) == ["approximate"] and fell_after == 4
             assert hop.lost > 0
@@ -190,7 +190,7 @@ def test_lost_kv_events(servers: Servers) -> None:
             start, recovered_after = ask.sent, None
             for d in range(4):
                 await warm(ask, cluster, [doc(120 + d, DOC)])
-                if recovered_after is None and cluster.router.index_level == "precise":
+                if recovered_after is None and cluster.router.indexes.level == "precise":
                     recovered_after = ask.sent - start
             assert to_levels(cluster) == ["approximate", "precise"] and recovered_after == 4
             text = await scrape(base)
@@ -221,7 +221,7 @@ def test_another_block_size(servers: Servers, caplog) -> None:
                 assert await ask(prompt) == 3 * 256, "the router expected 7 x 128"
             assert to_levels(cluster) == ["approximate"]
             assert guard.scores["precise"].drift == 1.0
-            assert cluster.router.held.num_blocks(0) == 0
+            assert cluster.router.indexes.held.num_blocks(0) == 0
             short = [doc(140 + d, BLOCK + 100) for d in range(4)]
             await short_then_long_blocks_256(ask, cluster, base, caplog, short, long_docs)
 
@@ -240,7 +240,7 @@ def test_a_restart_the_health_checks_miss(servers: Servers) -> None:
             await subscribed(ask, cluster, first=2000)
             docs = [doc(150 + d, DOC) for d in range(4)]
             await warm(ask, cluster, docs)
-            assert cluster.router.index_level == "precise"
+            assert cluster.router.indexes.level == "precise"
 
             restarts = servers.pool.status()[0]["restarts"]
             servers.pool.kill(0)
@@ -256,7 +256,7 @@ def test_a_restart_the_health_checks_miss(servers: Servers) -> None:
             start, fell_after = ask.sent, None
             for prompt in docs:
                 assert await ask(prompt) == 0, "a restarted server has an empty cache"
-                if fell_after is None and cluster.router.index_level != "precise":
+                if fell_after is None and cluster.router.indexes.level != "precise":
                     fell_after = ask.sent - start
             # The window held two cold answers (no evidence) and two agreeing ones: two wrong
             # answers outweigh what is left of it.
@@ -266,7 +266,7 @@ def test_a_restart_the_health_checks_miss(servers: Servers) -> None:
             start, recovered_after = ask.sent, None
             for prompt in docs:
                 assert await ask(prompt) == 640
-                if recovered_after is None and cluster.router.index_level == "precise":
+                if recovered_after is None and cluster.router.indexes.level == "precise":
                     recovered_after = ask.sent - start
             assert to_levels(cluster) == ["load", "precise"] and recovered_after == 4
             text = await scrape(base)

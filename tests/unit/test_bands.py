@@ -8,6 +8,7 @@ import pytest
 import policies
 from router.bands import Banded
 from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
+from router.config import RouterConfig
 from router.core import Router
 from router.dispatch import DispatchQueue
 from router.prefix_index import PrefixIndex
@@ -87,11 +88,9 @@ def router(**kw: object) -> Router:
     r = Router(
         policies.global_policies.build("lpm", {}, 0),
         policies.local_policies.get("fcfs"),
-        BS,
-        window=1,
-        cost=COST,
-        classes=ClassTable([INTERACTIVE, BATCH]),
-        **kw,  # type: ignore[arg-type]
+        RouterConfig(
+            block_size=BS, window=1, cost=COST, classes=ClassTable([INTERACTIVE, BATCH]), **kw
+        ),
     )
     r.add_worker(0)
     r.add_worker(1)
@@ -101,13 +100,13 @@ def router(**kw: object) -> Router:
 class TestPredictedTTFT:
     def test_grows_with_the_prompts_ahead_in_its_band_and_above_only(self) -> None:
         r = router()
-        alone = r.predict_ttft(req(100, 0), 0)
+        alone = r.latency.predict(req(100, 0), 0)
         long_prefill = COST.prefill_time(4000, 0)
         r.route(req(0, 10, prompt=4000), 0.0, exclude=[1])  # batch work comes after it
-        batch_ahead = r.predict_ttft(req(100, 0), 0)
+        batch_ahead = r.latency.predict(req(100, 0), 0)
         assert alone < batch_ahead < alone + long_prefill / 2  # only its decode slows it
         r.route(req(1, 0, prompt=4000), 0.0, exclude=[1])
-        assert r.predict_ttft(req(100, 0), 0) > batch_ahead + long_prefill * 0.9
+        assert r.latency.predict(req(100, 0), 0) > batch_ahead + long_prefill * 0.9
 
     def test_a_cached_prefix_is_predicted_faster(self) -> None:
         r = router()
@@ -116,7 +115,7 @@ class TestPredictedTTFT:
         wid = r.routed.most_common(1)[0][0]
         r.first_token(first, 0.1)
         again = Request(1, 0.2, 4096 + 8, 16, list(first.block_hashes), client="b")
-        assert r.predict_ttft(again, wid) < r.predict_ttft(again, 1 - wid) / 4
+        assert r.latency.predict(again, wid) < r.latency.predict(again, 1 - wid) / 4
 
     def test_routed_requests_carry_their_prediction(self) -> None:
         routed = router().route(req(0, 0), 0.0)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.core import Router, UnknownModel
+from router.config import RouterConfig
+from router.core import Router
 from router.cost_model import roofline
 from router.kv_events import KVEventIndexer
+from router.pools import UnknownModel
 from router.prefix_index import PrefixIndex
 from router.request import Request, cache_root, hash_token_blocks
 from simulator.driver import SimConfig, simulate
@@ -37,10 +39,7 @@ def router(policy: str = "lpm", workers: int = 2, load_time: float = 0.0, **add)
     r = Router(
         policies.global_policies.create(policy),
         lambda: policies.local_policies.create("fcfs"),
-        BS,
-        window=None,
-        cost=COST,
-        adapter_load_time=load_time,
+        RouterConfig(block_size=BS, window=None, cost=COST, adapter_load_time=load_time),
     )
     for w in range(workers):
         r.add_worker(w, **add)
@@ -142,7 +141,7 @@ class TestModelGroups:
             req = Request(i, 0.0, 100, 4, [i], model=model)
             chosen[model].add(r.route(req, 0.0).decision.worker)
         assert chosen == {"x": {0, 1}, "y": {2, 3}}
-        assert r.models() == ["x", "y"]
+        assert r.pools.models() == ["x", "y"]
 
     def test_a_model_no_group_serves_is_refused(self) -> None:
         r = router("least_load", workers=0)

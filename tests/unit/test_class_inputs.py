@@ -13,6 +13,7 @@ from aiohttp.test_utils import make_mocked_request
 
 import policies
 from router.classes import QUEUE_TIME, ClassTable, TrafficClass
+from router.config import RouterConfig
 from router.cost_model import roofline
 from router.proxy.admission import queue_time_refused, refused, upstream_body
 from router.proxy.driver import LiveCluster
@@ -41,7 +42,7 @@ class TestConfig:
         assert table.of_priority(0) == TrafficClass("interactive", 0, 0.5, 0.05, 2.0)
         cluster = build_cluster(config)
         router = cluster.router
-        assert router.banded and router.admission and router.latency_routing
+        assert router.banded and router.config.admission and router.config.latency_routing
         worker = cluster.add_worker("http://127.0.0.1:1")
         assert not worker.priority_scheduling, "fcfs workers by default"
         assert cluster.queue_limit(Request(0, 0.0, 10, 1, priority=10)) == 60.0
@@ -222,12 +223,14 @@ def live(window: int = 1) -> LiveCluster:
     cluster = LiveCluster(
         policies.global_policies.create("round_robin"),
         lambda: policies.local_policies.create("fcfs"),
-        16,
-        window=window,
-        cost=roofline("llama-3-8b", "a100-80g"),
+        RouterConfig(
+            block_size=16,
+            window=window,
+            cost=roofline("llama-3-8b", "a100-80g"),
+            classes=table,
+            admission=True,
+        ),
         clock=lambda: 0.0,
-        classes=table,
-        admission=True,
     )
     cluster.add_worker("http://127.0.0.1:1")
     return cluster

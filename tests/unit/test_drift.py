@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import policies
+from router.config import RouterConfig
 from router.core import Router
 from router.drift import DriftGuard
 from router.request import Request
@@ -46,12 +47,11 @@ def test_router_switches_what_policies_route_by() -> None:
     router = Router(
         policies.global_policies.create("lpm"),
         lambda: policies.local_policies.create("fcfs"),
-        BS,
-        window=4,
+        RouterConfig(block_size=BS, window=4),
     )
     router.add_worker(0)
     router.add_worker(1)
-    router.drift = DriftGuard(levels=router.index_levels(), window=5)
+    router.drift = DriftGuard(levels=router.indexes.levels(), window=5)
     doc = list(range(100, 140))
     for i in range(10):
         request = Request(i, 0.0, len(doc) * BS + 8, 4, doc)
@@ -61,8 +61,11 @@ def test_router_switches_what_policies_route_by() -> None:
             # The worker reuses nothing, though the index promised the document (say, it
             # restarted with an empty cache on every request).
             router.finish(r, float(i) + 0.5, cached_tokens=0)
-    assert router.index_level == "load"
-    assert router.level_changes and router.level_changes[-1][1:] == ("approximate", "load")
+    assert router.indexes.level == "load"
+    assert router.indexes.level_changes and router.indexes.level_changes[-1][1:] == (
+        "approximate",
+        "load",
+    )
     assert router.view.index.num_blocks(0) == 0, "load only: policies see an empty index"
 
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 import policies
+from router.config import RouterConfig
 from router.proxy.driver import LiveCluster, WorkerDown
 from router.request import Request
 
@@ -15,8 +16,7 @@ def cluster(window: int = 1, local: str = "fcfs") -> LiveCluster:
     c = LiveCluster(
         policies.global_policies.create("round_robin"),
         lambda: policies.local_policies.create(local),
-        block_size=16,
-        window=window,
+        RouterConfig(block_size=16, window=window),
     )
     c.add_worker("http://127.0.0.1:1")
     return c

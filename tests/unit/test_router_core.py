@@ -10,6 +10,7 @@ import pytest
 import policies
 from policies.fcfs import FCFS
 from router.classes import ClassTable, Refused, TrafficClass
+from router.config import RouterConfig
 from router.core import Router
 from router.cost_model import roofline
 from router.proxy.driver import LiveCluster, WorkerDown
@@ -29,8 +30,7 @@ def router(local: str = "lpm", window: int = 1, workers: int = 1) -> Router:
     r = Router(
         policies.global_policies.create("round_robin"),
         lambda: policies.local_policies.create(local),
-        BS,
-        window=window,
+        RouterConfig(block_size=BS, window=window),
     )
     for w in range(workers):
         r.add_worker(w)
@@ -70,7 +70,11 @@ class Spy(FCFS):
 
 def test_router_queue_charges_only_what_the_worker_has_computed() -> None:
     spy = Spy()
-    r = Router(policies.global_policies.create("round_robin"), lambda: spy, BS, window=1)
+    r = Router(
+        policies.global_policies.create("round_robin"),
+        lambda: spy,
+        RouterConfig(block_size=BS, window=1),
+    )
     r.add_worker(0)
     prompt = list(range(100, 140))
     first, second, third = req(1, prompt), req(2, prompt), req(3, list(range(900, 940)))
@@ -139,9 +143,7 @@ def test_withdraw_and_worker_down_never_raise_nor_charge(glob: str, local: str) 
     r = Router(
         policies.global_policies.create(glob),
         lambda: policies.local_policies.create(local),
-        BS,
-        window=1,
-        cost=cost,
+        RouterConfig(block_size=BS, window=1, cost=cost),
     )
     r.add_worker(0)
     r.add_worker(1)
@@ -296,14 +298,16 @@ def replay_live(
     live = LiveCluster(
         glob,
         lambda: policies.local_policies.build(local, config.local_params, config.seed),
-        trace.block_size,
-        window=config.window,
-        cost=cost,
+        RouterConfig(
+            block_size=trace.block_size,
+            window=config.window,
+            cost=cost,
+            classes=ClassTable(config.classes) if banded else None,
+            latency_routing=config.latency_routing,
+            admission=config.admission,
+            step_tokens=config.engine.max_num_batched_tokens,
+        ),
         clock=clock,
-        classes=ClassTable(config.classes) if banded else None,
-        latency_routing=config.latency_routing,
-        admission=config.admission,
-        step_tokens=config.engine.max_num_batched_tokens,
     )
     recorder = Recorder()
     for role in config.roles:

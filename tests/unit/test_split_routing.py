@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.core import Router, UnknownModel
+from router.config import RouterConfig
+from router.core import Router
 from router.decode import choose_decode
+from router.pools import UnknownModel
 from router.request import Request
 from router.traits import Role
 from tests.helpers import BS
@@ -27,8 +29,7 @@ def split_router(policy: str = "lpm", mixed: bool = False, window: int | None = 
     router = Router(
         policies.global_policies.build(policy, {}, 0),
         lambda: policies.local_policies.build("fcfs", {}, 0),
-        BS,
-        window=window,
+        RouterConfig(block_size=BS, window=window),
     )
     for wid, role in ((P0, "prefill"), (P1, "prefill"), (D0, "decode"), (D1, "decode")):
         router.add_worker(wid, role=role)
@@ -93,7 +94,7 @@ def test_the_decode_choice_weighs_load_then_its_own_cache() -> None:
 
 def test_a_busy_holder_loses_to_load() -> None:
     router = split_router()
-    view = router._decode_pools[None]
+    view = router.pools._decode[None]
     view.workers[D0].num_running = 10
     router.view.index.insert([1000 * 5 + k for k in range(4)], D0, 0.0)
     r = req(1, doc=5)
@@ -133,8 +134,7 @@ def test_both_pools_vtc_queues_count_the_whole_request() -> None:
         router = Router(
             policies.global_policies.build("vtc", {}, 0),
             lambda: policies.local_policies.build("vtc", {}, 0),
-            BS,
-            window=1,
+            RouterConfig(block_size=BS, window=1),
         )
         if split:
             router.add_worker(P0, role="prefill")
@@ -197,7 +197,7 @@ def test_split_model_groups_route_apart() -> None:
     router = Router(
         policies.global_policies.build("least_load", {}, 0),
         lambda: policies.local_policies.build("fcfs", {}, 0),
-        BS,
+        RouterConfig(block_size=BS),
     )
     for wid, model, role in ((0, "a", "prefill"), (1, "a", "decode"), (2, "b", "mixed")):
         router.add_worker(wid, model=model, role=role)
@@ -208,7 +208,7 @@ def test_split_model_groups_route_apart() -> None:
     assert router.route(rb, 0.0).decision.worker == 2
     with pytest.raises(UnknownModel):
         router.route(Request(3, 0.0, 65, 4, [], model="c"), 0.0)
-    assert router.models() == ["a", "b"]
+    assert router.pools.models() == ["a", "b"]
 
 
 def test_a_handoff_leaves_out_the_decode_workers_that_failed_it() -> None:

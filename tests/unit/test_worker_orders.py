@@ -10,6 +10,7 @@ import pytest
 import policies
 from policies.baselines import least_tokens
 from policies.lpm import shortest_queue, shortest_queue_among, smallest_cache
+from router.config import RouterConfig
 from router.core import Router
 from router.kv_events import KVEventIndexer
 from router.request import Request
@@ -47,9 +48,11 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
     router = Router(
         policies.global_policies.create("lpm"),
         lambda: policies.local_policies.create("fcfs"),
-        BS,
-        window=rng.choice([None, 2]),
-        precise=precise,
+        RouterConfig(
+            block_size=BS,
+            window=rng.choice([None, 2]),
+            index="precise" if precise else "approximate",
+        ),
     )
     num_workers = 24
     for w in range(num_workers):
@@ -95,6 +98,6 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
             else:
                 indexers[w].removed(doc[rng.randint(0, len(doc) - 1) :])
         else:
-            router.set_index_level(rng.choice(router.index_levels()), now)
+            router.indexes.set_level(rng.choice(router.indexes.levels()), now)
         if any(s.healthy for s in router.view.workers.values()):
             assert_orders_agree(router.view, least_only)

@@ -24,6 +24,7 @@ import aiohttp
 
 import policies
 from dashboards.tables import format_table
+from router.config import RouterConfig
 from router.proxy.bench.proxy import ROOT
 from router.proxy.driver import LiveCluster
 from router.proxy.monitor import Monitor, sample_loop_lag, wanted_families
@@ -43,8 +44,7 @@ def cluster_of(
     cluster = LiveCluster(
         policies.global_policies.create(policy),
         lambda: policies.local_policies.create("fcfs"),
-        block_size=block_size,
-        window=1 << 20,
+        RouterConfig(block_size=block_size, window=1 << 20),
     )
     for i in range(num_workers):
         cluster.add_worker(f"{base}/w{i}")

@@ -13,6 +13,7 @@ from pydantic import SecretStr
 
 import policies
 from router.budgets import RateLimit
+from router.config import DEFAULT_STEP_TOKENS, RouterConfig, slowest_adapter_load
 from router.cost_model import FittedCost, roofline
 from router.proxy import connections
 from router.proxy.app import RUNNER_OPTIONS, create_app
@@ -38,23 +39,45 @@ def build_cluster(config: ClusterConfig) -> LiveCluster:
     return LiveCluster(
         policy,
         local_factory,
-        config.block_size,
-        config.window,
+        router_config_of(config),
+        # Workers added later (admin API, a replica's store) join the one-model fleet.
+        priority_scheduling=config.groups[0].workers.scheduling_policy == "priority",
+    )
+
+
+def router_config_of(config: ClusterConfig) -> RouterConfig:
+    """The router core's settings from cluster.yaml (the proxy's own are `settings_of`)."""
+    return RouterConfig(
+        block_size=config.block_size,
+        window=config.window,
         cost=(
             FittedCost.load(config.cost_profile)
             if config.cost_profile
             else roofline(config.cost_preset, config.cost_gpu)
         ),
-        precise=config.index_mode == "precise",
-        # One router weighs loads for every group: the slowest group's load time.
-        adapter_load_time=max((g.adapter_load_time for g in config.groups), default=0.0),
+        index=config.index_mode,
+        adapter_load_time=slowest_adapter_load(g.adapter_load_time for g in config.groups),
         # Bands in every queue as soon as a request can carry a priority other than 0.
         classes=config.class_table if config.uses_priorities else None,
         latency_routing=config.latency_routing,
         admission=config.admission_control,
-        # Workers added later (admin API, a replica's store) join the one-model fleet.
-        priority_scheduling=config.groups[0].workers.scheduling_policy == "priority",
+        step_tokens=step_tokens_of(config),
     )
+
+
+def step_tokens_of(config: ClusterConfig) -> int:
+    """The workers' step budget, as their vLLM arguments set it (the smallest of any group's:
+    a prediction that errs, errs late), else vLLM's default."""
+    budgets = []
+    for g in config.groups:
+        args = g.workers.vllm_args
+        for i, arg in enumerate(args):
+            name, _, value = arg.partition("=")
+            if name == "--max-num-batched-tokens":
+                value = value or (args[i + 1] if i + 1 < len(args) else "")
+                if value.isdigit():
+                    budgets.append(int(value))
+    return min(budgets, default=DEFAULT_STEP_TOKENS)
 
 
 def catalog_of(config: ClusterConfig, model_dirs: dict[str, Path]) -> Catalog:

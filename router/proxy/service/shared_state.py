@@ -251,7 +251,7 @@ class SharedState:
         self._next_batch = 1
         self._snapshot: dict[tuple[object, ...], dict[Hashable, float]] = {}
         self._own_routed: deque[tuple[object, int, float]] = deque(maxlen=stream_maxlen)
-        router.routing_log = []
+        router.indexes.routing_log = []
         if metrics is not None:
             metrics.watch(self)
 
@@ -295,8 +295,8 @@ class SharedState:
         self._batches.append((self._next_batch, {k: v.take() for k, v in ledgers.items()}))
         self._next_batch += 1
         keys = list(ledgers)  # a ledger that is gone (its worker removed) sends nothing more
-        routed = self.router.routing_log or []
-        self.router.routing_log = []
+        routed = self.router.indexes.routing_log or []
+        self.router.indexes.routing_log = []
         first_contact = self.epoch is None
         try:
             # First contact: nothing to restore from, so the restore steps (none) go at once.
@@ -311,7 +311,7 @@ class SharedState:
             # Not applied, or not known to be: the batches go again next round (the store
             # skips one it has applied), and so do the decisions (learning one twice is
             # harmless).
-            self.router.routing_log = routed + (self.router.routing_log or [])
+            self.router.indexes.routing_log = routed + (self.router.indexes.routing_log or [])
             raise
         self._batches.clear()
         self.epoch = reply["e"]
@@ -390,7 +390,7 @@ class SharedState:
                 continue
             batch = msgpack.unpackb(fields.get(b"b", fields.get("b", b"")) or b"\x90")
             routed = [(list(h), int(w), min(float(t), now)) for h, w, t in batch]
-            self.router.learn_routed(routed)
+            self.router.indexes.learn_routed(routed)
             self.num_learned += len(routed)
 
     async def run(self) -> None:

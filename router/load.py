@@ -1,0 +1,73 @@
+"""Each worker's load as the router counts it: the figures in WorkerState a policy balances by.
+
+    tokens_in_flight   prompt and output tokens routed to it and not yet done
+    num_waiting        in its router-side queue, plus those inside the server it says wait
+    num_running        released to it and not waiting inside it
+    kv_used_blocks     as it reports (vLLM's gauge live, the engine in the simulator)
+
+The router's own figures are exact and immediate (it sees every route, token and finish); what
+a worker reports refines them. Every change re-keys the worker in the view's orders.
+"""
+
+from __future__ import annotations
+
+from router.dispatch import DispatchQueue
+from router.prefix_index import WorkerId
+from router.view import ClusterView
+
+
+class Load:
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+        self._reported_waiting: dict[WorkerId, int] = {}
+
+    def add(self, wid: WorkerId, tokens: int) -> None:
+        """`tokens` more of work routed to `wid`."""
+        state = self.view.workers[wid]
+        state.tokens_in_flight += tokens
+        self.view.changed(wid)
+
+    def credit(self, wid: WorkerId | None, tokens: int, kv_used_blocks: int | None = None) -> None:
+        """`tokens` of work done on `wid` (None: nowhere), and its KV use if known."""
+        state = self.view.workers.get(wid) if wid is not None else None
+        if state is not None:
+            state.tokens_in_flight -= tokens
+            if kv_used_blocks is not None:
+                state.kv_used_blocks = kv_used_blocks
+            self.view.changed(state.id)
+
+    def count(self, wid: WorkerId, queue: DispatchQueue | None) -> None:
+        """Requests waiting (in the router, or inside the server as it reports) and running."""
+        state = self.view.workers.get(wid)
+        if state is None or queue is None:
+            return
+        inside = min(self._reported_waiting.get(wid, 0), queue.in_flight)
+        waiting, running = len(queue) + inside, queue.in_flight - inside
+        if waiting != state.num_waiting or running != state.num_running:
+            state.num_waiting, state.num_running = waiting, running
+            self.view.changed(wid)
+
+    def report(
+        self,
+        wid: WorkerId,
+        waiting: int | None,
+        kv_used_blocks: int | None,
+        kv_capacity_blocks: int | None,
+    ) -> bool:
+        """What a worker says of itself; True if the requests it says wait changed (recount)."""
+        state = self.view.workers.get(wid)
+        if state is None:
+            return False
+        if kv_used_blocks is not None and kv_used_blocks != state.kv_used_blocks:
+            state.kv_used_blocks = kv_used_blocks
+            self.view.changed(wid)
+        if kv_capacity_blocks is not None and kv_capacity_blocks != state.kv_capacity_blocks:
+            state.kv_capacity_blocks = kv_capacity_blocks
+            self.view.changed(wid)
+        if waiting is not None and waiting != self._reported_waiting.get(wid):
+            self._reported_waiting[wid] = waiting
+            return True
+        return False
+
+    def forget(self, wid: WorkerId) -> None:
+        self._reported_waiting.pop(wid, None)

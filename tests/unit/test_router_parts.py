@@ -1,0 +1,272 @@
+"""The router core's parts, each driven alone: its config, pools, indexes, latency targets, load.
+
+The whole sequence is tested through Router (test_router_core.py, with the differential tests);
+these pin each part's own contract on hand-built views.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import policies
+from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
+from router.config import RouterConfig, slowest_adapter_load
+from router.dispatch import DispatchQueue
+from router.flight import Flight
+from router.indexes import Indexes
+from router.latency import LatencyTargets
+from router.load import Load
+from router.policy import Decision
+from router.pools import Pools, UnknownModel
+from router.prefix_index import PrefixIndex
+from router.request import Request
+from router.traits import IndexLevel, IndexMode, Role
+from router.view import ClusterView, WorkerState
+from tests.helpers import BS, COST, make_req, no_cache
+
+
+def view_of(*states: WorkerState, cost=None) -> ClusterView:
+    return ClusterView(0.0, {s.id: s for s in states}, PrefixIndex(), BS, cost, tracked=True)
+
+
+def pools_of(*states: WorkerState) -> tuple[Pools, ClusterView]:
+    """Workers join one by one, as Router.add_worker adds them."""
+    view = view_of()
+    pools = Pools(view)
+    for state in states:
+        view.workers[state.id] = state
+        pools.add(state)
+    return pools, view
+
+
+class TestRouterConfig:
+    @pytest.mark.parametrize(
+        "field, value",
+        [
+            ("block_size", 0),
+            ("window", 0),
+            ("kv_capacity_blocks", 0),
+            ("adapter_load_time", -1.0),
+            ("step_tokens", 0),
+            ("decode_slack", -1),
+            ("index", "exact"),
+        ],
+    )
+    def test_a_bad_value_is_an_error_naming_its_field(self, field: str, value: object) -> None:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            RouterConfig(**{field: value})  # type: ignore[arg-type]
+
+    def test_latency_routing_or_admission_without_a_cost_model_names_cost(self) -> None:
+        for switch in ("latency_routing", "admission"):
+            with pytest.raises(ValueError, match="^cost: "):
+                RouterConfig(**{switch: True})  # type: ignore[arg-type]
+
+    def test_the_index_is_parsed_from_its_name_and_described_by_it(self) -> None:
+        config = RouterConfig(index="precise", cost=COST, classes=ClassTable())  # type: ignore
+        assert config.index is IndexMode.PRECISE and config.is_precise and config.is_banded
+        described = config.describe()
+        assert described["index"] == "precise"
+        assert described["cost"] == COST.name and described["classes"] == []
+        assert set(described) == set(RouterConfig.__dataclass_fields__)
+
+    def test_it_is_frozen(self) -> None:
+        with pytest.raises(AttributeError):
+            RouterConfig().window = 2  # type: ignore[misc]
+
+    def test_a_fleet_weighs_its_slowest_adapter_load(self) -> None:
+        assert slowest_adapter_load([0.2, 1.5, 0.5]) == 1.5
+        assert slowest_adapter_load([]) == 0.0
+
+
+class TestPools:
+    def test_a_fleet_of_one_mixed_model_routes_over_the_whole_view(self) -> None:
+        pools, view = pools_of(WorkerState(0), WorkerState(1))
+        assert pools.routing_pool(make_req(1, [1])) is view and not pools.is_split
+
+    def test_a_split_fleet_routes_among_the_workers_that_prefill(self) -> None:
+        # The mixed worker joins before the fleet splits.
+        pools, view = pools_of(
+            WorkerState(0), WorkerState(1, role="prefill"), WorkerState(2, role="decode")
+        )
+        req = make_req(1, [1])
+        assert pools.is_split and set(pools.routing_pool(req).workers) == {0, 1}
+        assert pools.has_decode(req)
+        decode = pools.decode_pool(req, ())
+        assert decode is not None and set(decode.workers) == {2}
+        assert pools.decode_pool(req, [2]) is None, "its one decode worker excluded"
+        view.workers[2].healthy = False
+        view.changed(2)  # as the router tells a tracked view
+        view.roster_changed()
+        assert not pools.has_decode(req) and pools.decode_pool(req, ()) is None
+
+    def test_model_groups_are_apart_and_an_unknown_one_is_an_error(self) -> None:
+        pools, _ = pools_of(WorkerState(0, model="a"), WorkerState(1, model="b"))
+        a = Request(1, 0.0, 20, 2, [1], model="a")
+        assert set(pools.routing_pool(a).workers) == {0}
+        assert pools.models() == ["a", "b"]
+        with pytest.raises(UnknownModel):
+            pools.routing_pool(Request(2, 0.0, 20, 2, [1], model="c"))
+
+
+class TestIndexes:
+    def test_approximate_believes_what_was_routed_and_holds_what_was_sent(self) -> None:
+        view = view_of(WorkerState(0, kv_capacity_blocks=100))
+        indexes = Indexes(view, precise=False, keep_approximate=False, tracks_held=True)
+        assert indexes.approximate is view.index and indexes.level is IndexLevel.APPROXIMATE
+        req = make_req(1, [1, 2, 3])
+        assert indexes.routed(req, 0, 0.0) == (0, 0)
+        assert indexes.routed(make_req(2, [1, 2, 9]), 0, 1.0) == (0, 2)
+        assert indexes.held.num_blocks(0) == 0, "routed is not computed"
+        indexes.computed(req, 0, 1.0)
+        assert indexes.held.match_of(req.block_hashes, 0) == 3
+
+    def test_engine_placement_keeps_no_held_index(self) -> None:
+        view = view_of(WorkerState(0))
+        indexes = Indexes(view, precise=False, keep_approximate=False, tracks_held=False)
+        indexes.computed(make_req(1, [1, 2]), 0, 0.0)
+        assert indexes.held.num_blocks(0) == 0
+
+    def test_the_approximate_index_keeps_within_a_workers_capacity(self) -> None:
+        view = view_of(WorkerState(0, kv_capacity_blocks=4))
+        indexes = Indexes(view, precise=False, keep_approximate=False, tracks_held=False)
+        indexes.routed(make_req(1, list(range(10))), 0, 0.0)
+        assert view.index.num_blocks(0) <= 4
+
+    def test_levels_fall_back_and_are_logged_and_unknown_ones_refused(self) -> None:
+        view = view_of(WorkerState(0))
+        indexes = Indexes(view, precise=True, keep_approximate=True, tracks_held=False)
+        assert indexes.levels() == (IndexLevel.PRECISE, IndexLevel.APPROXIMATE, IndexLevel.LOAD)
+        precise = view.index
+        indexes.set_level("load", 3.0)
+        assert view.index is not precise and view.index.num_blocks(0) == 0
+        assert indexes.level_changes == [(3.0, IndexLevel.PRECISE, IndexLevel.LOAD)]
+        plain = Indexes(view_of(WorkerState(0)), False, False, False)
+        with pytest.raises(ValueError, match="precise"):
+            plain.set_level("precise", 0.0)
+
+    def test_a_replica_logs_its_routing_and_another_learns_it(self) -> None:
+        a = Indexes(view_of(WorkerState(0, kv_capacity_blocks=10)), False, False, False)
+        b = Indexes(view_of(WorkerState(0, kv_capacity_blocks=10)), False, False, False)
+        a.routing_log = []
+        a.routed(make_req(1, [5, 6]), 0, 2.0)
+        assert a.routing_log == [([5, 6], 0, 2.0)]
+        b.learn_routed(a.routing_log)
+        assert b.view.index.match_of([5, 6], 0) == 2
+
+    def test_a_worker_removed_is_forgotten_by_every_index(self) -> None:
+        view = view_of(WorkerState(0))
+        indexes = Indexes(view, precise=False, keep_approximate=False, tracks_held=True)
+        req = make_req(1, [1, 2])
+        indexes.routed(req, 0, 0.0)
+        indexes.computed(req, 0, 0.0)
+        indexes.remove_worker(0)
+        assert view.index.num_blocks(0) == 0 and indexes.held.num_blocks(0) == 0
+
+
+INTERACTIVE = TrafficClass("interactive", 0, ttft=0.5, max_queue_time=2.0)
+BATCH = TrafficClass("batch", 10)
+
+
+def latency(**kw: object) -> tuple[LatencyTargets, ClusterView]:
+    view = view_of(WorkerState(0), WorkerState(1), cost=COST)
+    config = RouterConfig(block_size=BS, cost=COST, classes=ClassTable([INTERACTIVE, BATCH]), **kw)
+    targets = LatencyTargets(view, config)  # type: ignore[arg-type]
+    targets.add_worker(0)
+    targets.add_worker(1)
+    return targets, view
+
+
+def flight_on(worker: int, req: Request) -> Flight:
+    queue = DispatchQueue(worker, policies.local_policies.create("fcfs"), None)
+    return Flight(req, worker, queue, req.prompt_len + req.output_len, {}, 0, worker)
+
+
+class TestLatencyTargets:
+    def test_a_prompt_queued_on_a_worker_delays_later_requests_of_its_band_and_below(self) -> None:
+        targets, view = latency()
+        probe, probe_batch = make_req(1, [1]), Request(2, 0.0, 24, 4, [2], priority=10)
+        alone, alone_batch = targets.predict(probe, 0), targets.predict(probe_batch, 0)
+        long = Request(3, 0.0, 8000, 4, list(range(100, 600)), priority=10)
+        flight = flight_on(0, long)
+        targets.queued(flight, view.workers[0], 0)
+        assert flight.predicted_ttft is not None and flight.prefill == 8000
+        assert targets.predict(probe, 0) == alone, "a lower band's prompt is not ahead"
+        assert targets.predict(probe_batch, 0) > alone_batch
+        targets.prefilled(flight)
+        assert targets.predict(probe_batch, 0) == pytest.approx(alone_batch)
+        assert flight.prefill == 0
+
+    def test_admission_refuses_what_no_worker_serves_in_time_and_counts_it(self) -> None:
+        targets, view = latency(admission=True)
+        for w in (0, 1):  # a long prompt ahead everywhere
+            big = Request(10 + w, 0.0, 60_000, 4, list(range(1000 * w, 1000 * w + 3000)))
+            targets.queued(flight_on(w, big), view.workers[w], 0)
+        req = make_req(1, [1])
+        with pytest.raises(Refused) as refused:
+            targets.route(req, view, Decision(0, "policy"), lambda r, v: Decision(0, "again"))
+        assert refused.value.reason == UNMEETABLE
+        assert targets.refusals[("interactive", UNMEETABLE)] == 1
+
+    def test_latency_routing_chooses_again_among_the_workers_that_meet_the_target(self) -> None:
+        targets, view = latency(latency_routing=True)
+        big = Request(10, 0.0, 60_000, 4, list(range(3000)))
+        targets.queued(flight_on(0, big), view.workers[0], 0)
+        among: list[set[int]] = []
+
+        def route_again(r: Request, v: ClusterView) -> Decision:
+            among.append(set(v.workers))
+            return Decision(1, "again")
+
+        decision, ttft = targets.route(make_req(1, [1]), view, Decision(0, "policy"), route_again)
+        assert decision.worker == 1 and among == [{1}]
+        assert ttft == targets.predict(make_req(1, [1]), 1)
+
+    def test_a_class_without_a_target_keeps_the_policys_choice(self) -> None:
+        targets, view = latency(latency_routing=True)
+        batch = Request(1, 0.0, 24, 4, [1], priority=10)
+        decision, ttft = targets.route(batch, view, Decision(0, "p"), lambda r, v: Decision(1, ""))
+        assert decision.worker == 0 and ttft is None
+
+    def test_queue_limits_only_with_admission_control(self) -> None:
+        req = make_req(1, [1])
+        assert latency()[0].queue_limit(req) is None
+        on = latency(admission=True)[0]
+        assert on.queue_limit(req) == 2.0
+        on.refused(req, QUEUE_TIME)
+        assert on.refusals[("interactive", QUEUE_TIME)] == 1
+
+
+class TestLoad:
+    def test_work_added_and_credited_moves_tokens_in_flight(self) -> None:
+        view = view_of(WorkerState(0))
+        load = Load(view)
+        load.add(0, 100)
+        load.credit(0, 30, kv_used_blocks=7)
+        load.credit(None, 5)  # work done nowhere: nothing moves
+        assert view.workers[0].tokens_in_flight == 70 and view.workers[0].kv_used_blocks == 7
+
+    def test_requests_a_server_says_wait_count_as_waiting_not_running(self) -> None:
+        view = view_of(WorkerState(0))
+        load = Load(view)
+        queue = DispatchQueue(0, policies.local_policies.create("fcfs"), 4)
+        for i in range(6):
+            queue.push(make_req(i, [i]))
+        list(queue.release(PrefixIndex(), BS))
+        load.count(0, queue)
+        state = view.workers[0]
+        assert (state.num_waiting, state.num_running) == (2, 4)
+        assert load.report(0, waiting=3, kv_used_blocks=None, kv_capacity_blocks=None)
+        load.count(0, queue)
+        assert (state.num_waiting, state.num_running) == (5, 1)
+        assert not load.report(0, waiting=3, kv_used_blocks=None, kv_capacity_blocks=50)
+        assert state.kv_capacity_blocks == 50
+
+    def test_an_unknown_worker_is_ignored(self) -> None:
+        load = Load(view_of())
+        assert not load.report(9, waiting=1, kv_used_blocks=1, kv_capacity_blocks=1)
+        load.count(9, None)
+
+
+def test_role_strings_and_members_agree() -> None:
+    """Pools take a worker's role as the view stores it (a string)."""
+    assert Role("decode") is Role.DECODE and no_cache(make_req(0, [1])) == 0
