@@ -270,3 +270,46 @@ class TestLoad:
 def test_role_strings_and_members_agree() -> None:
     """Pools take a worker's role as the view stores it (a string)."""
     assert Role("decode") is Role.DECODE and no_cache(make_req(0, [1])) == 0
+
+
+class TestPrintConfig:
+    """`fairway simulate` and `fairway serve` print the RouterConfig each would run with, in one
+    format, so a diff of the two shows where the backends differ."""
+
+    @staticmethod
+    def printed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+        from router.cli import main
+
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+    def test_both_print_every_field_and_show_where_they_differ(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        from tests.helpers import SAMPLE
+
+        sim = self.printed(
+            ["simulate", "--trace", str(SAMPLE), "--policy", "lpm", "--print-config"], capsys
+        )
+        live = self.printed(
+            ["serve", "--backend", "emulated", "--workers", "2", "--print-config"], capsys
+        )
+        fields = {"policy", "local_policy", *RouterConfig.__dataclass_fields__}
+        assert set(sim) == set(live) == fields
+        assert sim["policy"] == live["policy"] == "lpm"
+        # Engine placement in the simulator by default; the proxy's window in front of vLLM.
+        assert (sim["window"], live["window"]) == ("None", "8")
+        assert (sim["strict"], live["strict"]) == ("True", "False")
+        assert sim["step_tokens"] == "8192" and live["step_tokens"] == "2048"
+
+    def test_the_proxy_reads_the_step_budget_from_the_workers_vllm_arguments(self) -> None:
+        from router.proxy.service.config import validate_config
+        from router.proxy.service.serve import step_tokens_of
+
+        def config(*args: str):
+            return validate_config({"workers": {"vllm_args": list(args)}})
+
+        assert step_tokens_of(config()) == 2048
+        assert step_tokens_of(config("--max-num-batched-tokens", "4096")) == 4096
+        assert step_tokens_of(config("--max-num-batched-tokens=1024", "--enforce-eager")) == 1024
