@@ -21,7 +21,6 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from router.proxy.app import RUNNER_OPTIONS, create_app
-from router.proxy.bench.load import LoadResult
 from router.proxy.connections import ProxySite
 from router.proxy.driver import LiveCluster
 from router.proxy.forward import SETTINGS
@@ -32,6 +31,7 @@ from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from router.runtime.processes import process
 from router.runtime.processes import wait_healthy as wait_healthy_sync
+from traces.load import LoadResult
 from workers import emulated
 from workers.launch import ensure_tiny_model
 

@@ -90,8 +90,8 @@ def serve_config(args: argparse.Namespace):  # -> ClusterConfig
 def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
-    from router.proxy.bench.replay import replay
     from simulator.results import summarize, write_results
+    from traces.replay import replay
     from traces.transform import InfiniteCache
 
     trace = load_workload(args)

@@ -5,7 +5,7 @@ since the proxy started), client, session where the caller named one, priority w
 prompt length, output length (the tokens actually generated), the prompt's chained block hashes
 at the workers' block size, and the worker and policy that served it. Never prompt text: the
 hashes cannot be turned back into tokens, and a replay makes its own tokens from them
-(router/proxy/bench/replay.py).
+(traces/replay.py).
 
 Files rotate: past `max_file_bytes` the current file becomes `trace.N.jsonl` and only the newest
 `keep` of those stay, so a recording never takes more than (keep + 1) x max_file_bytes.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dashboards.report import load_run
-from router.proxy.bench.replay import prompt_tokens, replay
 from router.request import Request
 from tests.live_helpers import emulated_workers, proxy, run
 from traces.generators import shared_prefix
+from traces.replay import prompt_tokens, replay
 from traces.schema import Trace
 
 

@@ -4,7 +4,7 @@ removed and added, bookkeeping that raises, the Ray head killed under `fairway s
 The promise checked, request by request, from the bytes the client got: every request sent
 ends complete or with a clean OpenAI-shaped error (a stream: an error event, then
 `data: [DONE]`). None hangs, none is cut short silently, none gets a bare 500. Load is bounded
-in count and time, on 127.0.0.1 only (router/proxy/bench/load.py).
+in count and time, on 127.0.0.1 only (traces/load.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import pytest
 import yaml
 from aiohttp import web
 
-from router.proxy.bench.load import LoadResult, LoadSpec, run_load, send
 from router.proxy.service.config import ClusterConfig
 from tests.live_helpers import (
     ROOT,
@@ -44,6 +43,7 @@ from tests.live_helpers import (
     session_pids,
     wait_healthy,
 )
+from traces.load import LoadResult, LoadSpec, run_load, send
 from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import WorkerPool, guarded
 

@@ -28,7 +28,6 @@ import yaml
 
 from router.core import Router
 from router.ledger import Ledger
-from router.proxy.bench.load import LoadSpec, Outcome, request_body, send
 from router.proxy.service.replicas import REPLICA_HEADER
 from router.proxy.service.serve import SHUTDOWN_GRACE
 from router.proxy.service.shared_state import SharedState, decode_key, encode_key
@@ -46,6 +45,7 @@ from tests.live_helpers import (
     tokenizer_dir,
     wait_healthy,
 )
+from traces.load import LoadSpec, Outcome, request_body, send
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server (`make test` installs it)"
@@ -456,7 +456,7 @@ class TestServeReplicas:
 
 
 async def load_with_a_kill(base: str, spec: LoadSpec, victim_pid: int) -> list[tuple[Outcome, str]]:
-    """Closed-loop load (router.proxy.bench.load's requests and judge); SIGKILL `victim_pid`
+    """Closed-loop load (traces.load's requests and judge); SIGKILL `victim_pid`
     once a third of the requests have ended. Returns each outcome with the replica token that
     answered."""
     answered_by: dict[str, str] = {}

@@ -31,12 +31,12 @@ import pytest
 import redis
 
 from router.ledger import Ledger, LedgerStore, Segment
-from router.proxy.bench.load import LoadSpec, run_load
 from router.proxy.ports import free_port
 from router.proxy.service.shared_state import APPLY_AND_READ, decode_key, encode_key, script_args
 from router.proxy.service.store import Store, redis_server
 from tests.live_helpers import emulated_processes, run
 from tests.system.test_live_replicas import fairway_serve, replica_state
+from traces.load import LoadSpec, run_load
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server (`make test` installs it)"

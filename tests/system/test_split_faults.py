@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from router.proxy.bench.load import LoadResult, LoadSpec
 from router.proxy.driver import LiveCluster
 from tests.live.test_class_admission import samples
 from tests.live_helpers import (
@@ -30,6 +29,7 @@ from tests.live_helpers import (
     split_proxy,
 )
 from tests.system.test_faults import FAST, under_load
+from traces.load import LoadResult, LoadSpec
 
 LOAD = LoadSpec(num_requests=200, concurrency=24, duration=30, max_tokens=24, timeout=30)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from dashboards.report import load_run
 from dashboards.tables import format_table
-from router.proxy.bench.replay import replay
 from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import process, wait_healthy
 from simulator.driver import SimConfig, simulate
 from traces.generators import shared_prefix
+from traces.replay import replay
 from workers.launch import ensure_tiny_model, server_specs
 from workers.profiler import profile
 

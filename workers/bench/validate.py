@@ -43,7 +43,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cost_model import FittedCost, Measurement
-from router.proxy.bench.replay import replay
 from router.proxy.ports import free_ports
 from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import wait_healthy
@@ -51,6 +50,7 @@ from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
 from simulator.results import summarize, write_results
 from traces.generators import shared_prefix
+from traces.replay import replay
 from traces.schema import Trace, write_native
 from traces.transform import InfiniteCache, scale_rate
 from workers.bench import validate_report as report

@@ -8,7 +8,7 @@ of requests, half streaming, a quarter chat, over several tenants, for `--durati
 Every `--sample` seconds it prints the proxy process's RSS (from /proc) and its event loop's
 lag (the proxy samples it itself: `fairway_event_loop_lag_seconds`, read from /metrics, p99 per
 interval from the histogram's buckets). At the end: requests, outcomes, and the number lost,
-judged byte by byte (router/proxy/bench/load.py), which must be 0; the exit status says
+judged byte by byte (traces/load.py), which must be 0; the exit status says
 whether it was.
 """
 
@@ -31,8 +31,8 @@ import aiohttp
 import yaml
 
 from dashboards.tables import format_table
-from router.proxy.bench.load import LoadSpec, Outcome, run_load
 from router.proxy.ports import free_ports
+from traces.load import LoadSpec, Outcome, run_load
 
 ROOT = Path(__file__).resolve().parents[3]
 LAG = "fairway_event_loop_lag_seconds"
