@@ -47,14 +47,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
-    from router.proxy.bench.fleet import run_fleet_bench
-    from router.proxy.bench.proxy import run_proxy_bench
+    from workers.bench.proxy import run_proxy_bench
+    from workers.bench.scale import run_scale_bench
 
-    return run_proxy_bench(quick=args.quick) or run_fleet_bench(quick=args.quick)
+    return run_proxy_bench(quick=args.quick) or run_scale_bench(quick=args.quick)
 
 
 def cmd_bench_replicas(args: argparse.Namespace) -> int:
-    from router.proxy.bench.replicas import run_replicas_bench
+    from workers.bench.replicas import run_replicas_bench
 
     return run_replicas_bench(quick=args.quick)
 

@@ -19,7 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from router.proxy.bench.replicas import (
+from router.proxy.ports import free_port
+from router.proxy.prompts import PromptEncoder
+from router.runtime.processes import process, wait_healthy
+from workers import emulated
+from workers.bench.replicas import (
     BLOCK_SIZE,
     FAST,
     GPU,
@@ -35,10 +39,6 @@ from router.proxy.bench.replicas import (
     replay,
     workers_per_document,
 )
-from router.proxy.ports import free_port
-from router.proxy.prompts import PromptEncoder
-from router.runtime.processes import process, wait_healthy
-from workers import emulated
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,2 +1,3 @@
-"""Checks of the real-worker path: `fairway validate` and `bench-sim2real`. Product code never
-imports them."""
+"""Benchmarks and checks that start workers or simulators beside the proxy: `fairway validate`,
+`bench-sim2real`, `bench-proxy` (proxy.py, then scale.py) and `bench-replicas`. Product code
+never imports them."""

@@ -1,2 +1,3 @@
-"""Benchmarks and load tools for the live proxy (`fairway bench-proxy`, `bench-replicas`,
-`bench-soak`, `replay`). Product code never imports them."""
+"""Benchmarks of the proxy alone (`fairway bench-soak`, and the relay `bench-proxy` measures
+against). They import neither the simulator nor the workers: benches that start them live in
+workers/bench/. Product code never imports them."""

@@ -1,7 +1,7 @@
 """`make bench` (replicas part): `fairway serve --routers N` against one router, same load.
 
 - Throughput: streams/s through 1, 2 and 4 replicas on one port, the proxy bench's closed
-  loop (router/proxy/bench/proxy.py: fixed concurrency, 16-token streams) for a fixed time.
+  loop (workers/bench/proxy.py: fixed concurrency, 16-token streams) for a fixed time.
 - Locality: LPM's prefix hit rate (the workers' own cached-token counts) and how many workers
   each document ends on, when rounds of requests return to the same documents: a replica
   learns where another one placed a document only at the next sync.
@@ -32,7 +32,6 @@ import aiohttp
 
 from dashboards.tables import format_table
 from router.cost_model import CostModel, roofline
-from router.proxy.bench.proxy import measured, throughput
 from router.proxy.ports import free_port, free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.service.replicas import REPLICA_HEADER
@@ -43,8 +42,9 @@ from simulator.driver import SimCluster, SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace, finish
 from workers import emulated
+from workers.bench.proxy import measured, throughput
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 # The emulated workers, as the simulator's replay models them too.
 WORKERS, PRESET, GPU, BLOCK_SIZE = 2, "llama-3-8b", "a100-80g", 128
 FAST, SLOW = 50.0, 2.0  # x wall time: the throughput and locality workers, the fairness ones

@@ -33,7 +33,7 @@ from router.proxy.ports import free_port
 from router.runtime.processes import cpu_seconds, process, wait_healthy
 from workers import emulated
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # A tenant with classes, latency routing, admission control and a budget it never exhausts:

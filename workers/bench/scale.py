@@ -1,4 +1,4 @@
-"""`make bench` (proxy part, continued): what the proxy's costs do as the fleet grows.
+"""`make bench` (proxy part, continued): what the proxy's costs do as the worker count grows.
 
 - Bookkeeping per request (LiveCluster.route and release, no HTTP) at 8 to 1,024 workers: what
   must stay flat in the worker count.
@@ -25,12 +25,12 @@ import aiohttp
 import policies
 from dashboards.tables import format_table
 from router.config import RouterConfig
-from router.proxy.bench.proxy import ROOT
 from router.proxy.driver import LiveCluster
 from router.proxy.monitor import Monitor, sample_loop_lag, wanted_families
 from router.proxy.ports import free_port
 from router.request import Request
 from router.runtime.processes import process, wait_healthy
+from workers.bench.proxy import ROOT
 
 
 def cluster_of(
@@ -225,7 +225,7 @@ def monitor_scaling(quick: bool = False) -> int:
     argv = [
         sys.executable,
         "-m",
-        "router.proxy.bench.fleet",
+        "workers.bench.scale",
         "serve-pages",
         str(scratch / "metrics.txt"),
         str(port),
@@ -251,7 +251,7 @@ def monitor_scaling(quick: bool = False) -> int:
     return 0
 
 
-def run_fleet_bench(quick: bool = False) -> int:
+def run_scale_bench(quick: bool = False) -> int:
     print("\nThe proxy's bookkeeping per request (route + release, no HTTP), CPU us:")
     print(format_table(live_route_scaling(requests=1000 if quick else 3000)))
     print("\nThe proxy's own /metrics page (ten series a worker), rendered for a scrape:")
