@@ -32,7 +32,8 @@ from router.proxy.settings import ProxySettings
 from router.runtime.processes import process
 from router.runtime.processes import wait_healthy as wait_healthy_sync
 from traces.load import LoadResult
-from workers import emulated
+from workers.emulated.app import create_app as create_emulated_app
+from workers.emulated.cli import emulated_command
 from workers.launch import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def _site(runner: web.AppRunner, port: int) -> web.BaseSite:
 async def emulated_workers(n: int, speed: float = 1.0, **kw) -> AsyncIterator[list[str]]:
     async with contextlib.AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(
-            serving(emulated.create_app(tokenizer_dir(), "tiny", BLOCK, speed=speed, **kw)))
+            serving(create_emulated_app(tokenizer_dir(), "tiny", BLOCK, speed=speed, **kw)))
             for _ in range(n)]  # fmt: skip
         yield urls
 
@@ -194,7 +195,7 @@ async def emulated_processes(
     try:
         for i in range(n):
             port = free_port()
-            argv = emulated.command(port, tokenizer_dir(), "tiny", BLOCK, speed=speed)
+            argv = emulated_command(port, tokenizer_dir(), "tiny", BLOCK, speed=speed)
             argv += extra_args[i] if extra_args else []
             quiet = subprocess.DEVNULL
             proc = subprocess.Popen(
@@ -309,12 +310,12 @@ async def emulated_split_workers(
     roles: list[str], speed: float = 1.0, **kw
 ) -> AsyncIterator[list[tuple[str, web.Application]]]:
     """Emulated servers of these roles in this process, server i on GPU i of one network (a
-    `topology` in `kw`); yields each one's URL and app (`app[emulated.CONNECTOR].received`:
-    what it was sent)."""
+    `topology` in `kw`); yields each one's URL and app (its connector's `received`, under
+    workers/emulated/state.py's CONNECTOR: what it was sent)."""
     async with contextlib.AsyncExitStack() as stack:
         out = []
         for i, role in enumerate(roles):
-            app = emulated.create_app(tokenizer_dir(), "tiny", BLOCK, speed=speed, role=role,
+            app = create_emulated_app(tokenizer_dir(), "tiny", BLOCK, speed=speed, role=role,
                                       topology_gpu=i, topology_gpus=len(roles), **kw)  # fmt: skip
             out.append((await stack.enter_async_context(serving(app)), app))
         yield out

@@ -18,7 +18,8 @@ from router.proxy.ports import free_ports
 from router.proxy.service.config import ClusterConfig, FleetWorker, ModelGroupConfig, WorkersConfig
 from router.traits import Role
 from simulator.topology import Topology
-from workers import emulated, kv_connector, tiny_model
+from workers import kv_connector, tiny_model
+from workers.emulated.cli import emulated_command
 from workers.pool import ServerSpec, WorkerPool
 
 log = logging.getLogger("fairway.serve")
@@ -74,7 +75,7 @@ def server_specs(
         port = w.first_port + n
         log_path = str(scratch / f"worker-{i}.log")
         if w.backend == "emulated":
-            argv = emulated.command(
+            argv = emulated_command(
                 port,
                 model_dir,
                 g.served_model_name,

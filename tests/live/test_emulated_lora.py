@@ -23,7 +23,9 @@ from router.prefix_index import PrefixIndex
 from router.proxy.ports import free_port
 from router.request import cache_root, hash_token_blocks
 from tests.live_helpers import BLOCK, run, serving, tokenizer_dir
-from workers import emulated
+from workers.emulated.app import create_app
+from workers.emulated.cli import emulated_command, main
+from workers.emulated.state import ENGINE
 
 PROMPT = [10 + (7 * i) % 3000 for i in range(3 * BLOCK + 20)]  # three full blocks and a tail
 
@@ -41,7 +43,7 @@ def adapter(tmp_path: Path, name: str) -> str:
 @contextlib.asynccontextmanager
 async def server(**kw) -> AsyncIterator[tuple[aiohttp.ClientSession, web.Application]]:
     """An emulated server in-process, and a session to it."""
-    app = emulated.create_app(tokenizer_dir(), "tiny", BLOCK, speed=20, **kw)
+    app = create_app(tokenizer_dir(), "tiny", BLOCK, speed=20, **kw)
     async with serving(app) as url, aiohttp.ClientSession(url) as http:
         yield http, app
 
@@ -164,7 +166,7 @@ def test_one_slot_two_adapters_load_on_every_switch(tmp_path: Path) -> None:
 
     async def go() -> None:
         async with server(enable_lora=True, max_loras=1, lora_modules=modules) as (http, app):
-            engine = app[emulated.ENGINE].engine
+            engine = app[ENGINE].engine
             for i, name in enumerate(["ad0", "ad1", "ad0", "ad1", "ad1"]):
                 body = {"model": name, "prompt": "hello world", "max_tokens": 2}
                 assert (await post(http, "/v1/completions", body))[0] == 200
@@ -254,13 +256,13 @@ def test_kv_events_name_the_adapter_and_salt_and_the_indexer_keys_them_apart(
 
 
 def test_command_argv_starts_a_server_with_lora(tmp_path: Path, monkeypatch) -> None:
-    """command()'s argv through main()'s parser, served in-process (fast tests start no
+    """emulated_command()'s argv through main()'s parser, served in-process (fast tests start no
     processes): LoRA off leaves today's argv as it was."""
-    assert emulated.command(8100, "m")[3:] == [
+    assert emulated_command(8100, "m")[3:] == [
         "--port", "8100", "--model-dir", "m", "--served-model-name", "tiny",
         "--block-size", "128", "--preset", "llama-3-8b", "--gpu", "a100-80g", "--speed", "1.0",
     ]  # fmt: skip
-    argv = emulated.command(
+    argv = emulated_command(
         8100,
         tokenizer_dir(),
         speed=20,
@@ -269,15 +271,15 @@ def test_command_argv_starts_a_server_with_lora(tmp_path: Path, monkeypatch) -> 
         lora_modules={"ad0": adapter(tmp_path, "ad0")},
     )
     started = []
-    monkeypatch.setattr(emulated.web, "run_app", lambda app, **kw: started.append(app))
-    emulated.main(argv[3:])  # past `python -m workers.emulated`
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: started.append(app))
+    main(argv[3:])  # past `python -m workers.emulated`
 
     async def go() -> None:
         async with serving(started[0]) as url, aiohttp.ClientSession(url) as http:
             assert await model_ids(http) == ["tiny", "ad0"]
             async with http.get("/metrics") as r:
                 assert 'max_lora="1"' in await r.text()
-        engine_config = started[0][emulated.ENGINE].engine.config  # set while serving
+        engine_config = started[0][ENGINE].engine.config  # set while serving
         assert (engine_config.adapter_slots, engine_config.adapter_load_time) == (1, 0.05)
 
     run(go)

@@ -34,7 +34,9 @@ from tests.live_helpers import (
     serving,
     tokenizer_dir,
 )
-from workers import emulated
+from workers.emulated.app import create_app
+from workers.emulated.kv_events import KVEventPublisher
+from workers.emulated.state import KV_EVENTS
 
 
 def metric(text: str, name: str) -> float:
@@ -111,7 +113,7 @@ class Restartable:
         self._serving: contextlib.AbstractAsyncContextManager[str] | None = None
 
     async def start(self) -> str:
-        self.app = emulated.create_app(
+        self.app = create_app(
             tokenizer_dir(), "tiny", speed=20, kv_events=self.kv_events, **self.kw
         )
         self._serving = serving(self.app, self.port)
@@ -125,9 +127,9 @@ class Restartable:
             await serving_.__aexit__(None, None, None)
 
     @property
-    def publisher(self) -> emulated.KVEventPublisher:
+    def publisher(self) -> KVEventPublisher:
         assert self.app is not None
-        return self.app[emulated.KV_EVENTS]
+        return self.app[KV_EVENTS]
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ from router.proxy.service.config import ClusterConfig
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from tests.live_helpers import BLOCK, run, serving, tokenizer_dir
-from workers import emulated
+from workers.emulated.app import create_app as create_emulated_app
 
 PROMPT = "the same long document for every request " * 40
 ADMIN_TOKEN = "admin-token-for-groups"
@@ -30,7 +30,7 @@ async def two_groups():
     async with contextlib.AsyncExitStack() as stack:
         workers = []
         for name in ("alpha", "alpha", "beta"):
-            app = emulated.create_app(tokenizer_dir(), name, BLOCK, speed=50)
+            app = create_emulated_app(tokenizer_dir(), name, BLOCK, speed=50)
             workers.append((await stack.enter_async_context(serving(app)), name))
         cluster = build_cluster(ClusterConfig(policy={"name": "lpm"}, block_size=BLOCK))
         for url, name in workers:
@@ -106,7 +106,7 @@ def test_a_server_added_through_the_admin_api_joins_the_group_it_names() -> None
     async def body() -> None:
         async with (
             two_groups() as (session, url, admin),
-            serving(emulated.create_app(tokenizer_dir(), "beta", BLOCK, speed=50)) as beta,
+            serving(create_emulated_app(tokenizer_dir(), "beta", BLOCK, speed=50)) as beta,
         ):
             workers, auth = f"{admin}/admin/workers", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
             for bad, why in (({"url": beta}, "is required"), ({"url": beta, "model": "x"}, "none")):

@@ -1,6 +1,6 @@
 """Split prefill and decode through the proxy, over real HTTP: emulated prefill and decode
 servers speaking vLLM's disaggregated protocol (router/proxy/split.py,
-workers/emulated_split.py), in this process; and `fairway serve` starting such a fleet (slow)."""
+workers/emulated/split.py), in this process; and `fairway serve` starting such a fleet (slow)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.live_helpers import (
     split_proxy,
 )
 from traces.loaders import load_trace
-from workers import emulated
+from workers.emulated.state import CONNECTOR
 from workers.launch import VLLM_PYTHON
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 40  # over 3 blocks of 128 tokens
@@ -41,11 +41,11 @@ HOSTILE = {  # what a client must never get to a worker: a host to pull KV from
 
 def received(app) -> list[tuple[object, object]]:
     """(max_tokens, kv_transfer_params) of each request the emulated server got."""
-    return list(app[emulated.CONNECTOR].received)
+    return list(app[CONNECTOR].received)
 
 
 def roles_of(servers) -> list[tuple[str, str]]:
-    return [(url, app[emulated.CONNECTOR].role.value) for url, app in servers]
+    return [(url, app[CONNECTOR].role.value) for url, app in servers]
 
 
 def assert_idle(cluster) -> None:
@@ -90,7 +90,7 @@ class TestTwoStages:
                 # The prefill server was asked for one token and a remote decode, twice.
                 assert received(prefill) == [(1, REMOTE_DECODE)] * 2
                 # The decode server got the client's limits and the prefill's parameters.
-                engine_id = prefill[emulated.CONNECTOR].engine_id
+                engine_id = prefill[CONNECTOR].engine_id
                 got = received(decode)
                 assert [limit for limit, _ in got] == [7, 5]
                 for _, params in got:

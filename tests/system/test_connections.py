@@ -29,7 +29,7 @@ import pytest
 from router.proxy.ports import free_ports
 from router.runtime.processes import wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
-from workers import emulated
+from workers.emulated.cli import emulated_command
 
 HEADER_TIMEOUT = 1.0  # the capped proxy's (the default is 10 s)
 BODY_TIMEOUT = 1.0
@@ -103,7 +103,7 @@ def scratch():
 def worker(scratch: Path):
     (port,) = free_ports(1)
     proc = subprocess.Popen(
-        emulated.command(port, tokenizer_dir(), speed=50),
+        emulated_command(port, tokenizer_dir(), speed=50),
         stdout=(scratch / "worker.log").open("wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -35,7 +35,7 @@ from router.proxy.service.serve import settings_of
 from router.proxy.settings import Tenant, keyed
 from router.runtime.processes import wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
-from workers import emulated
+from workers.emulated.cli import emulated_command
 
 HEALTH_BOUND = 0.1  # seconds: /health must answer within this during every case
 BODY_TIMEOUT = 1.0  # the proxies' body deadline here (the default is 30 s)
@@ -75,7 +75,7 @@ def servers():
     )
     serve = [sys.executable, "-m", "router.cli", "serve", "--config"]
     argvs = {
-        "worker": emulated.command(worker_port, model, speed=50),
+        "worker": emulated_command(worker_port, model, speed=50),
         "gateway": [*serve, str(scratch / "gateway.yaml")],
         "keyed": [*serve, str(scratch / "keyed.yaml")],
     }

@@ -22,7 +22,6 @@ import pytest
 from router.proxy.ports import free_port
 from router.proxy.prompts import PromptEncoder
 from router.runtime.processes import process, wait_healthy
-from workers import emulated
 from workers.bench.replicas import (
     BLOCK_SIZE,
     FAST,
@@ -39,6 +38,7 @@ from workers.bench.replicas import (
     replay,
     workers_per_document,
 )
+from workers.emulated.cli import emulated_command
 
 pytestmark = [
     pytest.mark.slow,
@@ -69,7 +69,7 @@ def runs(tmp_path_factory) -> dict[Setup, list[Sent]]:
         urls = []
         for i in range(WORKERS):
             port = free_port()
-            argv = emulated.command(port, model, block_size=BLOCK_SIZE, preset=PRESET, gpu=GPU,
+            argv = emulated_command(port, model, block_size=BLOCK_SIZE, preset=PRESET, gpu=GPU,
                                     speed=FAST)  # fmt: skip
             log = scratch / f"worker-{i}.log"
             stack.enter_context(process(argv, None, log, {"PYTHONPATH": str(ROOT)}))

@@ -34,7 +34,7 @@ import yaml
 from router.proxy.ports import free_ports
 from router.runtime.processes import wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
-from workers import emulated
+from workers.emulated.cli import emulated_command
 
 KEY = "sk-live-SECRETabcd1234"  # the open proxy's caller
 USER = "alice@example.com"
@@ -87,7 +87,7 @@ def fleet() -> Iterator[Fleet]:
             ],
         },
     }
-    argvs = {"worker": emulated.command(worker, model, speed=50)}
+    argvs = {"worker": emulated_command(worker, model, speed=50)}
     for name, config in configs.items():
         (scratch / f"{name}.yaml").write_text(yaml.safe_dump(config))
         argvs[name] = [sys.executable, "-m", "router.cli", "serve", "--config"]

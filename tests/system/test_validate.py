@@ -16,7 +16,6 @@ from router.cost_model import FittedCost, Measurement, StepShape
 from router.proxy.ports import free_port
 from router.runtime.processes import wait_healthy
 from tests.live_helpers import tokenizer_dir
-from workers import emulated
 from workers.bench.validate import (
     ValidateConfig,
     rate_for,
@@ -26,6 +25,7 @@ from workers.bench.validate import (
     workload,
 )
 from workers.bench.validate_report import build, markdown, ranking
+from workers.emulated.cli import emulated_command
 from workers.launch import VLLM_PYTHON
 from workers.profiler import Plan, decode_steps, fit
 
@@ -224,7 +224,7 @@ def test_validate_against_emulated_workers(tmp_path: Path) -> None:
         urls = []
         for i in range(2):
             port = free_port()
-            argv = emulated.command(port, tokenizer_dir(), "tiny", 128, speed=5.0)
+            argv = emulated_command(port, tokenizer_dir(), "tiny", 128, speed=5.0)
             pids.append(stack.enter_context(started(argv, tmp_path / f"emulated-{i}.log")))
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:

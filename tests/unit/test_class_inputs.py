@@ -23,7 +23,7 @@ from router.proxy.service.config import ClusterConfig, validate_config
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings, Tenant, keyed
 from router.request import Request
-from workers import emulated
+from workers.emulated.cli import emulated_command
 from workers.launch import server_specs
 
 CLASSES = {
@@ -186,9 +186,9 @@ class TestWhatTheWorkerIsSent:
         assert body["priority"] == -50, "the client's body is left as it was"
 
     def test_the_servers_are_started_with_the_policy(self, tmp_path) -> None:
-        argv = emulated.command(8100, tmp_path, scheduling_policy="priority")
+        argv = emulated_command(8100, tmp_path, scheduling_policy="priority")
         assert argv[-2:] == ["--scheduling-policy", "priority"]
-        assert "--scheduling-policy" not in emulated.command(8100, tmp_path)
+        assert "--scheduling-policy" not in emulated_command(8100, tmp_path)
         for backend in ("vllm", "emulated"):
             workers = {"backend": backend, "count": 1, "vllm_python": sys.executable}
             for policy, flag in (("priority", True), ("fcfs", False)):

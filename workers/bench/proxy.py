@@ -31,7 +31,7 @@ import numpy as np
 from dashboards.tables import format_table
 from router.proxy.ports import free_port
 from router.runtime.processes import cpu_seconds, process, wait_healthy
-from workers import emulated
+from workers.emulated.cli import emulated_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,7 +135,7 @@ def run_proxy_bench(quick: bool = False) -> int:
         workers = []
         for i in range(2):
             port = free_port()
-            argv = emulated.command(port, model, speed=50)
+            argv = emulated_command(port, model, speed=50)
             stack.enter_context(
                 process(argv, 1, scratch / f"worker{i}.log", {"PYTHONPATH": str(ROOT)})
             )

@@ -41,8 +41,8 @@ from router.runtime.processes import cpu_seconds, process, wait_healthy
 from simulator.driver import SimCluster, SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace, finish
-from workers import emulated
 from workers.bench.proxy import measured, throughput
+from workers.emulated.cli import emulated_command
 
 ROOT = Path(__file__).resolve().parents[2]
 # The emulated workers, as the simulator's replay models them too.
@@ -330,7 +330,7 @@ def run_replicas_bench(quick: bool = False) -> int:
         for name, speed, out in (("fast", FAST, fast), ("slow", SLOW, slow)):
             for i in range(WORKERS):
                 port = free_port()
-                argv = emulated.command(
+                argv = emulated_command(
                     port, model, block_size=BLOCK_SIZE, preset=PRESET, gpu=GPU, speed=speed
                 )
                 log = scratch / f"worker-{name}-{i}.log"
