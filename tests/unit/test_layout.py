@@ -3,8 +3,9 @@
     runtime < core < policies, traces < simulator, proxy < workers < dashboards < benches < cli
 
 A module may import its own layer and the layers below it; product code never imports a bench
-or the CLI; the proxy imports neither the simulator nor the workers; and no import circle, at
-module level or inside a function, joins any two modules.
+or the CLI; the proxy (router/proxy/, its benches included) imports neither the simulator nor
+the workers; the tests' shared helpers import no bench; and no import circle, at module level
+or inside a function, joins any two modules.
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ BELOW["bench"] = set(BELOW) | {"bench"}
 BELOW["cli"] = BELOW["bench"] | {"cli"}
 
 
+def is_bench(module: str) -> bool:
+    return "bench" in module.split(".")
+
+
 def layer(module: str) -> str:
     parts = module.split(".")
     if parts[:2] == ["router", "cli"]:
         return "cli"
-    if "bench" in parts:
+    if is_bench(module):
         return "bench"
     if parts[:2] in (["router", "proxy"], ["router", "runtime"]):
         return parts[1] if parts[1] == "runtime" else "proxy"
@@ -56,8 +61,13 @@ def modules() -> dict[str, Path]:
 @cache
 def imports(module: str) -> frozenset[str]:
     """The project modules `module` imports anywhere in its body."""
+    return imports_in(modules()[module])
+
+
+def imports_in(path: Path) -> frozenset[str]:
+    """The project modules the file at `path` imports anywhere in its body."""
     known, out = modules(), set()
-    for node in ast.walk(ast.parse(known[module].read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -83,12 +93,52 @@ def test_imports_point_down(module: str) -> None:
 
 
 def test_the_proxy_imports_neither_simulator_nor_workers() -> None:
-    proxy = [m for m in modules() if layer(m) == "proxy"]
+    """Its benches included: one that starts simulators or workers lives in workers/bench/."""
+    proxy = [m for m in modules() if m.split(".")[:2] == ["router", "proxy"]]
     assert "router.proxy.app" in proxy
     bad = {
-        m: sorted(n for n in imports(m) if n.startswith(("simulator", "workers"))) for m in proxy
+        m: sorted(n for n in imports(m) if n.split(".")[0] in ("simulator", "workers"))
+        for m in proxy
     }
-    assert not {m: b for m, b in bad.items() if b}
+    bad = {m: b for m, b in bad.items() if b}
+    assert not bad, f"the proxy imports the simulator or the workers: {bad}"
+
+
+def test_a_proxy_bench_reaching_the_workers_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = {
+        "router.proxy.app": frozenset(),
+        "router.proxy.bench.fake": frozenset({"workers.emulated.cli"}),
+    }
+    monkeypatch.setitem(globals(), "modules", lambda: dict.fromkeys(fake, ROOT))
+    monkeypatch.setitem(globals(), "imports", fake.__getitem__)
+    with pytest.raises(AssertionError, match=r"router\.proxy\.bench\.fake.*workers\.emulated"):
+        test_the_proxy_imports_neither_simulator_nor_workers()
+
+
+def shared_helpers() -> list[Path]:
+    """The tests' modules other tests import or pytest loads for them."""
+    tests = ROOT / "tests"
+    found = [tests / "helpers.py", tests / "live_helpers.py", *sorted(tests.rglob("conftest.py"))]
+    assert len(found) > 3 and all(p.is_file() for p in found), "a shared helper went missing"
+    return found
+
+
+def test_the_tests_shared_helpers_import_no_bench() -> None:
+    """A benchmark may change what it measures at any time; the helpers most tests stand on
+    must not change with it (load generators and the like live beside the product)."""
+    bad = {str(p): sorted(filter(is_bench, imports_in(p))) for p in shared_helpers()}
+    bad = {p: b for p, b in bad.items() if b}
+    assert not bad, f"shared test helpers import benches: {bad}"
+
+
+def test_a_helper_importing_a_bench_is_caught(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    helper = tmp_path / "conftest.py"
+    helper.write_text("def f():\n    from workers.bench.proxy import throughput\n")
+    monkeypatch.setitem(globals(), "shared_helpers", lambda: [helper])
+    with pytest.raises(AssertionError, match=r"conftest\.py.*workers\.bench\.proxy"):
+        test_the_tests_shared_helpers_import_no_bench()
 
 
 def test_no_import_circle() -> None:
