@@ -3,6 +3,7 @@ the worker pool, the benches and the tests all need."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -31,6 +32,12 @@ def wait_healthy(url: str, timeout: float = 60.0) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+async def wait_healthy_async(url: str, timeout: float = 60.0) -> None:
+    """`wait_healthy` from inside an event loop, which keeps running meanwhile: the same polls,
+    on a thread of their own (each ends within `timeout`, even if this await is cancelled)."""
+    await asyncio.to_thread(wait_healthy, url, timeout)
 
 
 @contextlib.contextmanager
