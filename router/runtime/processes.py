@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 GUARD = Path(__file__).with_name("guard.py")
@@ -65,12 +65,22 @@ def process(
 def stop(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM, then SIGKILL if `proc` is still there after `grace` seconds; reaped either way
     (no zombie left behind)."""
-    proc.terminate()
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_all([proc], grace)
+
+
+def stop_all(procs: Iterable[subprocess.Popen], grace: float) -> None:
+    """`stop` for several processes at once: all told first, so that together they take one
+    `grace`, not one each."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stat_fields(pid: int) -> list[str] | None:

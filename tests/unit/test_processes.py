@@ -1,18 +1,21 @@
-"""Waiting for a local server to answer /health (router.runtime.processes), with or without an
-event loop around the wait."""
+"""Local processes (router.runtime.processes): waiting for a server to answer /health, with or
+without an event loop around the wait, and stopping processes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import http.server
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from router.runtime.processes import wait_healthy, wait_healthy_async
+from router.runtime.processes import stop_all, wait_healthy, wait_healthy_async
 
 
 @contextlib.contextmanager
@@ -71,3 +74,29 @@ def test_the_async_wait_leaves_the_loop_running() -> None:
         return ticks
 
     assert asyncio.run(main()) > 5, "the loop ran while the wait polled"
+
+
+@pytest.mark.slow  # starts processes
+def test_stopping_several_takes_one_grace_and_reaps_them() -> None:
+    """Two processes that ignore SIGTERM: both killed after one grace, not one each."""
+    deaf = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('deaf', flush=True); time.sleep(30)"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        assert [p.stdout.readline() for p in procs if p.stdout] == ["deaf\n"] * 2, "ready"
+        started = time.monotonic()
+        stop_all(procs, grace=1.0)
+        assert time.monotonic() - started < 1.9, "one grace for both"
+        assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2, "killed and reaped"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
