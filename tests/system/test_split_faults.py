@@ -20,7 +20,6 @@ import aiohttp
 
 from router.proxy.bench.load import LoadResult, LoadSpec
 from router.proxy.driver import LiveCluster
-from tests.live.test_class_admission import samples
 from tests.live_helpers import (
     ProxyURL,
     assert_every_request_ended,
@@ -29,6 +28,7 @@ from tests.live_helpers import (
     run,
     split_proxy,
 )
+from tests.metrics_page import samples
 from tests.system.test_faults import FAST, under_load
 
 LOAD = LoadSpec(num_requests=200, concurrency=24, duration=30, max_tokens=24, timeout=30)
