@@ -315,7 +315,8 @@ def write_report(runs: list[Run], out: Path, title: str = "Fairway policy compar
         f"Jain: Jain's index over the service of the clients waiting at the same time (1: equal "
         f"shares), averaged over time. "
         f"Bound: the hit rate of one unbounded cache shared by all workers.</p>"
-        f"{_classes_html(classes)}{_pools_html(pools)}{figs}"
+        f"{_section_html('Traffic classes', classes, 'classes', CLASSES_NOTE)}"
+        f"{_section_html('Prefill and decode pools', pools, 'pools', POOLS_NOTE)}{figs}"
         f"<h2>Runs</h2><ul>{sources}</ul></body></html>"
     )
     md = out.with_suffix(".md")
@@ -342,28 +343,24 @@ def _html_table(rows: list[dict[str, object]], table_id: str) -> str:
     return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _pools_html(rows: list[dict[str, object]]) -> str:
-    """A split fleet's prefill and decode pools, per run that has them."""
-    if not rows:
-        return ""
-    return (
-        f"<h2>Prefill and decode pools</h2>{_html_table(rows, 'pools')}"
-        "<p>Requests: routed to a prefill (or mixed) worker, handed to a decode worker. Tokens "
-        "computed: prompt and output tokens the pool's engines ran. Load imbalance: the busiest "
-        "worker's tokens over the pool's mean. KV in: the time a prompt's KV took from its "
-        "prefill GPU to its decode GPU.</p>"
-    )
+POOLS_NOTE = (
+    "Requests: routed to a prefill (or mixed) worker, handed to a decode worker. Tokens "
+    "computed: prompt and output tokens the pool's engines ran. Load imbalance: the busiest "
+    "worker's tokens over the pool's mean. KV in: the time a prompt's KV took from its "
+    "prefill GPU to its decode GPU."
+)
+CLASSES_NOTE = (
+    "Met: the share of a class's requests, refused ones included, that met its TTFT and "
+    "TPOT targets (a class without targets meets them by finishing). Goodput: such requests "
+    "per second of the run, from its first arrival to its last finish. Refused: by admission "
+    "control (queue time: waited past the class's limit; unmeetable: no worker was predicted "
+    "to meet its TTFT target) and by tenant budgets (rate limit)."
+)
 
 
-def _classes_html(rows: list[dict[str, object]]) -> str:
-    """Per traffic class of each run that has classes (nothing when none has)."""
+def _section_html(heading: str, rows: list[dict[str, object]], table_id: str, note: str) -> str:
+    """A heading, the table and what its columns mean; nothing when no run has such rows
+    (a split fleet's pools, traffic classes)."""
     if not rows:
         return ""
-    return (
-        f"<h2>Traffic classes</h2>{_html_table(rows, 'classes')}"
-        "<p>Met: the share of a class's requests, refused ones included, that met its TTFT and "
-        "TPOT targets (a class without targets meets them by finishing). Goodput: such requests "
-        "per second of the run, from its first arrival to its last finish. Refused: by admission "
-        "control (queue time: waited past the class's limit; unmeetable: no worker was predicted "
-        "to meet its TTFT target) and by tenant budgets (rate limit).</p>"
-    )
+    return f"<h2>{heading}</h2>{_html_table(rows, table_id)}<p>{note}</p>"

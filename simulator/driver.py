@@ -15,12 +15,10 @@ arrival costs the same on 8 workers or 512.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import TypeVar
@@ -47,6 +45,7 @@ from router.ledger import LedgerStore
 from router.policy import GlobalPolicy, LocalPolicy
 from router.records import Refusal, RequestRecord
 from router.request import BlockHash, Request
+from router.runtime.collector import paced_for_throughput
 from router.traits import IndexMode, Placement, Role
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import ModelGroup, check_requests, parse_fleet
@@ -448,7 +447,7 @@ class SimCluster:
             self.env.process(self._outage(*outage))
         if len(self.routers) > 1 and self.config.router_sync > 0:
             self.env.process(self._sync_routers())
-        with collector_for_a_run():
+        with paced_for_throughput():  # a run's total time is what counts, not its pauses
             self.env.run()
         self._progress.close()
         wall = time.perf_counter() - started
@@ -825,28 +824,6 @@ class DelayedKVEvents:
             apply(due)
         else:
             env.timeout(due - env.now).callbacks.append(lambda _: apply(due))
-
-
-@contextlib.contextmanager
-def collector_for_a_run() -> Iterator[None]:
-    """CPython's collector paced for a simulation's throughput. A run keeps much of what it
-    allocates for long (the trace, records, the index, requests in flight) and frees the rest
-    by reference counting, so the default collector walks a growing heap again and again: 23 %
-    of the CPU of a 2,048-worker run (least_load, tiled), 7 % at 512. Everything alive at the
-    start is frozen (no pass walks it) and young passes come every 50,000 allocations, not 700:
-    few objects live long enough to be walked twice. Process-wide, as the collector is; handed
-    back as it was (a caller's own freeze is left alone)."""
-    thresholds = gc.get_threshold()
-    freezes = gc.get_freeze_count() == 0
-    if freezes:
-        gc.freeze()
-    gc.set_threshold(50_000, 50, 100)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        if freezes:
-            gc.unfreeze()
 
 
 def simulate(trace: Trace, cost: CostModel | None, config: SimConfig) -> SimResult:

@@ -25,8 +25,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.config_errors import validated
 from router.cost_model import GPUS, MODELS, CostModel, FittedCost, roofline
 from router.request import Request
 
@@ -110,20 +111,7 @@ def load_fleet(path: str | Path) -> Fleet:
 
 
 def parse_fleet(raw: object, source: str = "fleet") -> Fleet:
-    try:
-        return Fleet.model_validate(raw)
-    except ValidationError as e:
-        raise ValueError(
-            f"{source}: " + "; ".join(_error_line(err) for err in e.errors())
-        ) from None
-
-
-def _error_line(err: Mapping[str, object]) -> str:
-    """`groups.1.gpu: unknown 'h900'; ...`: the field's path, then what is wrong with it."""
-    where = ".".join(str(p) for p in err["loc"])  # type: ignore[attr-defined]
-    ctx = err.get("ctx") or {}
-    message = str(ctx["error"]) if err["type"] == "value_error" else err["msg"]  # type: ignore[index]
-    return f"{where}: {message}" if where else str(message)
+    return validated(Fleet, raw, source)
 
 
 def check_requests(groups: Iterable[ModelGroup], requests: Iterable[Request]) -> None:

@@ -33,7 +33,9 @@ from typing import Literal, NamedTuple
 import networkx as nx
 import simpy
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.config_errors import validated
 
 GBPS = 1e9 / 8  # bytes/s in 1 Gb/s
 HOP = 1e-12  # seconds added per hop when choosing a path: equal latencies go the fewest hops
@@ -189,10 +191,7 @@ class Topology:
     def from_dict(
         cls, raw: object, num_gpus: int | None = None, source: str = "topology"
     ) -> Topology:
-        try:
-            spec = TopologySpec.model_validate(raw)
-        except ValidationError as e:
-            raise ValueError(f"{source}: " + "; ".join(map(_error_line, e.errors()))) from None
+        spec = validated(TopologySpec, raw, source)
         try:
             return cls.from_spec(spec, num_gpus)
         except ValueError as e:
@@ -406,12 +405,3 @@ class KVTransfers:
             self.env.timeout(latency).callbacks.append(land)
         else:
             land()
-
-
-def _error_line(err: Mapping[str, object]) -> str:
-    """`hosts.gpus: Input should be greater than 0`: the field's path, then what is wrong (the
-    same form as simulator/fleet.py's)."""
-    where = ".".join(str(p) for p in err["loc"])  # type: ignore[attr-defined]
-    ctx = err.get("ctx") or {}
-    message = str(ctx["error"]) if err["type"] == "value_error" else err["msg"]  # type: ignore[index]
-    return f"{where}: {message}" if where else str(message)

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 from openai import AsyncOpenAI
 
@@ -29,8 +28,7 @@ from router.proxy.prompts import PromptEncoder
 from router.proxy.service.config import ClusterConfig
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
-from router.runtime.processes import process
-from router.runtime.processes import wait_healthy as wait_healthy_sync
+from router.runtime.processes import process, wait_healthy, wait_healthy_async
 from traces.load import LoadResult
 from workers.emulated.app import create_app as create_emulated_app
 from workers.emulated.cli import emulated_command
@@ -50,7 +48,7 @@ def fairway_serve(config: dict, scratch: Path, timeout: float = 300.0) -> Iterat
     argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
     with process(argv, None, scratch / "serve.log", {"PYTHONPATH": str(ROOT)}):
         url = f"http://127.0.0.1:{config['port']}"
-        wait_healthy_sync(url, timeout)
+        wait_healthy(url, timeout)
         yield url
 
 
@@ -161,18 +159,6 @@ async def eventually(condition, tries: int = 250) -> bool:
 # ------------------------------------------------------------ processes to hurt on purpose
 
 
-async def wait_healthy(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(1)) as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
-
-
 @dataclass
 class ServerProc:
     """An emulated vLLM server in a process of its own (so it can be killed or stopped)."""
@@ -202,7 +188,7 @@ async def emulated_processes(
                 argv, cwd=ROOT, start_new_session=True, stdout=quiet, stderr=quiet
             )
             servers.append(ServerProc(f"http://127.0.0.1:{port}", proc))
-        await asyncio.gather(*(wait_healthy(s.url) for s in servers))
+        await asyncio.gather(*(wait_healthy_async(s.url) for s in servers))
         yield servers
     finally:
         for s in servers:

@@ -1,4 +1,7 @@
-"""Keep the garbage collector's pauses short while a large prefix index lives in the heap.
+"""Pace CPython's garbage collector, two ways: for short pauses while the live proxy serves
+(CollectorPacing), and for throughput while a simulation runs (`paced_for_throughput`).
+
+Live: keep the collector's pauses short while a large prefix index lives in the heap.
 
 A routing decision allocates little that dies in a cycle, but what it keeps is the index's new
 nodes, so CPython's collector keeps walking objects that will live on, and lands each walk inside
@@ -23,11 +26,20 @@ The price: a reference cycle that was alive at a freeze and dies later is reclai
 next `gc.unfreeze()`. The index breaks its own cycles when it prunes a node, so what can pile up
 is the proxy's per-request garbage; every `full_every` seconds everything is unfrozen and
 collected once (one long pause an hour, outside the p99.9 of decisions).
+
+A simulation: no decision waits on a pause, only the run's total time counts. A run keeps much
+of what it allocates for long (the trace, records, the index, requests in flight) and frees the
+rest by reference counting, so the default collector walks a growing heap again and again: 23 %
+of the CPU of a 2,048-worker run (least_load, tiled), 7 % at 512. `paced_for_throughput` freezes
+everything alive at the start (no pass walks it) and spaces the young passes to every 50,000
+allocations, not 700: few objects live long enough to be walked twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 NEVER = 1 << 30  # a gen-2 threshold no count reaches: gen 2 is left to the freezes
 
@@ -77,3 +89,24 @@ class CollectorPacing:
         self._thresholds = gc.get_threshold()
         gc.set_threshold(self.gen0_threshold, self.gen1_threshold, NEVER)
         gc.freeze()  # no collection first: at startup it would be the longest pause of all
+
+
+BATCH_THRESHOLDS = (50_000, 50, 100)  # gen 0, 1, 2: see the module's docstring
+
+
+@contextlib.contextmanager
+def paced_for_throughput() -> Iterator[None]:
+    """The collector paced for a batch run (a simulation) while the block runs. Process-wide,
+    as the collector is; handed back as it was, even when the block raises (a caller's own
+    freeze is left alone: unfreezing would undo it)."""
+    thresholds = gc.get_threshold()
+    freezes = gc.get_freeze_count() == 0
+    if freezes:
+        gc.freeze()
+    gc.set_threshold(*BATCH_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if freezes:
+            gc.unfreeze()

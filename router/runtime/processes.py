@@ -3,6 +3,7 @@ the worker pool, the benches and the tests all need."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 GUARD = Path(__file__).with_name("guard.py")
@@ -31,6 +32,12 @@ def wait_healthy(url: str, timeout: float = 60.0) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+async def wait_healthy_async(url: str, timeout: float = 60.0) -> None:
+    """`wait_healthy` from inside an event loop, which keeps running meanwhile: the same polls,
+    on a thread of their own (each ends within `timeout`, even if this await is cancelled)."""
+    await asyncio.to_thread(wait_healthy, url, timeout)
 
 
 @contextlib.contextmanager
@@ -58,12 +65,22 @@ def process(
 def stop(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM, then SIGKILL if `proc` is still there after `grace` seconds; reaped either way
     (no zombie left behind)."""
-    proc.terminate()
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_all([proc], grace)
+
+
+def stop_all(procs: Iterable[subprocess.Popen], grace: float) -> None:
+    """`stop` for several processes at once: all told first, so that together they take one
+    `grace`, not one each."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stat_fields(pid: int) -> list[str] | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import re
 
 import aiohttp
 import pytest
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from router.proxy.settings import Tenant, keyed
 from tests.live_helpers import emulated_workers, proxy, run, serving
+from tests.metrics_page import samples
 
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-0123456789"
 TENANTS = keyed({KEY_A: Tenant("team-a"), KEY_B: Tenant("team-b", priority=10)})
@@ -61,15 +61,6 @@ async def post(
 ) -> tuple[int, dict[str, str], dict]:
     async with s.post(f"{base}/v1/completions", json={**BODY, **extra}, headers=headers) as r:
         return r.status, dict(r.headers), await r.json()
-
-
-async def samples(s: aiohttp.ClientSession, admin: str, name: str) -> dict[str, float]:
-    """Every sample of `name` on the proxy's /metrics, by its label set."""
-    async with s.get(f"{admin}/metrics") as r:
-        assert r.status == 200
-        text = await r.text()
-    found = re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
-    return {labels: float(value) for labels, value in found}
 
 
 class TestPriorityReachesTheWorker:

@@ -15,6 +15,7 @@ from aiohttp import web
 from router.proxy.settings import Tenant, keyed
 from router.proxy.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
+from tests.metrics_page import total
 
 
 class TestOpenAIClient:
@@ -420,15 +421,6 @@ def test_a_client_hanging_up_aborts_its_non_streamed_request_at_the_worker() -> 
     """A non-streamed answer is sent whole at the end, so the client's departure shows only as
     a closed connection: the proxy must pass it on, and the worker stop generating."""
 
-    async def running(session: aiohttp.ClientSession, worker: str) -> float:
-        async with session.get(f"{worker}/metrics") as r:
-            text = await r.text()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:num_requests_running")
-        )
-
     async def go() -> None:
         async with emulated_workers(1, speed=0.2) as urls, proxy(urls) as (base, cluster):
             body = {"model": "tiny", "prompt": "hello " * 20, "max_tokens": 3000}
@@ -441,7 +433,7 @@ def test_a_client_hanging_up_aborts_its_non_streamed_request_at_the_worker() -> 
                     ) as r:
                         await r.read()  # fmt: skip
                 deadline = asyncio.get_running_loop().time() + 10
-                while await running(session, urls[0]) > 0:
+                while await total(session, urls[0], "vllm:num_requests_running") > 0:
                     assert asyncio.get_running_loop().time() < deadline, "still generating"
                     await asyncio.sleep(0.2)
             worker = next(iter(cluster.workers.values()))

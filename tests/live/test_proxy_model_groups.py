@@ -19,10 +19,12 @@ from router.proxy.service.config import ClusterConfig
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
 from tests.live_helpers import BLOCK, run, serving, tokenizer_dir
+from tests.metrics_page import total
 from workers.emulated.app import create_app as create_emulated_app
 
 PROMPT = "the same long document for every request " * 40
 ADMIN_TOKEN = "admin-token-for-groups"
+HITS = "fairway_prefix_hit_tokens_estimated_total"  # the router's predicted prefix hits
 
 
 @contextlib.asynccontextmanager
@@ -56,16 +58,6 @@ async def complete(session, url: str, model: str, **extra) -> tuple[int, dict, d
         return r.status, dict(r.headers), await r.json()
 
 
-async def estimated_hits(session, admin: str) -> float:
-    async with session.get(f"{admin}/metrics") as r:
-        text = await r.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("fairway_prefix_hit_tokens_estimated_total{")
-    )
-
-
 def test_each_group_is_served_by_its_workers_only() -> None:
     async def body() -> None:
         async with two_groups() as (session, url, _):
@@ -88,13 +80,13 @@ def test_another_salt_or_group_predicts_no_hit() -> None:
     async def body() -> None:
         async with two_groups() as (session, url, admin):
             assert (await complete(session, url, "beta", cache_salt="s1"))[0] == 200
-            assert await estimated_hits(session, admin) == 0
+            assert await total(session, admin, HITS) == 0
             assert (await complete(session, url, "beta", cache_salt="s1"))[0] == 200
-            hit = await estimated_hits(session, admin)
+            hit = await total(session, admin, HITS)
             assert hit >= len(PROMPT.split()) // 2  # the document, once cached, is expected
             for other in ({"cache_salt": "s2"}, {}):  # another salt, or none
                 assert (await complete(session, url, "beta", **other))[0] == 200
-                assert await estimated_hits(session, admin) == hit
+                assert await total(session, admin, HITS) == hit
             for bad in ("", 7):
                 status, _, error = await complete(session, url, "beta", cache_salt=bad)
                 assert status == 400 and error["error"]["param"] == "cache_salt"

@@ -16,6 +16,7 @@ import pytest
 from router.budgets import RateLimit
 from router.proxy.settings import Tenant, keyed
 from tests.live_helpers import emulated_workers, proxy, run
+from tests.metrics_page import samples
 
 LIMITED, FREE = "sk-limited-0001", "sk-free-000001"
 BURST = 3
@@ -50,14 +51,6 @@ async def post(
 ) -> tuple[int, dict[str, str], dict]:
     async with s.post(f"{base}/v1/completions", json={**BODY, **extra}, headers=auth(key)) as r:
         return r.status, dict(r.headers), await r.json()
-
-
-async def samples(s: aiohttp.ClientSession, admin: str, name: str) -> dict[str, float]:
-    """Every sample of `name` on the proxy's /metrics, by its label set."""
-    async with s.get(f"{admin}/metrics") as r:
-        text = await r.text()
-    found = re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
-    return {labels: float(value) for labels, value in found}
 
 
 def lower(headers: dict[str, str]) -> dict[str, str]:

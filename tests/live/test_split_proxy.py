@@ -12,7 +12,6 @@ import pytest
 
 from router.proxy.ports import free_ports
 from router.proxy.split import REMOTE_DECODE
-from tests.live.test_class_admission import samples
 from tests.live_helpers import (
     ROOT,
     client,
@@ -23,6 +22,7 @@ from tests.live_helpers import (
     run,
     split_proxy,
 )
+from tests.metrics_page import samples
 from traces.loaders import load_trace
 from workers.emulated.state import CONNECTOR
 from workers.launch import VLLM_PYTHON

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 from router.cli import main
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
-from simulator.driver import SimCluster, SimConfig, collector_for_a_run, simulate
+from simulator.driver import SimCluster, SimConfig, simulate
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.loaders import load_trace
@@ -150,34 +149,6 @@ class TestDeterminism:
         assert once(7) == once(7)
         if policy != "least_load":
             assert [r.worker for r in once(7)] != [r.worker for r in once(8)]
-
-
-class TestCollector:
-    """A run paces the process's garbage collector for throughput and hands it back."""
-
-    def test_a_run_freezes_the_heap_and_restores_the_collector(self) -> None:
-        thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
-        seen = []
-        with collector_for_a_run():
-            seen.append((gc.get_threshold(), gc.get_freeze_count() > 0))
-        assert seen == [((50_000, 50, 100), True)]
-        assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen
-
-    def test_a_callers_freeze_is_left_alone(self) -> None:
-        gc.freeze()
-        try:
-            frozen = gc.get_freeze_count()
-            with collector_for_a_run():
-                pass
-            assert gc.get_freeze_count() == frozen
-        finally:
-            gc.unfreeze()
-
-    def test_restored_when_the_run_fails(self) -> None:
-        thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
-        with pytest.raises(RuntimeError), collector_for_a_run():
-            raise RuntimeError("engine error")
-        assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen
 
 
 @pytest.mark.slow

@@ -22,8 +22,8 @@ import pytest
 from router.proxy.service.replicas import REPLICA_HEADER
 from router.proxy.service.store import OwnRedis
 from tests.live_helpers import emulated_workers, run
+from tests.metrics_page import samples
 from tests.system.test_live_replicas import fairway_serve
-from tests.system.test_store_outage import metric
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server (`make test` installs it)"
@@ -107,7 +107,7 @@ def test_two_replicas_enforce_one_budget(tmp_path) -> None:
 
             refused = Counter()
             for url in own:
-                for labels, value in (await metric(s, url, "fairway_rate_limited_total")).items():
+                for labels, value in (await samples(s, url, "fairway_rate_limited_total")).items():
                     refused[labels] += value
             assert refused == {
                 '{client="alpha",limit="requests"}': BURST,
@@ -139,7 +139,7 @@ def test_a_killed_store_fails_open_admitting_and_counting(tmp_path) -> None:
                     "unmetered answers claim no figures"
                 )
                 for url in own:
-                    errors = await metric(s, url, "fairway_rate_limit_store_errors_total")
+                    errors = await samples(s, url, "fairway_rate_limit_store_errors_total")
                     assert errors[""] >= BURST, (url, errors)
                 text = log_path.read_text()
                 warnings = Counter(
@@ -185,7 +185,7 @@ def test_a_killed_store_fails_closed_with_a_503(tmp_path) -> None:
                     assert headers["retry-after"] == "1"
                     status, _, body = await ask(s, url, FREE)
                     assert status == 200, "a tenant without a budget needs no store"
-                    errors = await metric(s, url, "fairway_rate_limit_store_errors_total")
+                    errors = await samples(s, url, "fairway_rate_limit_store_errors_total")
                     assert errors[""] >= 1, errors
                 assert "failing closed" in log_path.read_text()
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from router.proxy.ports import free_ports
-from router.runtime.processes import wait_healthy
+from router.runtime.processes import stop, wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
 from workers.emulated.cli import emulated_command
 
@@ -84,12 +84,7 @@ def fairway_serve(
         wait_healthy(url, timeout=60)
         yield Proxy(url, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 10.0)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import yaml
 from aiohttp import web
 
 from router.proxy.service.config import ClusterConfig
+from router.runtime.processes import wait_healthy
 from tests.live_helpers import (
     ROOT,
     assert_every_request_ended,
@@ -41,7 +42,6 @@ from tests.live_helpers import (
     run,
     serving,
     session_pids,
-    wait_healthy,
 )
 from traces.load import LoadResult, LoadSpec, run_load, send
 from workers.launch import VLLM_PYTHON, server_specs
@@ -420,7 +420,7 @@ class TestRayHeadKilled:
             serve = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
             base = f"http://127.0.0.1:{port}"
             try:
-                asyncio.run(wait_healthy(base, 90))
+                wait_healthy(base, 90)
                 ports = (first, first + 1)
                 servers = _emulated_on(ports)  # and their guards
                 front = [p for p in servers if "guard.py" not in process_args(p)]

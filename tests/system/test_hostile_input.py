@@ -33,7 +33,7 @@ from router.proxy.ports import free_ports
 from router.proxy.service.config import validate_config
 from router.proxy.service.serve import settings_of
 from router.proxy.settings import Tenant, keyed
-from router.runtime.processes import wait_healthy
+from router.runtime.processes import stop_all, wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
 from workers.emulated.cli import emulated_command
 
@@ -94,14 +94,7 @@ def servers():
     finally:
         # A proxy drains its connections on SIGTERM, lingering on a refused upload for up to
         # 10 s (aiohttp reads what a client still sends so it can see the answer): not waited.
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs.values(), 2.0)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -32,6 +32,7 @@ from router.proxy.service.replicas import REPLICA_HEADER
 from router.proxy.service.serve import SHUTDOWN_GRACE
 from router.proxy.service.shared_state import SharedState, decode_key, encode_key
 from router.proxy.service.store import redis_server
+from router.runtime.processes import wait_healthy_async
 from tests.live_helpers import (
     BLOCK,
     ROOT,
@@ -43,7 +44,6 @@ from tests.live_helpers import (
     proxy,
     run,
     tokenizer_dir,
-    wait_healthy,
 )
 from traces.load import LoadSpec, Outcome, request_body, send
 
@@ -311,7 +311,7 @@ async def fairway_serve(tmp_path: Path, worker_urls: list[str], routers: int, **
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     own_urls = [f"http://127.0.0.1:{p}" for p in own]
     try:
-        await asyncio.gather(*(wait_healthy(u, 90) for u in own_urls))
+        await asyncio.gather(*(wait_healthy_async(u, 90) for u in own_urls))
         yield f"http://127.0.0.1:{port}", own_urls, proc, log_path
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -433,7 +433,7 @@ class TestServeReplicas:
                 victim, _ = await ended_at(admin, own[1])
                 outcomes = await load_with_a_kill(base, spec, int(victim.split("-")[1]))
                 # Let the supervisor restart the victim, then read every replica's counts.
-                await wait_healthy(own[1], 60)
+                await wait_healthy_async(own[1], 60)
                 per_token = Counter(t for o, t in outcomes if o.kind == "ok")
                 failed = [o for o, t in outcomes if o.kind != "ok"]
                 assert len(outcomes) == spec.num_requests, "count in = count out at the client"

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from router.proxy.ports import free_ports
-from router.runtime.processes import wait_healthy
+from router.runtime.processes import stop_all, wait_healthy
 from tests.live_helpers import ROOT, tokenizer_dir
 from workers.emulated.cli import emulated_command
 
@@ -111,14 +111,7 @@ def fleet() -> Iterator[Fleet]:
             url(open_port), url(open_admin), url(keyed_port), list(map(url, keyed_admins)), scratch
         )
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs, 40.0)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

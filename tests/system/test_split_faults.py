@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from router.proxy.driver import LiveCluster
-from tests.live.test_class_admission import samples
 from tests.live_helpers import (
     ProxyURL,
     assert_every_request_ended,
@@ -28,6 +27,7 @@ from tests.live_helpers import (
     run,
     split_proxy,
 )
+from tests.metrics_page import samples
 from tests.system.test_faults import FAST, under_load
 from traces.load import LoadResult, LoadSpec
 

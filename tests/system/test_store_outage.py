@@ -27,6 +27,7 @@ import yaml
 from dashboards import grafana
 from router.proxy.ports import free_port
 from tests.live_helpers import run
+from tests.metrics_page import samples
 from tests.system.test_dashboards import wait_until_scraping
 from tests.system.test_live_replicas import replica_state
 from tests.system.test_replica_agreement import (
@@ -55,18 +56,6 @@ def redis_pid(log_path: Path) -> int:
     return int(children[0])
 
 
-async def metric(session: aiohttp.ClientSession, own_url: str, name: str) -> dict[str, float]:
-    """Every sample of `name` on a replica's /metrics, by its label set ("" for none)."""
-    async with session.get(f"{own_url}/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(rf"{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m:
-            out[m.group(1) or ""] = float(m.group(2))
-    return out
-
-
 class Watch:
     """What each replica said about its sync, sampled every 50 ms."""
 
@@ -78,7 +67,7 @@ class Watch:
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
             for i, url in enumerate(self.own):
-                with_up = await metric(session, url, "fairway_shared_state_up")
+                with_up = await samples(session, url, "fairway_shared_state_up")
                 self.up[i].add(with_up[""])
                 async with session.get(f"{url}/health") as r:
                     assert r.status == 200, await r.text()  # degraded is still serving
@@ -203,11 +192,11 @@ def test_a_store_killed_then_stopped_under_load(tmp_path) -> None:
             for i, url in enumerate(own):
                 assert watch.up[i] == {0.0, 1.0}, f"replica {i}'s up went {watch.up[i]}"
                 assert watch.health[i] >= {"ok", "degraded"}, watch.health[i]
-                failures = await metric(session, url, "fairway_shared_state_sync_failures_total")
+                failures = await samples(session, url, "fairway_shared_state_sync_failures_total")
                 kinds = {re.search(r'kind="(\w+)"', k)[1]: v for k, v in failures.items()}  # type: ignore[index]
                 assert kinds["connection"] > 0 and kinds["timeout"] > 0, kinds
-                assert (await metric(session, url, "fairway_shared_state_up"))[""] == 1.0
-                since = await metric(session, url, "fairway_shared_state_seconds_since_sync")
+                assert (await samples(session, url, "fairway_shared_state_up"))[""] == 1.0
+                since = await samples(session, url, "fairway_shared_state_seconds_since_sync")
                 assert since[""] < 1.0, since
             text = log_path.read_text()
             assert "came back without its state" in text and "in sync again" in text

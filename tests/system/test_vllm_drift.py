@@ -31,6 +31,7 @@ from router.proxy.prompts import PromptEncoder
 from router.proxy.service.config import ClusterConfig
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
+from router.runtime.processes import wait_healthy_async
 from tests.live.test_live_drift import (
     Asker,
     doc,
@@ -41,7 +42,7 @@ from tests.live.test_live_drift import (
     to_levels,
     until_precise_holds,
 )
-from tests.live_helpers import BLOCK, ProxyURL, free_port, run, serving, wait_healthy
+from tests.live_helpers import BLOCK, ProxyURL, free_port, run, serving
 from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import ServerSpec, WorkerPool
 
@@ -249,7 +250,7 @@ def test_a_restart_the_health_checks_miss(servers: Servers) -> None:
                     break
                 await asyncio.sleep(0.1)
             started = time.monotonic()
-            await wait_healthy(servers.usual.url, timeout=240)
+            await wait_healthy_async(servers.usual.url, timeout=240)
             print(f"\nvllm-cpu restarted in {time.monotonic() - started:.0f} s")
             assert cluster.view.workers[0].healthy, "the router did not see it go"
 

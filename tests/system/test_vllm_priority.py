@@ -20,6 +20,7 @@ import pytest
 
 from router.proxy.ports import free_ports
 from tests.live_helpers import fairway_serve, run
+from tests.metrics_page import total
 from workers.launch import VLLM_PYTHON
 
 pytestmark = pytest.mark.slow
@@ -71,16 +72,6 @@ async def complete(
     return time.monotonic() - started
 
 
-async def waiting_at(s: aiohttp.ClientSession, vllm: str) -> float:
-    async with s.get(f"{vllm}/metrics") as r:
-        text = await r.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_waiting{")
-    )
-
-
 async def seconds_per_token(s: aiohttp.ClientSession, url: str) -> float:
     """The server's time per output token, measured: the least of a few differences between a
     long and a short answer (a loaded machine only makes a difference longer)."""
@@ -106,7 +97,7 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_ones_at_vllm(served) -
 
         low = [asyncio.create_task(ask(f"low-{i}", 10)) for i in range(NUM_LOW)]
         for _ in range(200):  # bounded: 10 s at most
-            if await waiting_at(s, vllm) >= NUM_LOW - 2:
+            if await total(s, vllm, "vllm:num_requests_waiting") >= NUM_LOW - 2:
                 break
             await asyncio.sleep(0.05)
         else:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
 
 from router.prefix_index import PrefixIndex
-from router.runtime.collector import CollectorPacing
 
 
 class Oracle:
@@ -198,23 +196,3 @@ class TestTouch:
         prefix, tail = index.path([1, 2, 3])
         assert (index.hit_count(prefix, 2.0), index.hit_count(tail, 2.0)) == (1, 1)
         assert prefix.workers[0] == 2.0, "still refreshed: the prefix is in use"
-
-
-class TestCollectorPacing:
-    """What keeps a large index out of the collector's walks (router.runtime.collector)."""
-
-    def test_freezes_on_schedule_and_hands_the_collector_back(self) -> None:
-        before = gc.get_threshold()
-        pacing = CollectorPacing(every=10.0, gen0_threshold=200, gen1_threshold=3)
-        try:
-            pacing.tick(0.0)
-            assert gc.get_threshold()[:2] == (200, 3), "young passes small"
-            frozen = gc.get_freeze_count()
-            survivors = [[i] for i in range(1000)]
-            pacing.tick(5.0)
-            assert gc.get_freeze_count() == frozen, "nothing frozen before `every` elapsed"
-            pacing.tick(10.0)
-            assert gc.get_freeze_count() >= frozen + len(survivors), "survivors frozen"
-        finally:
-            pacing.stop()
-        assert gc.get_threshold() == before and gc.get_freeze_count() == 0

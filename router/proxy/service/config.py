@@ -25,7 +25,6 @@ from pydantic import (
     PlainSerializer,
     SecretStr,
     SerializationInfo,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -33,6 +32,7 @@ from pydantic import (
 
 import policies
 from router.classes import ClassTable, TrafficClass
+from router.config_errors import FieldError, validated
 from router.cost_model import GPUS, MODELS, FittedCost
 from router.proxy.settings import (
     BODY_TIMEOUT,
@@ -49,15 +49,6 @@ from router.traits import IndexMode, Role
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FieldError(ValueError):
-    """A check across a model's fields, blamed on one of them: named `model.field` in the
-    error, as a check of that field alone would be (`_error_line`)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def _one_of(known: Mapping[str, object], what: str) -> Callable[[str], str]:
@@ -655,19 +646,4 @@ def load_config(path: str | Path, **overrides: object) -> ClusterConfig:
 
 
 def validate_config(raw: dict, source: str = "config") -> ClusterConfig:
-    try:
-        return ClusterConfig.model_validate(raw)
-    except ValidationError as e:
-        lines = [_error_line(err) for err in e.errors()]
-        raise ValueError(f"{source}: " + "; ".join(lines)) from None
-
-
-def _error_line(err) -> str:
-    """One validation error, named by its field; a whole model's own checks name it in their
-    message (`admin_port: ...`), or blame a field (FieldError). Never the input: it may be a
-    secret."""
-    where = ".".join(str(p) for p in err["loc"])
-    blamed = (err.get("ctx") or {}).get("error")
-    if isinstance(blamed, FieldError):
-        return f"{where + '.' if where else ''}{blamed.field}: {blamed}"
-    return f"{where}: {err['msg']}" if where else err["msg"]
+    return validated(ClusterConfig, raw, source)
