@@ -342,6 +342,26 @@ class RouterMetrics:
             "rate_limit_store_failure; charges dropped)",
             registry=r,
         )
+        self.degraded = Labelled(
+            Gauge(
+                "fairway_degraded",
+                "1 while the proxy serves degraded (/health says why), by cause: ray_gcs (Ray's "
+                "GCS is gone: the proxy stops at the end of ray_gcs_grace), shared_state (a "
+                "replica out of sync with its store)",
+                ["cause"],
+                registry=r,
+            )
+        )
+        self.own_trouble = Labelled(
+            Counter(
+                "fairway_own_trouble",
+                "Checks of a dependency this process could not even make, by watcher (health, "
+                "metrics, kv_events, store) and cause (descriptors, memory, executor, "
+                "loop_stall); never counted against the dependency",
+                ["watcher", "cause"],
+                registry=r,
+            )
+        )
         self._shared_state: SharedStateMetrics | None = None
         self.loop_lag = Histogram(
             "fairway_event_loop_lag_seconds",
@@ -361,6 +381,14 @@ class RouterMetrics:
         c = self.clients
         c.tenants, c.top, c.named = frozenset(tenants), top, dict(named or {})
         c.hide = hide or c.hide
+
+    def watch_degraded(self, cause: str, is_degraded: Callable[[], bool]) -> None:
+        """fairway_degraded{cause} reads `is_degraded()` at each scrape."""
+        self.degraded.labels(cause).set_function(lambda: 1.0 if is_degraded() else 0.0)
+
+    def count_own_trouble(self, watcher: str) -> Callable[[str], None]:
+        """What a watcher's TroubleLog calls per check not made: fairway_own_trouble_total."""
+        return lambda cause: self.own_trouble.labels(watcher, cause).inc()
 
     def _per_client(self, metric: Histogram) -> _PerClient:
         return _PerClient(metric, self.clients)
@@ -393,8 +421,8 @@ class SharedStateMetrics:
         self.failures = Labelled(
             Counter(
                 "fairway_shared_state_sync_failures",
-                "Failed syncs with the replicas' store, by kind (timeout, connection, loading, "
-                "auth, response, other)",
+                "Failed syncs with the replicas' store, by kind (own: this replica could not "
+                "even try; timeout, connection, loading, auth, response, other)",
                 ["kind"],
                 registry=registry,
             )
@@ -404,7 +432,7 @@ class SharedStateMetrics:
             "Times the store came back without its state and this replica re-published its own",
             registry=registry,
         )
-        for kind in ("timeout", "connection", "loading", "auth", "response", "other"):
+        for kind in ("own", "timeout", "connection", "loading", "auth", "response", "other"):
             self.failures.labels(kind)  # zero series from the start: rate() needs them
 
     def watch(self, state: SyncState) -> None:
