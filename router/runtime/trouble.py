@@ -125,11 +125,9 @@ class TroubleLog:
 
     def _report(self, n: int, cause: str, detail: str) -> None:
         self.log.warning(
-            "%s: %d checks not made in the last %g s (%s: %s); %d in all, none counted "
-            "against what it watches",
+            "%s: %d more checks not made (%s: %s), %d in all; none counted against what it watches",
             self.watcher,
             n,
-            self.every,
             cause,
             detail,
             self.total,

@@ -180,13 +180,14 @@ class TestTroubleLog:
             clock.now += 5.1
             trouble.add(DESCRIPTORS, "EMFILE")
             assert len(caplog.records) == 2
-            assert "51 checks not made in the last 10 s" in caplog.records[1].message
-            assert "52 in all" in caplog.records[1].message
+            assert "51 more checks not made (descriptors: EMFILE), 52 in all" in (
+                caplog.records[1].message
+            )
             trouble.add(MEMORY, "ENOMEM")
             trouble.clear()
             assert [r.message for r in caplog.records[2:]] == [
-                "watch: 1 checks not made in the last 10 s (memory: ENOMEM); 53 in all, none "
-                "counted against what it watches",
+                "watch: 1 more checks not made (memory: ENOMEM), 53 in all; none counted "
+                "against what it watches",
                 "watch: checking again",
             ]
             trouble.clear()  # not in trouble: says nothing
