@@ -200,7 +200,34 @@ CLASS_PANELS: tuple[Panel, ...] = (
         "reqps",
     ),
 )
-ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (("Traffic classes and budgets", CLASS_PANELS),)
+# What the proxy relies on (Ray's GCS, the replicas' store), and the checks of it the proxy
+# could not even make for want of its own resources (router/runtime/trouble.py): their series
+# exist with Ray's workers, with replicas, or once such a check came, so a row of their own.
+DEPENDENCY_PANELS: tuple[Panel, ...] = (
+    Panel(
+        "Degraded, by cause (ray_gcs: the proxy stops at the end of ray_gcs_grace)",
+        (("fairway_degraded", "{{cause}} {{instance}}"),),
+    ),
+    Panel(
+        "Checks the proxy could not make (its own trouble), by watcher and cause",
+        (
+            (
+                "sum by (watcher, cause) (rate(fairway_own_trouble_total[1m]))",
+                "{{watcher}} {{cause}}",
+            ),
+        ),
+        "ops",
+    ),
+    Panel(
+        "Syncs with the replicas' store that failed, by kind",
+        (("sum by (kind) (rate(fairway_shared_state_sync_failures_total[1m]))", "{{kind}}"),),
+        "ops",
+    ),
+)
+ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
+    ("Traffic classes and budgets", CLASS_PANELS),
+    ("Dependencies and own trouble", DEPENDENCY_PANELS),
+)
 
 
 def _panel(panel_id: int, p: Panel, x: int, y: int) -> dict:
@@ -300,8 +327,9 @@ def alert_rules(
     """Prometheus alerting rules: the index's predictions and the workers' reuse drift apart
     (a tokenizer or chat-template mismatch, lost KV events, a worker restarted with an empty
     cache), routing fell back from the index it was configured with, a router replica has
-    not synced with the replicas' store for `sync_hold`, and the interactive class's answered
-    requests met their targets less than `attainment_target` of the time over 5 minutes."""
+    not synced with the replicas' store for `sync_hold`, the interactive class's answered
+    requests met their targets less than `attainment_target` of the time over 5 minutes, and
+    Ray's GCS is gone (the proxy serves on through its grace, then stops)."""
     return {
         "groups": [
             {
@@ -353,6 +381,19 @@ def alert_rules(
                             f"{attainment_target:.0%} of interactive requests answered over "
                             "5 minutes met their TTFT and TPOT targets. Check the refusals "
                             "and queue depth: batch load past capacity, or a worker down.",
+                        },
+                    },
+                    {
+                        "alert": "FairwayRayGcsLost",
+                        "expr": 'fairway_degraded{cause="ray_gcs"} == 1',
+                        "for": "0s",
+                        "labels": {"severity": "critical"},
+                        "annotations": {
+                            "summary": "Ray's GCS is gone: the proxy stops when its grace ends",
+                            "description": "{{ $labels.instance }} lost its workers' Ray GCS. "
+                            "It serves on the workers that still answer, degraded, and stops "
+                            "itself when ray_gcs_grace is over. Bring the Ray head back within "
+                            "the grace (the stop is called off), or restart the proxy after.",
                         },
                     },
                 ],
