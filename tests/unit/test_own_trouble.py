@@ -322,6 +322,17 @@ class TestGcsGrace:
         assert wait_for(lambda: stopped, 5.0)
         assert stopped == ["gone again for 0.2 s (ray_gcs_grace)"]
 
+    def test_with_no_worker_left_healthy_there_is_nothing_to_serve_it_through(self) -> None:
+        stopped: list[str] = []
+        grace = GcsGrace(60.0, stopped.append)
+        grace.num_healthy = 2
+        grace("gone")
+        time.sleep(0.6)
+        assert stopped == [], "two workers still answer: the grace runs"
+        grace.num_healthy = 0  # Ray took its actors, and their servers, with the GCS
+        assert wait_for(lambda: stopped, 5.0)
+        assert stopped == ["gone, and no worker is left healthy to serve through the grace"]
+
     def test_no_grace_stops_at_once(self) -> None:
         stopped: list[str] = []
         GcsGrace(0.0, stopped.append)("gone")

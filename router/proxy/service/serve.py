@@ -4,14 +4,17 @@ in front of workers that are already running (`fairway serve` starts them: route
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from aiohttp import web
 from pydantic import SecretStr
 
 import policies
@@ -139,6 +142,7 @@ def run_proxy(
     if gcs is not None:
         app[HEALTH_NOTES].append(gcs.health_note)
         cluster.metrics.watch_degraded("ray_gcs", gcs.is_degraded)
+        app.cleanup_ctx.append(gcs.watching(cluster))
     admin = admin_socket(config.admin_host, config.admin_ports[0])  # /metrics, /admin/*
     log.info(
         "Fairway proxy on http://%s:%d, admin on http://%s:%d (policy %s)",
@@ -171,13 +175,16 @@ class GcsGrace:
     it, and tells it again when the GCS answers). Without its GCS Ray takes its actors, and
     their servers, sooner or later (at once on the GCS's own node), so the proxy stops: but
     only after `grace` seconds, serving meanwhile on whatever workers still pass their health
-    checks, and saying so (/health `degraded`, fairway_degraded{cause="ray_gcs"}). A GCS that
-    answers again within the grace calls the stop off. Either way the reason is logged.
+    checks, and saying so (/health `degraded`, fairway_degraded{cause="ray_gcs"}). With no
+    worker left healthy there is nothing to serve, and it stops at once. A GCS that answers
+    again within the grace calls the stop off. Either way the reason is logged.
 
-        answering ── lost(reason) ──▶ degraded ── `grace` s ──▶ stop (as on SIGTERM)
-            ▲                            │
+        answering ── lost(reason) ──▶ degraded ── `grace` s, or no worker healthy ──▶ stop
+            ▲                            │                         (as on SIGTERM)
             └──────── lost(None) ────────┘
     """
+
+    POLL = 0.25  # seconds between looks at the grace and the healthy workers
 
     def __init__(
         self,
@@ -188,7 +195,10 @@ class GcsGrace:
         self.grace, self.stop, self.clock = grace, stop, clock
         self.reason: str | None = None  # while the GCS is lost
         self.since = 0.0
-        self._timer: threading.Timer | None = None  # the stop, while the grace runs
+        # Healthy workers, as the proxy's event loop last counted them (`watching`); None: not
+        # counted (router replicas, whose parent holds this), and the grace runs whole.
+        self.num_healthy: int | None = None
+        self._called_off = threading.Event()  # the current loss's: set when the GCS is back
         self._lock = threading.Lock()
 
     def __call__(self, reason: str | None) -> None:
@@ -210,27 +220,33 @@ class GcsGrace:
             reason,
             self.grace,
         )
-        timer = threading.Timer(self.grace, self._grace_over, args=(reason,))
-        timer.daemon = True
-        self._timer = timer
-        timer.start()
+        called_off = self._called_off = threading.Event()
+        threading.Thread(
+            target=self._serve_on, args=(reason, called_off), name="fairway-gcs-grace", daemon=True
+        ).start()
+
+    def _serve_on(self, reason: str, called_off: threading.Event) -> None:
+        while not called_off.wait(self.POLL):
+            if self.num_healthy == 0:
+                why = f"{reason}, and no worker is left healthy to serve through the grace"
+            elif self.clock() - self.since >= self.grace:
+                why = f"{reason} for {self.grace:g} s (ray_gcs_grace)"
+            else:
+                continue
+            with self._lock:
+                if called_off.is_set():
+                    return
+            self.stop(why)
+            return
 
     def _answers_again(self) -> None:
         if self.reason is None:
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._called_off.set()
         log.warning(
             "Ray's GCS answers again after %.1f s: not shutting down", self.clock() - self.since
         )
         self.reason = None
-
-    def _grace_over(self, reason: str) -> None:
-        with self._lock:
-            if self._timer is not threading.current_thread():  # called off meanwhile
-                return
-        self.stop(f"{reason} for {self.grace:g} s (ray_gcs_grace)")
 
     def is_degraded(self) -> bool:
         return self.reason is not None
@@ -242,3 +258,23 @@ class GcsGrace:
             return None
         left = max(0.0, self.grace - (self.clock() - self.since))
         return f"{reason}: serving on the workers that answer, shutting down in {left:.0f} s"
+
+    def watching(self, cluster: LiveCluster) -> Callable[[web.Application], AsyncIterator[None]]:
+        """An aiohttp cleanup context that counts the healthy workers for the grace, on the
+        event loop that owns them, every POLL seconds while the app runs."""
+
+        async def ctx(app: web.Application) -> AsyncIterator[None]:
+            async def count() -> None:
+                while True:
+                    self.num_healthy = len(cluster.healthy())
+                    await asyncio.sleep(self.POLL)
+
+            task = asyncio.create_task(count(), name="fairway-gcs-grace")
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        return ctx
