@@ -107,6 +107,22 @@ PANELS: tuple[Panel, ...] = (
     Panel(
         "Index size (blocks) per worker", (("fairway_index_blocks", "{{mode}} worker {{worker}}"),)
     ),
+    # What the proxy relies on, and the checks of it the proxy could not even make for want of
+    # its own resources (router/runtime/trouble.py): never counted against the dependency.
+    Panel(
+        "Degraded, by cause (ray_gcs: the proxy stops at the end of ray_gcs_grace)",
+        (("fairway_degraded", "{{cause}} {{instance}}"),),
+    ),
+    Panel(
+        "Checks of the workers the proxy could not make (its own trouble)",
+        (
+            (
+                "sum by (watcher, cause) (rate(fairway_own_trouble_total[1m]))",
+                "{{watcher}} {{cause}}",
+            ),
+        ),
+        "ops",
+    ),
     # Split prefill and decode: the pools apart. Each worker's role is exported once
     # (fairway_worker_role) and joined onto its series; a mixed fleet shows one pool, "mixed".
     Panel(
@@ -200,34 +216,7 @@ CLASS_PANELS: tuple[Panel, ...] = (
         "reqps",
     ),
 )
-# What the proxy relies on (Ray's GCS, the replicas' store), and the checks of it the proxy
-# could not even make for want of its own resources (router/runtime/trouble.py): their series
-# exist with Ray's workers, with replicas, or once such a check came, so a row of their own.
-DEPENDENCY_PANELS: tuple[Panel, ...] = (
-    Panel(
-        "Degraded, by cause (ray_gcs: the proxy stops at the end of ray_gcs_grace)",
-        (("fairway_degraded", "{{cause}} {{instance}}"),),
-    ),
-    Panel(
-        "Checks the proxy could not make (its own trouble), by watcher and cause",
-        (
-            (
-                "sum by (watcher, cause) (rate(fairway_own_trouble_total[1m]))",
-                "{{watcher}} {{cause}}",
-            ),
-        ),
-        "ops",
-    ),
-    Panel(
-        "Syncs with the replicas' store that failed, by kind",
-        (("sum by (kind) (rate(fairway_shared_state_sync_failures_total[1m]))", "{{kind}}"),),
-        "ops",
-    ),
-)
-ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
-    ("Traffic classes and budgets", CLASS_PANELS),
-    ("Dependencies and own trouble", DEPENDENCY_PANELS),
-)
+ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (("Traffic classes and budgets", CLASS_PANELS),)
 
 
 def _panel(panel_id: int, p: Panel, x: int, y: int) -> dict:

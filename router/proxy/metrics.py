@@ -15,6 +15,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.runtime.trouble import CAUSES
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -22,6 +24,8 @@ LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 
 
 OTHER = "other"
 NO_DECODE = "none"  # fairway_handoffs_total's worker when no decode worker was healthy
+DEGRADED_CAUSES = ("ray_gcs", "shared_state")  # fairway_degraded's
+WATCHERS = ("health", "metrics", "kv_events")  # fairway_own_trouble_total's (monitor.py)
 
 
 class SyncState(Protocol):
@@ -355,13 +359,19 @@ class RouterMetrics:
         self.own_trouble = Labelled(
             Counter(
                 "fairway_own_trouble",
-                "Checks of a dependency this process could not even make, by watcher (health, "
-                "metrics, kv_events, store) and cause (descriptors, memory, executor, "
-                "loop_stall); never counted against the dependency",
+                "Checks of the workers this process could not even make, by watcher (health, "
+                "metrics, kv_events) and cause (descriptors, memory, executor, loop_stall); "
+                "never counted against the worker",
                 ["watcher", "cause"],
                 registry=r,
             )
         )
+        # Zero series from the start: the dashboard and rate() need them.
+        for cause in DEGRADED_CAUSES:
+            self.degraded.labels(cause).set(0)
+        for watcher in WATCHERS:
+            for cause in CAUSES:
+                self.own_trouble.labels(watcher, cause)
         self._shared_state: SharedStateMetrics | None = None
         self.loop_lag = Histogram(
             "fairway_event_loop_lag_seconds",
