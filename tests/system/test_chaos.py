@@ -55,7 +55,12 @@ from tests.live_helpers import (
     ray_head,
     tokenizer_dir,
 )
-from tests.system.test_connections import completion_request, exchange, hold_half_sent
+from tests.system.test_connections import (
+    Answer,
+    completion_request,
+    exchange,
+    hold_half_sent,
+)
 from tests.system.test_store_outage import redis_pid
 from workers import emulated
 
@@ -82,8 +87,8 @@ class HangingMetrics:
         self.hang = threading.Event()
         self.hung = 0  # scrapes held
         self.url = ""
+        self.runner: web.AppRunner | None = None
         self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     def start(self) -> str:
@@ -102,20 +107,22 @@ class HangingMetrics:
 
         app = emulated.create_app(tokenizer_dir(), "tiny", BLOCK)
         app.middlewares.append(hanging)
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        runner = self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        if self._thread.is_alive():
+        if not self._thread.is_alive():
+            return
+        if self.runner is not None:
             future = asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self._loop)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: whatever it says, go on
                 future.result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
 
 @contextlib.contextmanager
@@ -334,7 +341,26 @@ def served_within(base: str, seconds: float) -> float:
     raise AssertionError(f"no completion answered within {seconds:g} s")
 
 
-def assert_full_then_room(probes: list) -> None:
+@contextlib.contextmanager
+def flooded(port: int) -> Iterator[None]:
+    """HALF_SENT connections to `port`, each having sent half a request head, held open while
+    the block runs."""
+    held = hold_half_sent(port, HALF_SENT)
+    try:
+        assert len(held) == HALF_SENT, f"only {len(held)} connections held"
+        yield
+    finally:
+        for s in held:
+            s.close()
+
+
+def probe(port: int) -> Answer:
+    """A completion on a new connection to `port`, judged from the bytes that came back."""
+    request = completion_request(json.dumps(COMPLETION).encode())
+    return asyncio.run(exchange(port, [request], wait=3))
+
+
+def assert_full_then_room(probes: list[Answer]) -> None:
     """Probes sent on new connections through a flood: while the proxy is full, a 503 in the
     OpenAI shape (never a refused or dropped connection); once a stream or a load has ended
     and let a connection go, room again."""
@@ -399,18 +425,12 @@ class TestFleet:
         with under_load(fleet.base, "tiny", duration=5, num_requests=10_000) as results:
             time.sleep(0.5)  # the load's connections are open
             with open_files(fleet.proc.pid, NOFILE):
-                held = hold_half_sent(fleet.port, HALF_SENT)
-                try:
-                    assert len(held) == HALF_SENT, f"only {len(held)} connections held"
+                with flooded(fleet.port):
                     for _ in range(4):
                         status, body = fleet.health(2.0)
                         assert status == 200 and body["healthy_workers"] == 3, (status, body)
-                        request = completion_request(json.dumps(COMPLETION).encode())
-                        probes.append(asyncio.run(exchange(fleet.port, [request], wait=3)))
+                        probes.append(probe(fleet.port))
                         time.sleep(0.5)
-                finally:
-                    for s in held:
-                        s.close()
                 took = served_within(fleet.base, 1.0)
         streaming.join(90)
         assert_full_then_room(probes)
@@ -650,20 +670,14 @@ def test_redis_paused_with_an_fd_flood_under_two_routers_degrades_then_recovers(
             open_files(pids[0], NOFILE),
             open_files(pids[1], NOFILE),
         ):
-            held = hold_half_sent(replicas.port, HALF_SENT)
-            try:
-                assert len(held) == HALF_SENT, f"only {len(held)} connections held"
+            with flooded(replicas.port):
                 for _ in range(8):  # 4 s: past the sync's timeout
                     for i, url in enumerate(replicas.own):
                         status, body = http(f"{url}/health", 2.0)
                         assert status == 200, (i, status, body)
                         seen[i].add(body["status"])
-                    request = completion_request(json.dumps(COMPLETION).encode())
-                    probes.append(asyncio.run(exchange(replicas.port, [request], wait=3)))
+                    probes.append(probe(replicas.port))
                     time.sleep(0.5)
-            finally:
-                for s in held:
-                    s.close()
             took = served_within(replicas.base, 1.0)
     wait_until(replicas.in_sync, 15, "both replicas in sync again")
     assert replicas.pids() == pids, "no replica restarted"
