@@ -107,6 +107,22 @@ PANELS: tuple[Panel, ...] = (
     Panel(
         "Index size (blocks) per worker", (("fairway_index_blocks", "{{mode}} worker {{worker}}"),)
     ),
+    # What the proxy relies on, and the checks of it the proxy could not even make for want of
+    # its own resources (router/runtime/trouble.py): never counted against the dependency.
+    Panel(
+        "Degraded, by cause (ray_gcs: the proxy stops at the end of ray_gcs_grace)",
+        (("fairway_degraded", "{{cause}} {{instance}}"),),
+    ),
+    Panel(
+        "Checks of the workers the proxy could not make (its own trouble)",
+        (
+            (
+                "sum by (watcher, cause) (rate(fairway_own_trouble_total[1m]))",
+                "{{watcher}} {{cause}}",
+            ),
+        ),
+        "ops",
+    ),
     # Split prefill and decode: the pools apart. Each worker's role is exported once
     # (fairway_worker_role) and joined onto its series; a mixed fleet shows one pool, "mixed".
     Panel(
@@ -300,8 +316,9 @@ def alert_rules(
     """Prometheus alerting rules: the index's predictions and the workers' reuse drift apart
     (a tokenizer or chat-template mismatch, lost KV events, a worker restarted with an empty
     cache), routing fell back from the index it was configured with, a router replica has
-    not synced with the replicas' store for `sync_hold`, and the interactive class's answered
-    requests met their targets less than `attainment_target` of the time over 5 minutes."""
+    not synced with the replicas' store for `sync_hold`, the interactive class's answered
+    requests met their targets less than `attainment_target` of the time over 5 minutes, and
+    Ray's GCS is gone (the proxy serves on through its grace, then stops)."""
     return {
         "groups": [
             {
@@ -353,6 +370,19 @@ def alert_rules(
                             f"{attainment_target:.0%} of interactive requests answered over "
                             "5 minutes met their TTFT and TPOT targets. Check the refusals "
                             "and queue depth: batch load past capacity, or a worker down.",
+                        },
+                    },
+                    {
+                        "alert": "FairwayRayGcsLost",
+                        "expr": 'fairway_degraded{cause="ray_gcs"} == 1',
+                        "for": "0s",
+                        "labels": {"severity": "critical"},
+                        "annotations": {
+                            "summary": "Ray's GCS is gone: the proxy stops when its grace ends",
+                            "description": "{{ $labels.instance }} lost its workers' Ray GCS. "
+                            "It serves on the workers that still answer, degraded, and stops "
+                            "itself when ray_gcs_grace is over. Bring the Ray head back within "
+                            "the grace (the stop is called off), or restart the proxy after.",
                         },
                     },
                 ],

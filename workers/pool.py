@@ -15,14 +15,17 @@ A Ray actor dies with its driver and its raylet; the server, in a session of its
 so it runs under a guard (router/runtime/guard.py) that asks the kernel for SIGTERM when the actor
 goes and then ends the server's whole process group: vLLM's engine core and workers are
 processes of their own, which outlive an API server ended alone. Without its GCS a Ray
-cluster is gone (Ray ends a driver about a minute later), so `watch` tells the owner within
-seconds, and `stop` no longer needs Ray to stop the servers it can see.
+cluster is gone (Ray ends a driver a minute later, unless `outlast_gcs` gave it longer), so
+`watch` tells the owner within seconds, and `stop` no longer needs Ray to stop the servers it
+can see. Only a GCS that refused or did not answer counts: a try this process could not even
+make (its descriptors all taken, by a flood of clients say) says nothing about the GCS.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -38,6 +41,7 @@ from pathlib import Path
 import ray
 
 from router.runtime.processes import guarded, stat_fields
+from router.runtime.trouble import TroubleLog, own_trouble
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +213,17 @@ class ServerActor:
                 self._spawn()
 
 
+# Ray's own setting, read from the environment when this process joins Ray: how long a driver
+# waits for a lost GCS before Ray ends it (60 s by default), with no chance to stop cleanly.
+GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+
+
+def outlast_gcs(seconds: float) -> None:
+    """Let this process (and a local Ray it starts) live `seconds` without Ray's GCS before
+    Ray ends it: its owner's grace, the stop after it and a margin. Call before `start`."""
+    os.environ[GCS_RECONNECT_ENV] = str(max(60, math.ceil(seconds)))
+
+
 class WorkerPool:
     """Start N servers through Ray (an existing cluster by address, else a local one)."""
 
@@ -259,19 +274,40 @@ class WorkerPool:
     def kill(self, i: int) -> None:
         ray.get(self.actors[i].kill.remote())
 
-    def watch(self, on_lost: Callable[[str], None], interval: float = 1.0, misses: int = 3) -> None:
-        """Call `on_lost(reason)` once, from a thread of its own, when Ray's GCS has refused
-        `misses` connections in a row. Stops with `stop()`."""
+    def watch(
+        self,
+        on_lost: Callable[[str | None], None],
+        interval: float = 1.0,
+        misses: int = 3,
+    ) -> None:
+        """Tell `on_lost(reason)`, from a thread of its own, when Ray's GCS has refused or not
+        answered `misses` tries in a row, and `on_lost(None)` when it answers again after that.
+        A try this process could not even make (out of descriptors or memory:
+        router/runtime/trouble.py) is no miss: it is logged, with a count, and the watch goes
+        on. Stops with `stop()`."""
         assert self._gcs is not None, "start the pool first"
         host, port = self._gcs
+        trouble = TroubleLog(f"Ray's GCS watch ({host}:{port})", log)
 
         def loop() -> None:
-            missed = 0
+            missed, lost = 0, False
             while not self._unwatch.wait(interval):
-                missed = 0 if _reachable(host, port, interval) else missed + 1
-                if missed >= misses:
-                    on_lost(f"Ray's GCS at {host}:{port} is gone")
-                    return
+                error = _knock(host, port, interval)
+                if error is not None and (cause := own_trouble(error)) is not None:
+                    trouble.add(cause, str(error))
+                    continue
+                trouble.clear()
+                if error is None:
+                    missed = 0
+                    if lost:
+                        lost = False
+                        on_lost(None)
+                    continue
+                missed += 1
+                if missed >= misses and not lost:
+                    lost = True
+                    how = error.strerror or str(error) or type(error).__name__
+                    on_lost(f"Ray's GCS at {host}:{port} is gone ({how}, {missed} tries)")
 
         threading.Thread(target=loop, name="fairway-gcs-watch", daemon=True).start()
 
@@ -302,8 +338,14 @@ class WorkerPool:
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:
+    return _knock(host, port, timeout) is None
+
+
+def _knock(host: str, port: int, timeout: float) -> OSError | None:
+    """Connect to host:port and hang up: None if it accepted, else why not (a refusal, a
+    timeout, or this process unable to open a socket)."""
     try:
         socket.create_connection((host, port), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
+    except OSError as e:
+        return e
+    return None

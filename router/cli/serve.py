@@ -18,8 +18,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from router.proxy.overload import raise_fd_limit
     from router.proxy.service.config import ClusterConfig
-    from router.proxy.service.serve import add_workers, build_cluster, run_proxy, shut_down
+    from router.proxy.service.serve import GcsGrace, add_workers, build_cluster, run_proxy
+    from router.proxy.settings import SHUTDOWN_GRACE
     from workers.launch import model_dir_of, running_workers
+    from workers.pool import outlast_gcs
 
     config: ClusterConfig = serve_config(args).with_salt()  # one salt, shared by replicas
     if args.print_config:
@@ -34,14 +36,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cluster = build_cluster(config)  # first: a bad policy parameter fails before any work
     model_dirs = {g.served_model_name: model_dir_of(config, g) for g in config.groups}
     scratch = Path(tempfile.mkdtemp(prefix="fairway-"))
+    gcs = GcsGrace(config.ray_gcs_grace)
+    # Ray must not end this process before the grace and the stop after it are over.
+    outlast_gcs(config.ray_gcs_grace + SHUTDOWN_GRACE + 30)
     try:
-        with running_workers(config, scratch, on_lost=shut_down) as workers:
+        with running_workers(config, scratch, on_lost=gcs) as workers:
             if config.routers > 1:  # N proxy processes on one port
                 from router.proxy.service.replicas import run_replicas
 
                 return run_replicas(config, model_dirs, workers, scratch)
             add_workers(cluster, workers)
-            return run_proxy(config, cluster, model_dirs)
+            return run_proxy(config, cluster, model_dirs, gcs)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -55,6 +60,8 @@ def serve_config(args: argparse.Namespace):  # -> ClusterConfig
         overrides["port"] = args.port
     if args.routers is not None:
         overrides["routers"] = args.routers
+    if args.ray_gcs_grace is not None:
+        overrides["ray_gcs_grace"] = args.ray_gcs_grace
     if args.model:
         overrides["model"] = args.model
     workers: dict[str, object] = {}
@@ -164,6 +171,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--precise", action="store_true", help="index from vLLM KV events")
     p.add_argument("--routers", type=int, help="proxy processes on the one port (replicas)")
+    p.add_argument(
+        "--ray-gcs-grace",
+        type=float,
+        metavar="SECONDS",
+        help="serve on this long, degraded, once Ray's GCS is gone, then stop (default 60)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("replay", help="send a trace to a live endpoint and record the run")

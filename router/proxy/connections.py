@@ -7,13 +7,16 @@ errors in text/plain with a traceback logged each. `ProxySite` serves an app as 
 does, with this in front:
 
     accept() ─┬─ past `max_connections` ... overload.Refusal: 503, closed
+              ├─ past the descriptors' room  overload.Refusal: 503, closed
               ├─ fails (no descriptor) .... overload.AcceptErrors: 503 on a spare descriptor
               └─ ProxyProtocol: the head within `header_timeout`, else 408; at most
                  MAX_HEAD_BYTES of it, else 431; then aiohttp's own request handling
 
 The cap keeps the proxy inside its open-files limit (`fairway serve` first raises the soft
 limit to the hard one, overload.raise_fd_limit): unset, it is DEFAULT_MAX_CONNECTIONS or what
-the limit leaves room for, whichever is less. Counts are per listener.
+the limit leaves room for, whichever is less, the limit read again at each accept
+(overload.DescriptorBudget, shared by the listeners of a process: the public one leaves the
+admin one a reserve). `max_connections` counts per listener.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import socket
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
@@ -30,8 +34,16 @@ from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from router.proxy.errors import APIError
+from router.proxy.forward import CLUSTER
 from router.proxy.openai_request import PARSER_LIMIT
-from router.proxy.overload import AcceptErrors, Refusal, Tally, fd_room
+from router.proxy.overload import (
+    ADMIN_RESERVE,
+    AcceptErrors,
+    DescriptorBudget,
+    Refusal,
+    Tally,
+    fd_room,
+)
 from router.proxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)
@@ -110,9 +122,12 @@ async def serving(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    cluster = app.get(CLUSTER)
+    budget = DescriptorBudget(lambda: len(cluster.workers) if cluster is not None else 0)
     try:
         for listener in listeners:
-            await ProxySite(runner, settings, **listener).start()  # type: ignore[arg-type]
+            site = ProxySite(runner, settings, budget=budget, **listener)  # type: ignore[arg-type]
+            await site.start()
         yield stop
     finally:
         await runner.cleanup()
@@ -120,7 +135,8 @@ async def serving(
 
 class ProxySite(web.BaseSite):
     """`web.TCPSite` (or a listening `sock`) serving the runner's app through `ProxyProtocol`,
-    at most `cap` connections at a time; past it, `Refusal`."""
+    at most `cap` connections at a time, and while the process's descriptors have room
+    (`budget`, which the listeners of a process share); past either, `Refusal`."""
 
     def __init__(
         self,
@@ -132,10 +148,17 @@ class ProxySite(web.BaseSite):
         sock: socket.socket | None = None,
         reuse_port: bool = False,
         backlog: int = 128,
+        budget: DescriptorBudget | None = None,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._host, self._port, self._sock, self._reuse_port = host, port, sock, reuse_port
-        self.cap = connection_cap(settings.max_connections)
+        # Unset, the cap is the default and the descriptors' room, read at each accept.
+        self.configured = settings.max_connections
+        self.cap = self.configured or DEFAULT_MAX_CONNECTIONS
+        self.budget = budget or DescriptorBudget()
+        self.within_budget = True  # False: accept() may fail, and AcceptErrors answers it
+        self.admin_port = settings.admin_port
+        self.is_admin = False  # this is the admin listener (known once started)
         self.header_timeout = settings.header_timeout
         self.num_open = 0
         self.refusing: set[Refusal] = set()
@@ -167,10 +190,14 @@ class ProxySite(web.BaseSite):
                 backlog=self._backlog,
                 reuse_port=self._reuse_port or None,
             )
+        bound = self._server.sockets[0].getsockname()[1] if self._server.sockets else None
+        self.is_admin = self.admin_port is not None and bound == self.admin_port
+        public = self.within_budget and not self.is_admin
         log.info(
-            "%s: at most %d connections, request heads within %g s",
+            "%s: at most %d connections%s, request heads within %g s",
             self.name,
-            self.cap,
+            min(self.cap, self.budget.room(admin=True)) if self.within_budget else self.cap,
+            f" ({ADMIN_RESERVE} of them kept for the admin listener)" if public else "",
             self.header_timeout,
         )
 
@@ -181,9 +208,10 @@ class ProxySite(web.BaseSite):
         answers_accept_errors = isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop)
         if answers_accept_errors:
             AcceptErrors.install(loop)
-        room = fd_room(self.cap)
-        if self.cap <= room:
+        room = self.budget.room(admin=True)
+        if self.configured is None or self.cap <= room:
             return
+        self.within_budget = not answers_accept_errors
         then = (
             "past that, connections are answered 503 on a spare descriptor"
             if answers_accept_errors
@@ -196,8 +224,6 @@ class ProxySite(web.BaseSite):
             room,
             then,
         )
-        if not answers_accept_errors:
-            self.cap = room
 
     async def stop(self) -> None:
         for refusal in list(self.refusing):
@@ -208,10 +234,13 @@ class ProxySite(web.BaseSite):
 
     def _connection(self) -> asyncio.Protocol:
         """The protocol factory: once per accepted connection, before it is made."""
-        if self.num_open >= self.cap:
+        if self.num_open >= self.cap or (
+            self.within_budget and not self.budget.has_room(self.is_admin)
+        ):
             self.refused.add()
             return Refusal(self.refusing)
         self.num_open += 1
+        self.budget.num_open += 1
         server = self._runner.server
         assert server is not None, "the runner is set up before its sites start"
         # What `web.Server.__call__` passes to aiohttp's own protocol: the app's handler_args
@@ -220,16 +249,26 @@ class ProxySite(web.BaseSite):
 
     def closed(self) -> None:
         self.num_open -= 1
+        self.budget.num_open -= 1
         assert self.num_open >= 0, "a connection closed twice"
 
     def _report_refused(self, n: int) -> None:
+        if not self.within_budget:
+            why = f"the cap {self.cap} (limits.max_connections)"
+        else:
+            room = self.budget.room(self.is_admin)
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            why = (
+                f"{self.budget.num_open} in all; the cap {min(self.cap, room)} "
+                f"(limits.max_connections {self.cap}, room for {room} at the open-files limit "
+                f"{soft})"
+            )
         log.warning(
-            "%s: refused %d connections in the last second (503): %d open, the cap %d "
-            "(limits.max_connections)",
+            "%s: refused %d connections in the last second (503): %d open, %s",
             self.name,
             n,
             self.num_open,
-            self.cap,
+            why,
         )
 
     def _report_late(self, n: int) -> None:

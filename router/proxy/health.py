@@ -2,12 +2,14 @@
 
     200 {"status": "ok", ...} ........ at least one healthy worker, nothing degraded
     200 {"status": "degraded", ...} .. serving, but something it relies on is away (a router
-                                        replica out of sync with the others' store): the
-                                        notes say what; a load balancer keeps sending to it
+                                        replica out of sync with the others' store; Ray's GCS
+                                        gone, the proxy within its grace before it stops):
+                                        the notes say what; a load balancer keeps sending to it
     503 {"status": "unavailable"} .... no healthy worker
 
 What can degrade the proxy registers a note (HEALTH_NOTES): a function giving a sentence while
-it is degraded, None while it is not.
+it is degraded, None while it is not; and exports the same as fairway_degraded{cause}
+(RouterMetrics.watch_degraded).
 """
 
 from __future__ import annotations

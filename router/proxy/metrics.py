@@ -15,6 +15,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.runtime.trouble import CAUSES
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
@@ -22,6 +24,8 @@ LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 
 
 OTHER = "other"
 NO_DECODE = "none"  # fairway_handoffs_total's worker when no decode worker was healthy
+DEGRADED_CAUSES = ("ray_gcs", "shared_state")  # fairway_degraded's
+WATCHERS = ("health", "metrics", "kv_events")  # fairway_own_trouble_total's (monitor.py)
 
 
 class SyncState(Protocol):
@@ -342,6 +346,32 @@ class RouterMetrics:
             "rate_limit_store_failure; charges dropped)",
             registry=r,
         )
+        self.degraded = Labelled(
+            Gauge(
+                "fairway_degraded",
+                "1 while the proxy serves degraded (/health says why), by cause: ray_gcs (Ray's "
+                "GCS is gone: the proxy stops at the end of ray_gcs_grace), shared_state (a "
+                "replica out of sync with its store)",
+                ["cause"],
+                registry=r,
+            )
+        )
+        self.own_trouble = Labelled(
+            Counter(
+                "fairway_own_trouble",
+                "Checks of the workers this process could not even make, by watcher (health, "
+                "metrics, kv_events) and cause (descriptors, memory, executor, loop_stall); "
+                "never counted against the worker",
+                ["watcher", "cause"],
+                registry=r,
+            )
+        )
+        # Zero series from the start: the dashboard and rate() need them.
+        for cause in DEGRADED_CAUSES:
+            self.degraded.labels(cause).set(0)
+        for watcher in WATCHERS:
+            for cause in CAUSES:
+                self.own_trouble.labels(watcher, cause)
         self._shared_state: SharedStateMetrics | None = None
         self.loop_lag = Histogram(
             "fairway_event_loop_lag_seconds",
@@ -361,6 +391,14 @@ class RouterMetrics:
         c = self.clients
         c.tenants, c.top, c.named = frozenset(tenants), top, dict(named or {})
         c.hide = hide or c.hide
+
+    def watch_degraded(self, cause: str, is_degraded: Callable[[], bool]) -> None:
+        """fairway_degraded{cause} reads `is_degraded()` at each scrape."""
+        self.degraded.labels(cause).set_function(lambda: 1.0 if is_degraded() else 0.0)
+
+    def count_own_trouble(self, watcher: str) -> Callable[[str], None]:
+        """What a watcher's TroubleLog calls per check not made: fairway_own_trouble_total."""
+        return lambda cause: self.own_trouble.labels(watcher, cause).inc()
 
     def _per_client(self, metric: Histogram) -> _PerClient:
         return _PerClient(metric, self.clients)
@@ -393,8 +431,8 @@ class SharedStateMetrics:
         self.failures = Labelled(
             Counter(
                 "fairway_shared_state_sync_failures",
-                "Failed syncs with the replicas' store, by kind (timeout, connection, loading, "
-                "auth, response, other)",
+                "Failed syncs with the replicas' store, by kind (own: this replica could not "
+                "even try; timeout, connection, loading, auth, response, other)",
                 ["kind"],
                 registry=registry,
             )
@@ -404,7 +442,7 @@ class SharedStateMetrics:
             "Times the store came back without its state and this replica re-published its own",
             registry=registry,
         )
-        for kind in ("timeout", "connection", "loading", "auth", "response", "other"):
+        for kind in ("own", "timeout", "connection", "loading", "auth", "response", "other"):
             self.failures.labels(kind)  # zero series from the start: rate() needs them
 
     def watch(self, state: SyncState) -> None:

@@ -1,5 +1,10 @@
 """Background watchers: the workers' health, their /metrics and KV events, and the proxy's own
-event loop (how late it runs what is due: every stalled callback delays every stream)."""
+event loop (how late it runs what is due: every stalled callback delays every stream).
+
+A check the proxy could not even make (out of descriptors or memory, its loop stalled past the
+check's time: router/runtime/trouble.py) says nothing about the worker: it is neither a
+failure nor a success, and is logged at most once per interval with a count
+(fairway_own_trouble_total), so a flood of clients cannot get the workers marked down."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.kv_events import KVEventIndexer
 from router.proxy.adapters import AdapterLoader
 from router.proxy.driver import LiveCluster, LiveWorker
+from router.runtime.trouble import LOOP_STALL, StallClock, TroubleLog, own_errno, own_trouble
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +82,26 @@ class Monitor:
         self._warned_block_size: set[int] = set()
         self._capacity_known: set[int] = set()  # read once a server: it changes on restart
         self._zmq = zmq.asyncio.Context()
+        self.stalls = StallClock()
+        metrics = cluster.metrics
+        self.trouble = {
+            watcher: TroubleLog(what, log, counted=metrics.count_own_trouble(watcher))
+            for watcher, what in (
+                ("health", "workers' health checks"),
+                ("metrics", "workers' /metrics scrapes"),
+                ("kv_events", "workers' KV-event subscriptions"),
+            )
+        }
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._loop(), name="fairway-monitor"))
         lag = self.cluster.metrics.loop_lag
-        self._tasks.append(asyncio.create_task(sample_loop_lag(lag.observe), name="fairway-lag"))
+
+        def observe(lateness: float) -> None:
+            lag.observe(lateness)
+            self.stalls.observe(lateness)
+
+        self._tasks.append(asyncio.create_task(sample_loop_lag(observe), name="fairway-lag"))
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._subscribed.values()]:
@@ -131,9 +152,12 @@ class Monitor:
                 if self.adapters is not None and self.adapters.paths:
                     await self._registered(worker, self.adapters)
             except Exception as e:  # gauges only: a bad scrape is not a failed health check
-                log.debug("worker %s: /metrics scrape failed: %r", worker.id, e)
-        if worker.id not in self.cluster.workers:
-            return
+                if (cause := own_trouble(e)) is not None:
+                    self.trouble["metrics"].add(cause, f"worker {worker.id}: {e!r}")
+                else:
+                    log.debug("worker %s: /metrics scrape failed: %r", worker.id, e)
+        if ok is None or worker.id not in self.cluster.workers:
+            return  # not checked: the worker stays as it was
         try:
             if ok:
                 worker.consecutive_failures = 0
@@ -151,14 +175,28 @@ class Monitor:
         except Exception:
             log.exception("worker %s: marking it %s failed", worker.id, "up" if ok else "down")
 
-    async def _healthy(self, worker: LiveWorker) -> bool:
-        """GET /health answered 200 within `timeout` (a stopped worker does not answer)."""
+    async def _healthy(self, worker: LiveWorker) -> bool | None:
+        """GET /health answered 200 within `timeout` (a stopped worker does not answer); None
+        when this process could not even ask, or its loop stalled for most of the wait."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        begun = self.stalls.clock()
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout)
             async with self.session.get(f"{worker.url}/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            cause = own_trouble(e)
+            if cause is None and isinstance(e, asyncio.TimeoutError):
+                overshoot = max(0.0, loop.time() - start - self.timeout)  # the timeout came late
+                stalled = self.stalls.late_since(begun) + overshoot >= self.timeout / 2
+                cause = LOOP_STALL if stalled else None
+            if cause is None:
+                return False
+            self.trouble["health"].add(cause, f"worker {worker.id}: {e!r}")
+            return None
+        self.trouble["health"].clear()
+        return ok
 
     async def _registered(self, worker: LiveWorker, adapters: AdapterLoader) -> None:
         """The adapters the worker lists: entries of /v1/models with a parent."""
@@ -229,11 +267,14 @@ class Monitor:
             changed=view.changed,
             model=worker.model,
         )
-        socket = self._zmq.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
+        trouble = self.trouble["kv_events"]
+        socket = None
         try:
+            socket = self._zmq.socket(zmq.SUB)
+            socket.setsockopt(zmq.LINGER, 0)
             socket.connect(worker.kv_events)  # type: ignore[arg-type]
             socket.setsockopt(zmq.SUBSCRIBE, b"")
+            trouble.clear()
             while True:
                 parts = await socket.recv_multipart()
                 state = self.cluster.view.workers.get(worker.id)
@@ -245,9 +286,13 @@ class Monitor:
                     except Exception:  # one bad message costs its blocks, not the subscription
                         log.exception("worker %s: a KV event batch failed", worker.id)
         except zmq.ZMQError as e:
-            log.warning("worker %s: KV events at %s: %s", worker.id, worker.kv_events, e)
+            if (cause := own_errno(e.errno)) is not None:
+                trouble.add(cause, f"worker {worker.id}: {e}")
+            else:
+                log.warning("worker %s: KV events at %s: %s", worker.id, worker.kv_events, e)
         finally:
-            socket.close()
+            if socket is not None:
+                socket.close()
             if self._subscribed.get(worker.id) is asyncio.current_task():
                 del self._subscribed[worker.id]  # the next round subscribes again
 

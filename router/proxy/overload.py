@@ -7,6 +7,15 @@ and how that is logged: a 503 in the OpenAI shape, and one counted line a second
 
 Without this a proxy at its open-files limit left /health hanging in the listen queue, and
 asyncio logged a traceback for every failed accept(): 44,076 of them, 19 MB, in 17 s.
+
+The cap keeps accept() from failing in the first place (uvloop drops a connection it cannot
+accept unanswered). `DescriptorBudget` sizes it from the open-files limit as it is at each
+accept, so a limit lowered at run time (`prlimit`) holds from the next connection on:
+
+    soft limit ─┬─ reserve: the process's own (listeners, logs, the loop, threads, Ray, the
+                │  store) and each worker's (health checks, its KV-event feed)
+                └─ 2 per client connection (its own, and one to a worker): the room
+                   public listener: the room less ADMIN_RESERVE, kept for the admin listener
 """
 
 from __future__ import annotations
@@ -24,7 +33,12 @@ from router.proxy.errors import APIError
 
 log = logging.getLogger(__name__)
 
-RESERVED_FDS = 64  # the process's own descriptors: listeners, logs, the loop, threads, ZMQ
+# The process's own descriptors: listeners, logs, the loop, threads, Ray's driver, the store.
+# Measured: 43 with Ray's driver, idle, and 2 more per worker (its kept-alive health checks).
+RESERVED_FDS = 64  # at least this: OWN_FDS and FDS_PER_WORKER for up to 4 workers
+OWN_FDS = 48
+FDS_PER_WORKER = 4  # its health checks and scrapes, its KV-event feed
+ADMIN_RESERVE = 16  # client connections the public listener leaves to the admin listener
 MAX_REFUSING = 64  # refused connections answered politely at once; past it, closed at once
 REFUSAL_LINGER = 2.0  # seconds a refused connection may take to send its request and go
 DRAIN_AT_ONCE = 128  # waiting connections answered per failed accept (asyncio's backlog)
@@ -58,13 +72,39 @@ def raise_fd_limit() -> tuple[int, int]:
     return now, hard
 
 
-def fd_room(default: int) -> int:
-    """Client connections the open-files limit leaves room for: each may hold a descriptor to
-    a worker besides its own, after RESERVED_FDS for the rest of the process."""
+def fd_reserve(num_workers: int = 0) -> int:
+    """Descriptors kept for the process itself and its workers, out of the open-files limit."""
+    return max(RESERVED_FDS, OWN_FDS + FDS_PER_WORKER * num_workers)
+
+
+def fd_room(default: int, num_workers: int = 0) -> int:
+    """Client connections the open-files limit leaves room for now: each may hold a descriptor
+    to a worker besides its own, after `fd_reserve` for the rest of the process; `default`
+    where there is no limit."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return default
-    return max(1, (soft - RESERVED_FDS) // 2)
+    return max(1, (soft - fd_reserve(num_workers)) // 2)
+
+
+class DescriptorBudget:
+    """The client connections one proxy process may hold, across its listeners, read from the
+    open-files limit at each accept (a system call: about a microsecond). The public listener
+    stops ADMIN_RESERVE short of the room, so that /health and /metrics always answer on the
+    admin listener."""
+
+    def __init__(self, num_workers: Callable[[], int] = lambda: 0) -> None:
+        self.num_workers = num_workers
+        self.num_open = 0  # client connections held by every listener sharing this budget
+
+    def room(self, admin: bool) -> int:
+        """What a listener may hold: the admin listener the whole room, the public one the room
+        less ADMIN_RESERVE (of at least 1)."""
+        room = fd_room(1 << 30, self.num_workers())
+        return room if admin else max(1, room - ADMIN_RESERVE)
+
+    def has_room(self, admin: bool) -> bool:
+        return self.num_open < self.room(admin)
 
 
 class Tally:

@@ -437,6 +437,9 @@ class ClusterConfig(Strict):
         None, description="salts client pseudonyms (or client_salt_env, _file); none: random"
     )
     health_interval: float = Field(1.0, gt=0)
+    ray_gcs_grace: float = Field(
+        60.0, ge=0, le=3600, description="seconds served on, degraded, after Ray's GCS is gone"
+    )
     cost_preset: ModelPreset = "llama-3-8b"
     cost_gpu: GPUPreset = "a100-80g"
     cost_profile: str | None = Field(

@@ -64,6 +64,7 @@ from router.proxy.membership import (
 )
 from router.proxy.metrics import SharedStateMetrics
 from router.proxy.service.store import Store
+from router.runtime.trouble import TroubleLog, own_trouble
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class SharedState:
         self._next_batch = 1
         self._snapshot: dict[tuple[object, ...], dict[Hashable, float]] = {}
         self._own_routed: deque[tuple[object, int, float]] = deque(maxlen=stream_maxlen)
+        self.trouble = TroubleLog(f"replica {replica}: sync with the store", log)
         router.indexes.routing_log = []
         if metrics is not None:
             metrics.watch(self)
@@ -404,6 +406,7 @@ class SharedState:
             except Exception as e:
                 self._failed(e)
             else:
+                self.trouble.clear()
                 if not self.in_sync and self.num_syncs > 1:
                     log.warning(
                         "replica %s: in sync again after %.1f s",
@@ -417,7 +420,9 @@ class SharedState:
         kind = failure_kind(e)
         if self.metrics is not None:
             self.metrics.failures.labels(kind).inc()
-        if self.in_sync or not self.last_failure:
+        if kind == "own":  # not the store's doing: said once per interval, with a count
+            self.trouble.add(own_trouble(e) or kind, repr(e))
+        elif self.in_sync or not self.last_failure:
             log.warning(
                 "replica %s: sync failed (%s: %s); routing on alone, retrying every %g s",
                 self.replica,
@@ -431,9 +436,12 @@ class SharedState:
 
 
 def failure_kind(e: BaseException) -> str:
-    """A failed round, for the failures metric: timeout (a store that does not answer),
+    """A failed round, for the failures metric: own (this replica could not even try: out of
+    descriptors or memory, router/runtime/trouble.py), timeout (a store that does not answer),
     connection (refused, reset), loading (restarted, loading its data), auth, response (the
     store refused a command), other (a bug)."""
+    if own_trouble(e) is not None:
+        return "own"
     if isinstance(e, (TimeoutError, redis.TimeoutError)):
         return "timeout"
     if isinstance(e, redis.BusyLoadingError):
@@ -566,6 +574,7 @@ def shared_state_ctx(
             metrics=cluster.metrics.shared_state(),
         )
         app[HEALTH_NOTES].append(state.health_note)
+        cluster.metrics.watch_degraded("shared_state", lambda: not state.in_sync)
         # The store away: routing starts from the starting pool, and catches up when it answers.
         with contextlib.suppress(APIError, redis.RedisError, OSError, TimeoutError):
             async with asyncio.timeout(5.0):
