@@ -36,6 +36,7 @@ from router.proxy.settings import ProxySettings
 from router.proxy.sse import StreamAccount, client_wants_usage, with_usage_requested
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
+from router.runtime.trouble import own_trouble
 from router.traits import Role
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,9 @@ class Forward:
             self._book(self.cluster.router.adapters.drop, worker.id, self.req.adapter)
             return self._retry(worker, reason, tried, e, failed=False)
         except APIError as e:
-            return self._retry(worker, reason, tried, e)
+            # The proxy out of descriptors or memory never reached the worker: tried elsewhere,
+            # but not counted against this worker's health (router/runtime/trouble.py).
+            return self._retry(worker, reason, tried, e, failed=own_trouble(e) is None)
         except BaseException:
             self._book(self.cluster.release, worker, self.req, 0)
             raise
@@ -366,6 +369,14 @@ class Forward:
         except (aiohttp.ClientError, TimeoutError) as e:
             if resp is not None:
                 resp.close()
+            cause = own_trouble(e)
+            if cause is not None:  # it never reached the worker: the proxy's own exhaustion
+                log.warning(
+                    "request %s: no %s to reach worker %s", self.request_id, cause, worker.id
+                )
+                error = _unavailable(f"the router is out of {cause} for now", "router_overloaded")
+                error.headers["Retry-After"] = "1"
+                raise error from e
             what = (
                 f"no answer within {s.first_byte_timeout:g} s"
                 if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ClientError)

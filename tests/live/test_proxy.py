@@ -6,12 +6,16 @@ import asyncio
 import contextlib
 import csv
 import json
+import os
 import re
+import resource
+import socket
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from router.proxy.app import UPSTREAM_KEEPALIVE_S
 from router.proxy.settings import Tenant, keyed
 from router.proxy.sse import StreamAccount, Usage, client_wants_usage, with_usage_requested
 from tests.live_helpers import client, emulated_workers, proxy, run, serving
@@ -440,3 +444,49 @@ def test_a_client_hanging_up_aborts_its_non_streamed_request_at_the_worker() -> 
             assert worker.dispatch.in_flight == 0, "the slot came back"
 
     run(go)
+
+
+class TestOwnTroubleIsNotTheWorkers:
+    def test_no_descriptor_to_reach_a_worker_is_a_503_and_no_workers_fault(self) -> None:
+        """With the open-files limit reached, the proxy cannot open a connection to a worker:
+        its own trouble, not the workers'. The client gets a 503 with Retry-After, no worker
+        is counted against, and once descriptors are back the next request is answered."""
+        body = {"model": "tiny", "prompt": "a short prompt", "max_tokens": 2}
+
+        async def go() -> None:
+            async with (
+                emulated_workers(2, speed=50) as urls,
+                proxy(urls, health_interval=60.0) as (base, cluster),
+                aiohttp.ClientSession() as session,
+            ):
+                async with session.post(f"{base}/v1/completions", json=body) as r:
+                    assert r.status == 200  # the client's connection, kept open
+                    await r.read()
+                # The proxy's idle connections to the workers close (UPSTREAM_KEEPALIVE_S).
+                await asyncio.sleep(UPSTREAM_KEEPALIVE_S + 0.5)
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                held: list[socket.socket] = []
+                try:
+                    resource.setrlimit(
+                        resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard)
+                    )
+                    for _ in range(64):  # bounded: the limit is reached within a few
+                        try:
+                            held.append(socket.socket())
+                        except OSError:
+                            break
+                    async with session.post(f"{base}/v1/completions", json=body) as r:
+                        status, retry_after = r.status, r.headers.get("Retry-After")
+                        error = (await r.json())["error"]
+                finally:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                    for s in held:
+                        s.close()
+                assert (status, retry_after, error["code"]) == (503, "1", "router_overloaded")
+                for w in (0, 1):
+                    assert cluster.workers[w].consecutive_failures == 0
+                    assert cluster.view.workers[w].healthy
+                async with session.post(f"{base}/v1/completions", json=body) as r:
+                    assert r.status == 200
+
+        run(go)
