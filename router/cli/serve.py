@@ -18,7 +18,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from router.proxy.overload import raise_fd_limit
     from router.proxy.service.config import ClusterConfig
-    from router.proxy.service.serve import GcsGrace, add_workers, build_cluster, run_proxy
+    from router.proxy.service.gcs_grace import GcsGrace
+    from router.proxy.service.serve import add_workers, build_cluster, run_proxy
     from router.proxy.settings import SHUTDOWN_GRACE
     from workers.launch import model_dir_of, running_workers
     from workers.pool import outlast_gcs

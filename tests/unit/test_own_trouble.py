@@ -30,7 +30,7 @@ from router.proxy.driver import LiveCluster
 from router.proxy.metrics import RouterMetrics
 from router.proxy.monitor import Monitor
 from router.proxy.service.config import validate_config
-from router.proxy.service.serve import GcsGrace
+from router.proxy.service.gcs_grace import GcsGrace
 from router.proxy.service.shared_state import failure_kind
 from router.runtime.trouble import (
     DESCRIPTORS,
