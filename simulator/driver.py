@@ -525,17 +525,6 @@ class SimCluster:
     def _due_at(self, engine: Engine) -> float | None:
         return engine.run_end if self._lazy else engine.next_step_end
 
-    def on_engine_changed(self, engine: Engine) -> None:
-        """An engine's state moved: tell the router what the server would report, and note
-        when its next step ends."""
-        waiting, used = len(engine.waiting), engine.kv_used_blocks
-        for router in self.routers:
-            router.report(engine.id, waiting=waiting, kv_used_blocks=used)
-        end = self._due_at(engine)
-        if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
-            self._last_due[engine.id] = end
-            heapq.heappush(self._due, (end, engine.id))
-
     def dispatch(self, req: Request, rerouted: bool = False) -> None:
         now = self.env.now
         self._sync(now)
@@ -665,6 +654,20 @@ class SimCluster:
         self._submit_all(handoff.decode, handoff.released)
 
     # ------------------------------------------------------- engine listener
+    # simulator.engine.EngineListener, every call; `defers_tokens` is set in __init__.
+
+    counts_tokens = True  # the router hears every token (in sum while `defers_tokens`)
+
+    def on_engine_changed(self, engine: Engine) -> None:
+        """An engine's state moved: tell the router what the server would report, and note
+        when its next step ends."""
+        waiting, used = len(engine.waiting), engine.kv_used_blocks
+        for router in self.routers:
+            router.report(engine.id, waiting=waiting, kv_used_blocks=used)
+        end = self._due_at(engine)
+        if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
+            self._last_due[engine.id] = end
+            heapq.heappush(self._due, (end, engine.id))
 
     def on_first_token(self, seq: Seq, now: float) -> None:
         if self._prefills[seq.worker]:

@@ -68,6 +68,7 @@ from router.proxy.prompts import PromptEncoder
 from router.proxy.settings import ProxySettings
 from router.request import BlockHash, Request
 from simulator.engine import Engine, EngineConfig, Seq
+from simulator.listener import ListenerDefaults
 from simulator.topology import Topology
 from workers.emulated_split import Connector, Incoming, prompt_key
 
@@ -265,8 +266,9 @@ class RecordingEncoder(PromptEncoder):
         return hashes
 
 
-class WallClockEngine:
-    """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`)."""
+class WallClockEngine(ListenerDefaults):
+    """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`); its
+    engine's listener, streaming every step's tokens."""
 
     def __init__(
         self,
@@ -289,7 +291,6 @@ class WallClockEngine:
         self.metrics: VLLMMetrics | None = None
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
-        self.counts_tokens = True  # EngineListener: deliver per-step tokens
 
     def sim_now(self) -> float:
         return (time.monotonic() - self._t0) * self.speed
