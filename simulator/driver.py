@@ -566,21 +566,18 @@ class SimCluster:
             )
 
     def _queue_time_up(self, req: Request, router: Router, worker: int) -> None:
-        """`req` has waited its class's limit: refused if it never started (in the router's
-        queue, or in its engine's before admission), else it goes on."""
+        """`req` has waited its class's limit: refused if it never started, else it goes on.
+        Whichever holds it unstarted takes it back and says so: the router from its queue,
+        else its engine from the engine's, and then the router hears of it once."""
         now = self.env.now
         if router.time_out(req, now):
-            self._owner.pop(req.id, None)
-            self._refused(req, QUEUE_TIME)
-            return
-        engine = self.engines[worker]
-        engine.sync(now)
-        seq = engine.waiting.get(req.id)
-        if seq is None or seq.admitted_at is not None or not router.is_released(req):
+            released: list[Request] = []
+        elif self.engines[worker].withdraw(req.id):
+            released = router.never_started(req, now)  # what its worker's queue sends next
+        else:
             return  # started (or done): a started request is never refused
-        engine.abort(req.id)
         self._owner.pop(req.id, None)
-        self._submit_all(worker, router.never_started(req, now))
+        self._submit_all(worker, released)
         self._refused(req, QUEUE_TIME)
 
     def _refused(self, req: Request, reason: str) -> None:

@@ -255,14 +255,9 @@ class Engine:
         """Stop a request (its client left). Waiting: withdrawn from its queue discipline,
         uncharged. Running: it ends with the tokens it has, at the next step boundary."""
         self.sync(self.env.now)
-        seq = self.waiting.pop(request_id, None)
+        seq = self.waiting.get(request_id)
         if seq is not None:
-            if self._local_counts_tokens and self._run is not None and self._run.pending:
-                self._settle()  # the discipline may read its counters (VTC's last departed)
-                self._cut_run()
-            self.local.remove(seq.req)
-            self._tokens_total -= seq.req.prompt_len + seq.req.output_len
-            self._tell()
+            self._unqueue(seq)
             return
         for seq in self.running:
             if seq.req.id == request_id:
@@ -271,6 +266,28 @@ class Engine:
                 if self._run is not None and self._run.is_multi_step:
                     self._cut_run()  # the run assumed it would keep decoding
                 return
+
+    def withdraw(self, request_id: int) -> bool:
+        """Take back a request that has not started (waiting, never admitted: a preempted one
+        has started), as its queue time ran out: withdrawn from its queue discipline,
+        uncharged, and the listener hears no more of it. False, and nothing changes, if it
+        started, ended or never came here."""
+        self.sync(self.env.now)
+        seq = self.waiting.get(request_id)
+        if seq is None or seq.admitted_at is not None:
+            return False
+        self._unqueue(seq)
+        return True
+
+    def _unqueue(self, seq: Seq) -> None:
+        """`seq` leaves the waiting queue for good, uncharged (withdrawn, or its client left)."""
+        del self.waiting[seq.req.id]
+        if self._local_counts_tokens and self._run is not None and self._run.pending:
+            self._settle()  # the discipline may read its counters (VTC's last departed)
+            self._cut_run()
+        self.local.remove(seq.req)
+        self._tokens_total -= seq.req.prompt_len + seq.req.output_len
+        self._tell()
 
     def cached_blocks(self, req: Request) -> int:
         """Leading prompt blocks of `req` this engine holds now (for locality-aware orders)."""

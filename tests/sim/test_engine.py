@@ -308,6 +308,47 @@ class TestAbort:
         assert done[0][0] == done[1][0] == 500
 
 
+class TestWithdraw:
+    """A request whose queue time ran out: the engine takes it back only if it never started,
+    and says which."""
+
+    def run_with_withdraw(self, when: float, victim: int, **engine: object):
+        listener, said = Finishes(), []
+        env, eng = lone_engine(listener, max_num_seqs=2, **engine)
+        for i in range(3):
+            eng.submit(req(i, 0.0, [i * 100 + k for k in range(64)], 500))
+        at(env, when, lambda: said.append(eng.withdraw(victim)))
+        env.run()
+        assert eng.blocks.num_used == 0 and not eng.waiting, "every block and slot came back"
+        return said, listener.finished
+
+    def test_a_request_never_admitted_is_taken_back(self) -> None:
+        said, done = self.run_with_withdraw(0.5, victim=2)  # max_num_seqs=2: 2 waits
+        assert said == [True] and 2 not in done
+        assert done[0][0] == done[1][0] == 500
+
+    @pytest.mark.parametrize("victim", [0, 7], ids=["running", "never here"])
+    def test_any_other_goes_on(self, victim: int) -> None:
+        said, done = self.run_with_withdraw(0.5, victim)
+        assert said == [False] and {i: n for i, (n, _) in done.items()} == {0: 500, 1: 500, 2: 500}
+
+    def test_a_preempted_request_has_started(self) -> None:
+        # 2 x 36 blocks at the end, 50 in all: request 1, admitted last, is preempted to wait.
+        listener = Finishes()
+        env, engine = lone_engine(listener, max_num_seqs=2, num_kv_blocks=50)
+        for i in range(2):
+            engine.submit(req(i, 0.0, [i * 100 + k for k in range(64)], 500))
+        said = []
+
+        def preempted() -> None:
+            assert engine.num_preemptions == 1 and 1 in engine.waiting, "set up as preempted"
+            said.append(engine.withdraw(1))
+
+        at(env, 5.0, preempted)
+        env.run()
+        assert said == [False] and listener.finished[1][0] == 500
+
+
 class Tally(ListenerDefaults):
     """Each request's tokens as the engine tells them: step by step, or in sum mid-run."""
 
