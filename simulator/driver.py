@@ -526,17 +526,6 @@ class SimCluster:
     def _due_at(self, engine: Engine) -> float | None:
         return engine.run_end if self._lazy else engine.next_step_end
 
-    def on_engine_changed(self, engine: Engine) -> None:
-        """An engine's state moved: tell the router what the server would report, and note
-        when its next step ends."""
-        waiting, used = len(engine.waiting), engine.kv_used_blocks
-        for router in self.routers:
-            router.report(engine.id, waiting=waiting, kv_used_blocks=used)
-        end = self._due_at(engine)
-        if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
-            self._last_due[engine.id] = end
-            heapq.heappush(self._due, (end, engine.id))
-
     def dispatch(self, req: Request, rerouted: bool = False) -> None:
         now = self.env.now
         self._sync(now)
@@ -578,21 +567,18 @@ class SimCluster:
             )
 
     def _queue_time_up(self, req: Request, router: Router, worker: int) -> None:
-        """`req` has waited its class's limit: refused if it never started (in the router's
-        queue, or in its engine's before admission), else it goes on."""
+        """`req` has waited its class's limit: refused if it never started, else it goes on.
+        Whichever holds it unstarted takes it back and says so: the router from its queue,
+        else its engine from the engine's, and then the router hears of it once."""
         now = self.env.now
         if router.time_out(req, now):
-            self._owner.pop(req.id, None)
-            self._refused(req, QUEUE_TIME)
-            return
-        engine = self.engines[worker]
-        engine.sync(now)
-        seq = engine.waiting.get(req.id)
-        if seq is None or seq.admitted_at is not None or not router.is_released(req):
+            released: list[Request] = []
+        elif self.engines[worker].withdraw(req.id):
+            released = router.never_started(req, now)  # what its worker's queue sends next
+        else:
             return  # started (or done): a started request is never refused
-        engine.abort(req.id)
         self._owner.pop(req.id, None)
-        self._submit_all(worker, router.never_started(req, now))
+        self._submit_all(worker, released)
         self._refused(req, QUEUE_TIME)
 
     def _refused(self, req: Request, reason: str) -> None:
@@ -666,6 +652,20 @@ class SimCluster:
         self._submit_all(handoff.decode, handoff.released)
 
     # ------------------------------------------------------- engine listener
+    # simulator.engine.EngineListener, every call; `defers_tokens` is set in __init__.
+
+    counts_tokens = True  # the router hears every token (in sum while `defers_tokens`)
+
+    def on_engine_changed(self, engine: Engine) -> None:
+        """An engine's state moved: tell the router what the server would report, and note
+        when its next step ends."""
+        waiting, used = len(engine.waiting), engine.kv_used_blocks
+        for router in self.routers:
+            router.report(engine.id, waiting=waiting, kv_used_blocks=used)
+        end = self._due_at(engine)
+        if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
+            self._last_due[engine.id] = end
+            heapq.heappush(self._due, (end, engine.id))
 
     def on_first_token(self, seq: Seq, now: float) -> None:
         if self._prefills[seq.worker]:

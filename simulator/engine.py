@@ -103,25 +103,50 @@ class Seq:
 
 
 class EngineListener(Protocol):
-    def on_first_token(self, seq: Seq, now: float) -> None: ...
+    """What an engine tells its driver, as it happens: the contract every listener keeps.
+
+    Each call comes from inside the engine, at the simulated time of what it reports (`now`, a
+    step's end). `on_first_token`, `on_tokens` and `on_tokens_settled` come while a step is
+    being applied: a listener reads the sequences they name and calls nothing on the engine.
+    `on_finish` comes once its step is applied: a listener may submit more (what the finish
+    freed room for). The engine reads `counts_tokens`, `defers_tokens` and the methods once,
+    when it is built: set them before, never after. `simulator.listener.ListenerDefaults` has
+    what a listener may leave out."""
+
+    # Whether the listener hears `on_tokens` at all. False: the engine never calls it, and a
+    # step costs nothing more per token for it.
+    counts_tokens: bool
+    # Whether it takes decode progress in sum between run boundaries (`on_progress`, then
+    # `on_tokens_settled`) in place of `on_tokens` and `on_engine_changed` for each step.
+    # An engine with a KV-event sink ignores it: its evictions are events, at their own time.
+    defers_tokens: bool
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        """`seq` sampled its first token, at the end of the step that computed its prompt's
+        last token: once per request (not again after a preemption)."""
+
     def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
-        """Each of `seqs` produced `num_tokens` more (one call per step or run applied)."""
+        """Each of `seqs` (one engine's batch, never empty) produced `num_tokens` more: one call
+        per step or run of steps applied. Only if `counts_tokens`."""
 
-    def on_finish(self, seq: Seq, now: float) -> None: ...
+    def on_finish(self, seq: Seq, now: float) -> None:
+        """`seq` ended (its output done, or cut short by `Engine.abort`): its blocks are free
+        and it has left the running batch. Not called for a request withdrawn unstarted."""
 
-    # Optional, for a listener that needs decode progress only in sum between run boundaries
-    # (sets `defers_tokens`): mid-run, `on_progress(engine, num_tokens, kv_used_blocks,
-    # next_step_end)` gives the tokens the engine's sequences made in all, in place of
-    # `on_engine_changed` (the only other things that moved come with them); at the run's end,
-    # `on_tokens_settled(seqs, num_tokens, now)` says which sequences made them.
-    # def on_progress(
-    #     self, engine: Engine, num_tokens: int, kv_used_blocks: int, next_step_end: float
-    # ) -> None: ...
-    # def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None: ...
+    def on_engine_changed(self, engine: Engine) -> None:
+        """Anything a router would see moved (requests waiting, KV in use, when the next step
+        ends): told once per change, so a driver never polls its engines."""
 
-    # Optional: told after anything a router would see changed (requests waiting, KV used, the
-    # next step's end), so a cluster never has to poll its engines.
-    # def on_engine_changed(self, engine: Engine) -> None: ...
+    def on_progress(
+        self, engine: Engine, num_tokens: int, kv_used_blocks: int, next_step_end: float
+    ) -> None:
+        """Only if `defers_tokens`: decode steps applied mid-run, in sum. The engine's
+        sequences made `num_tokens` in all and it uses `kv_used_blocks`; its next step ends at
+        `next_step_end`. In place of `on_engine_changed`: nothing else moved."""
+
+    def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        """Only if `defers_tokens`: each of `seqs` made `num_tokens` of the tokens told in sum
+        by `on_progress` since the run began (at the run's end, or before anything reads one)."""
 
 
 @dataclass(slots=True)
@@ -170,16 +195,15 @@ class Engine:
         self.config = config
         self.local = local
         self.listener = listener
-        # Skip per-token hooks nobody listens to: they run once per sequence per step.
+        # Read once: skip per-token hooks nobody listens to (they run once per sequence per
+        # step), and call the listener's hot methods bound.
         self._local_counts_tokens = local.traits.counts_tokens
-        self._listener_counts_tokens = getattr(listener, "counts_tokens", True)
-        self._changed = getattr(listener, "on_engine_changed", None)
-        self._on_progress = (
-            listener.on_progress  # type: ignore[attr-defined]
-            if getattr(listener, "defers_tokens", False)
-            and kv_events is None  # evictions a decode step makes are events, at their time
-            else None
-        )
+        self._listener_counts_tokens = listener.counts_tokens
+        # No steps in sum with KV events: the evictions a decode step makes are events, each
+        # at its own time.
+        self._defers_tokens = listener.defers_tokens and kv_events is None
+        self._on_changed = listener.on_engine_changed
+        self._on_progress = listener.on_progress
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size, kv_events)
         # When the block changes being made happen: step start while planning, step end while
@@ -231,14 +255,9 @@ class Engine:
         """Stop a request (its client left). Waiting: withdrawn from its queue discipline,
         uncharged. Running: it ends with the tokens it has, at the next step boundary."""
         self.sync(self.env.now)
-        seq = self.waiting.pop(request_id, None)
+        seq = self.waiting.get(request_id)
         if seq is not None:
-            if self._local_counts_tokens and self._run is not None and self._run.pending:
-                self._settle()  # the discipline may read its counters (VTC's last departed)
-                self._cut_run()
-            self.local.remove(seq.req)
-            self._tokens_total -= seq.req.prompt_len + seq.req.output_len
-            self._tell()
+            self._unqueue(seq)
             return
         for seq in self.running:
             if seq.req.id == request_id:
@@ -247,6 +266,28 @@ class Engine:
                 if self._run is not None and self._run.is_multi_step:
                     self._cut_run()  # the run assumed it would keep decoding
                 return
+
+    def withdraw(self, request_id: int) -> bool:
+        """Take back a request that has not started (waiting, never admitted: a preempted one
+        has started), as its queue time ran out: withdrawn from its queue discipline,
+        uncharged, and the listener hears no more of it. False, and nothing changes, if it
+        started, ended or never came here."""
+        self.sync(self.env.now)
+        seq = self.waiting.get(request_id)
+        if seq is None or seq.admitted_at is not None:
+            return False
+        self._unqueue(seq)
+        return True
+
+    def _unqueue(self, seq: Seq) -> None:
+        """`seq` leaves the waiting queue for good, uncharged (withdrawn, or its client left)."""
+        del self.waiting[seq.req.id]
+        if self._local_counts_tokens and self._run is not None and self._run.pending:
+            self._settle()  # the discipline may read its counters (VTC's last departed)
+            self._cut_run()
+        self.local.remove(seq.req)
+        self._tokens_total -= seq.req.prompt_len + seq.req.output_len
+        self._tell()
 
     def cached_blocks(self, req: Request) -> int:
         """Leading prompt blocks of `req` this engine holds now (for locality-aware orders)."""
@@ -275,7 +316,7 @@ class Engine:
         done = bisect.bisect_right(run.ends, now, lo=run.applied)
         if run.applied == 0 and run.seqs is None:
             self._apply_first_step(run)
-        if done > run.applied and done < len(run.ends) and self._on_progress is not None:
+        if done > run.applied and done < len(run.ends) and self._defers_tokens:
             # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
             if run.seqs is None:
                 self._decode_in_sum_from_here(run)
@@ -308,8 +349,7 @@ class Engine:
         return run.ends[-1]
 
     def _tell(self) -> None:
-        if self._changed is not None:
-            self._changed(self)
+        self._on_changed(self)
 
     @property
     def is_idle(self) -> bool:
@@ -432,7 +472,7 @@ class Engine:
             self._load_due = 0.0
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
         run = _Run(batch, ends, decoding)
-        if decoding is not None and self._on_progress is not None and len(ends) > 1:
+        if decoding is not None and self._defers_tokens and len(ends) > 1:
             run.residues = sorted(seq.num_computed % cfg.block_size for seq in decoding)
         return run
 
@@ -676,7 +716,7 @@ class Engine:
         used = self.kv_used_blocks
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
-        self._on_progress(self, tokens, used, run.ends[run.applied])  # type: ignore[misc]
+        self._on_progress(self, tokens, used, run.ends[run.applied])
 
     @property
     def kv_used_blocks(self) -> int:
@@ -709,7 +749,7 @@ class Engine:
         if self._local_counts_tokens:
             self.local.on_tokens([seq.req for seq in seqs], steps)
         if settled:
-            self.listener.on_tokens_settled(seqs, settled, now)  # type: ignore[attr-defined]
+            self.listener.on_tokens_settled(seqs, settled, now)
         if num_steps and self._listener_counts_tokens:
             self.listener.on_tokens(seqs, num_steps, now)
         self._tokens_computed += num_steps * len(seqs)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Callable
 
 import pytest
+import simpy
 
+from policies.fcfs import FCFS
 from router.cost_model import StepShape, roofline
 from router.request import Request, hash_token_blocks
 from simulator.driver import SimConfig, simulate
-from simulator.engine import EngineConfig
+from simulator.engine import Engine, EngineConfig, EngineListener, Seq
+from simulator.listener import ListenerDefaults
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace
 
@@ -247,46 +252,48 @@ class TestRoofline:
         assert roofline("llama-3-70b", "h100").tp == 4
 
 
+class Finishes(ListenerDefaults):
+    """Notes when each request ended and with how many tokens; counts none as they come."""
+
+    counts_tokens = False
+
+    def __init__(self) -> None:
+        self.finished: dict[int, tuple[int, float]] = {}
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        pass
+
+    def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        raise AssertionError("a listener counting no tokens hears of none")
+
+    def on_finish(self, seq: Seq, now: float) -> None:
+        self.finished[seq.req.id] = (seq.num_output, now)
+
+
+def lone_engine(listener: EngineListener, **engine: object) -> tuple[simpy.Environment, Engine]:
+    """One engine on its own (no router), FCFS, checking its accounting after every change."""
+    env = simpy.Environment()
+    config = EngineConfig(block_size=BS, check_invariants=True, **engine)  # type: ignore[arg-type]
+    return env, Engine(env, 0, COST, config, FCFS(), listener)
+
+
+def at(env: simpy.Environment, when: float, call: Callable[[], object]) -> None:
+    env.timeout(when).callbacks.append(lambda _: call())
+
+
 class TestAbort:
     """A client hanging up: the engine stops spending time on the request."""
 
     def run_with_abort(self, abort_at: float, victim: int, fast_forward: bool = True):
-        import simpy
-
-        from policies.fcfs import FCFS
-        from simulator.engine import Engine
-
-        finished: dict[int, tuple[int, float]] = {}
-
-        class Listener:
-            counts_tokens = False
-
-            def on_first_token(self, seq, now):
-                pass
-
-            def on_tokens(self, seqs, n, now):
-                pass
-
-            def on_finish(self, seq, now):
-                finished[seq.req.id] = (seq.num_output, now)
-
-        env = simpy.Environment()
-        config = EngineConfig(
-            block_size=BS, max_num_seqs=2, fast_forward=fast_forward, check_invariants=True
-        )
-        engine = Engine(env, 0, COST, config, FCFS(), Listener())
+        listener = Finishes()
+        env, engine = lone_engine(listener, max_num_seqs=2, fast_forward=fast_forward)
         for i in range(3):
             engine.submit(req(i, 0.0, [i * 100 + k for k in range(64)], 500))
-
-        def aborter():
-            yield env.timeout(abort_at)
-            engine.abort(victim)
-
-        env.process(aborter())
+        at(env, abort_at, lambda: engine.abort(victim))
         env.run()
         engine.check_integrity(between_steps=True)
         assert engine.blocks.num_used == 0, "every block came back"
-        return finished
+        return listener.finished
 
     def test_running_request_ends_at_the_next_step(self) -> None:
         for ff in (True, False):
@@ -299,3 +306,107 @@ class TestAbort:
         done = self.run_with_abort(0.5, victim=2)  # max_num_seqs=2: request 2 still waits
         assert 2 not in done
         assert done[0][0] == done[1][0] == 500
+
+
+class TestWithdraw:
+    """A request whose queue time ran out: the engine takes it back only if it never started,
+    and says which."""
+
+    def run_with_withdraw(self, when: float, victim: int, **engine: object):
+        listener, said = Finishes(), []
+        env, eng = lone_engine(listener, max_num_seqs=2, **engine)
+        for i in range(3):
+            eng.submit(req(i, 0.0, [i * 100 + k for k in range(64)], 500))
+        at(env, when, lambda: said.append(eng.withdraw(victim)))
+        env.run()
+        assert eng.blocks.num_used == 0 and not eng.waiting, "every block and slot came back"
+        return said, listener.finished
+
+    def test_a_request_never_admitted_is_taken_back(self) -> None:
+        said, done = self.run_with_withdraw(0.5, victim=2)  # max_num_seqs=2: 2 waits
+        assert said == [True] and 2 not in done
+        assert done[0][0] == done[1][0] == 500
+
+    @pytest.mark.parametrize("victim", [0, 7], ids=["running", "never here"])
+    def test_any_other_goes_on(self, victim: int) -> None:
+        said, done = self.run_with_withdraw(0.5, victim)
+        assert said == [False] and {i: n for i, (n, _) in done.items()} == {0: 500, 1: 500, 2: 500}
+
+    def test_a_preempted_request_has_started(self) -> None:
+        # 2 x 36 blocks at the end, 50 in all: request 1, admitted last, is preempted to wait.
+        listener = Finishes()
+        env, engine = lone_engine(listener, max_num_seqs=2, num_kv_blocks=50)
+        for i in range(2):
+            engine.submit(req(i, 0.0, [i * 100 + k for k in range(64)], 500))
+        said = []
+
+        def preempted() -> None:
+            assert engine.num_preemptions == 1 and 1 in engine.waiting, "set up as preempted"
+            said.append(engine.withdraw(1))
+
+        at(env, 5.0, preempted)
+        env.run()
+        assert said == [False] and listener.finished[1][0] == 500
+
+
+class Tally(ListenerDefaults):
+    """Each request's tokens as the engine tells them: step by step, or in sum mid-run."""
+
+    def __init__(self, defers_tokens: bool) -> None:
+        self.defers_tokens = defers_tokens
+        self.tokens: Counter[int] = Counter()
+        self.in_sum = self.settled = 0
+        self.finished: dict[int, tuple[int, float]] = {}
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        pass
+
+    def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        for seq in seqs:
+            self.tokens[seq.req.id] += num_tokens
+
+    def on_progress(self, engine: Engine, num_tokens: int, used: int, next_end: float) -> None:
+        self.in_sum += num_tokens
+
+    def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        self.on_tokens(seqs, num_tokens, now)
+        self.settled += num_tokens * len(seqs)
+
+    def on_finish(self, seq: Seq, now: float) -> None:
+        self.finished[seq.req.id] = (seq.num_output, now)
+
+
+class TestListener:
+    def run(self, listener: Tally) -> Tally:
+        env, engine = lone_engine(listener)
+        for i in range(3):
+            engine.submit(req(i, 0.1 * i, [i * 100 + k for k in range(64)], 300 + 100 * i))
+
+        def looker() -> simpy.events.ProcessGenerator:  # a router reading the engine mid-run
+            for _ in range(400):
+                yield env.timeout(0.05)
+                engine.sync(env.now)
+
+        env.process(looker())
+        env.run()
+        return listener
+
+    def test_tokens_in_sum_are_settled_on_the_requests_that_made_them(self) -> None:
+        each, in_sum = self.run(Tally(defers_tokens=False)), self.run(Tally(defers_tokens=True))
+        assert in_sum.in_sum > 0 and in_sum.settled == in_sum.in_sum
+        assert each.in_sum == each.settled == 0
+        assert in_sum.tokens == each.tokens == {0: 300, 1: 400, 2: 500}
+        assert in_sum.finished == each.finished
+
+    def test_a_listener_deferring_tokens_must_take_them(self) -> None:
+        class Forgetful(Finishes):
+            counts_tokens, defers_tokens = True, True
+
+            def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+                pass
+
+        env, engine = lone_engine(Forgetful())
+        engine.submit(req(0, 0.0, list(range(64)), 500))
+        at(env, 1.0, lambda: engine.sync(env.now))
+        with pytest.raises(NotImplementedError, match="on_progress"):
+            env.run()

@@ -20,12 +20,13 @@ from router.cost_model import roofline
 from router.policy import LocalPolicy
 from router.request import Request
 from simulator.engine import Engine, EngineConfig, Seq
+from simulator.listener import ListenerDefaults
 from workers.emulated.kv_events import KVEventPublisher
 from workers.emulated.metrics import VLLMMetrics
 from workers.emulated.split import Incoming
 
 
-class WallClockEngine:
+class WallClockEngine(ListenerDefaults):
     """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`)."""
 
     def __init__(
@@ -49,7 +50,6 @@ class WallClockEngine:
         self.metrics: VLLMMetrics | None = None
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
-        self.counts_tokens = True  # EngineListener: deliver per-step tokens
 
     def sim_now(self) -> float:
         return (time.monotonic() - self._t0) * self.speed
