@@ -27,7 +27,8 @@ from workers.emulated.split import Incoming
 
 
 class WallClockEngine(ListenerDefaults):
-    """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`)."""
+    """One simulated engine whose simulated seconds track wall-clock seconds (x `speed`), and
+    its engine's listener (simulator.engine.EngineListener): every step's tokens, streamed."""
 
     def __init__(
         self,
