@@ -17,12 +17,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from router.proxy import drain, ratelimit
+from router.proxy import drain, passthrough, ratelimit, responses
 from router.proxy.adapters import ADAPTERS, AdapterLoader
+from router.proxy.apis import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from router.proxy.capture import TraceCapture
 from router.proxy.catalog import Catalog
+from router.proxy.conversations import RESPONSES as RESPONSE_STORE
+from router.proxy.conversations import MemoryResponses
 from router.proxy.driver import LiveCluster, LiveWorker
-from router.proxy.errors import APIError, openai_errors
+from router.proxy.errors import APIError, bad_request, openai_errors
 from router.proxy.exposure import public_scope
 from router.proxy.forward import (
     CAPTURE,
@@ -45,7 +48,7 @@ from router.proxy.openai_request import (
     read_request,
 )
 from router.proxy.prompts import PromptEncoder
-from router.proxy.settings import ProxySettings
+from router.proxy.settings import ProxySettings, Tenant
 from router.records import RecordWriter
 
 UPSTREAM_KEEPALIVE_S = 3.0  # idle upstream connections kept below the servers' limit (vLLM: 5 s)
@@ -60,30 +63,67 @@ CATALOG = web.AppKey("catalog", Catalog)
 POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
 
 
-async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+async def generate(request: web.Request, api: API) -> web.StreamResponse:
     app = request.app
     settings: ProxySettings = app[SETTINGS]
+    continued: list[str] = []  # the response a Responses turn continues, if it names one
+
+    async def expand(body: dict, tenant: Tenant | None) -> dict:
+        if isinstance(previous := body.get("previous_response_id"), str):
+            continued.append(previous)
+        return await responses.expand(request, body, tenant)
+
     try:
-        body, req = await read_request(request, app[CATALOG], settings, chat, app[POOL])
+        body, req = await read_request(
+            request, app[CATALOG], settings, api, app[POOL], expand if api is RESPONSES else None
+        )
         await ratelimit.check(request, req)  # the tenant's budget: 429, or charged
     except APIError as e:  # rejected before routing: no worker was involved
         app[CLUSTER].metrics.requests.labels(
             settings.policy_name, "rejected", "none", f"http_{e.status}"
         ).inc()
-        return e.response()
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    forward = Forward(app, request, body, req)
+        return e.response(api.errors)
+    forward = Forward(app, request, body, req, api)
+    if api is not RESPONSES:
+        return await _forwarded(forward)
+    previous = continued[0] if continued else None
+    forward.continues = previous
+    owner = responses.owner_of(request)
+    rid = forward.upstream_body["request_id"] = responses.new_response_id()
+    if body.get("background"):
+        if body.get("store") is False or body.get("stream"):
+            what = "'store' false" if body.get("store") is False else "'stream'"
+            return bad_request(f"'background' cannot be used with {what}", "background").response()
+        forward.upstream_body["background"] = False
+
+        async def run() -> dict | None:
+            await _forwarded(forward)
+            return forward.answer
+
+        try:
+            return await responses.start_background(request, owner, rid, body, previous, run)
+        except APIError as e:
+            return e.response()
+    response = await _forwarded(forward)
+    responses.restore_previous(response, previous)
+    await responses.remember(app, owner, body, forward.answer, previous)
+    return response
+
+
+async def _forwarded(forward: Forward) -> web.StreamResponse:
+    """`forward` run to its end: the client's answer, whatever happened on the way."""
+    request, settings, api = forward.http, forward.settings, forward.api
     try:
-        async with app[drain.DRAIN].deadline():
-            return await forward.run(path)
+        async with request.app[drain.DRAIN].deadline():
+            return await forward.run()
     except APIError as e:  # no worker could answer; counted where it happened
-        return e.response()
+        return e.response(api.errors)
     except TimeoutError:  # the proxy is stopping and the grace is up (drain.py)
         if not forward.counted:
             forward.metrics.requests.labels(settings.policy_name, "none", "none", "cancelled").inc()
         if forward.response is not None:  # a stream: it ended with an error event
             return forward.response
-        return drain.stopping().response()
+        return drain.stopping().response(api.errors)
     except asyncio.CancelledError:  # the client hung up (aiohttp cancels its handler), or shutdown
         if not forward.counted:
             status = "client_gone" if client_left(request) else "cancelled"
@@ -94,11 +134,19 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await generate(request, chat=False)
+    return await generate(request, COMPLETIONS)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await generate(request, chat=True)
+    return await generate(request, CHAT)
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    return await generate(request, RESPONSES)
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    return await generate(request, MESSAGES)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -186,6 +234,10 @@ def create_app(
     app[CATALOG] = served
     app[ADAPTERS] = AdapterLoader(served.adapter_paths, cluster.metrics)
     app[SETTINGS] = settings
+    # One router's conversation store; router replicas put their shared one in its place.
+    app[RESPONSE_STORE] = MemoryResponses(
+        settings.responses_retention, settings.responses_max_bytes
+    )
     ratelimit.install(app, settings, cluster.metrics, cluster.count_refusal)
     app[STARTED] = time.monotonic()
     app[HEALTH_NOTES] = []
@@ -224,6 +276,10 @@ def create_app(
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/messages", create_message)
+    responses.install(app)
+    passthrough.install(app, served)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -1,9 +1,14 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+"""Errors in the shape each client API parses.
 
-Every answer the proxy gives that is not a worker's own reply is in this shape, including the
-ones aiohttp would otherwise write as text/plain (unknown path, wrong method, body too large,
-headers too large, an unexpected exception): see `openai_errors` below, and for what aiohttp's
-parser refuses, connections.py.
+    OpenAI (every path but /v1/messages)   {"error": {"message", "type", "param", "code"}}
+    Anthropic (/v1/messages...)            {"type": "error", "error": {"type", "message"}}
+
+Every answer the proxy gives that is not a worker's own reply is in one of these shapes,
+including the ones aiohttp would otherwise write as text/plain (unknown path, wrong method, body
+too large, headers too large, an unexpected exception): see `openai_errors` below, and for what
+aiohttp's parser refuses, connections.py. Mid-stream, an error is one event in the stream's own
+framing (`sse`): OpenAI's completions streams end with `data: [DONE]`, the Responses API's and
+Anthropic's streams with a named `error` event.
 """
 
 from __future__ import annotations
@@ -28,6 +33,25 @@ _TYPES = {
     414: "invalid_request_error",
     431: "invalid_request_error",
 }
+# Anthropic's error types (its API's documented set) for the same statuses.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+OPENAI, ANTHROPIC = "openai", "anthropic"  # the error shapes (`APIError.response(shape)`)
+# The framing of a mid-stream error: completions and chat streams, the Responses API's, Anthropic's.
+DONE, RESPONSES_EVENTS, ANTHROPIC_EVENTS = "done", "responses", "anthropic"
+
+
+def shape_for(path: str) -> str:
+    """The error shape clients of `path` parse."""
+    return ANTHROPIC if path.startswith("/v1/messages") else OPENAI
 
 
 class APIError(Exception):
@@ -71,14 +95,30 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> web.Response:
-        response = web.json_response(self.body, status=self.status, headers=self.headers)
+    @property
+    def anthropic_body(self) -> dict[str, object]:
+        kind = _ANTHROPIC_TYPES.get(self.status)
+        if kind is None:
+            kind = "api_error" if self.status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, shape: str = OPENAI) -> web.Response:
+        body = self.anthropic_body if shape == ANTHROPIC else self.body
+        response = web.json_response(body, status=self.status, headers=self.headers)
         if self.close:
             response.force_close()
         return response
 
-    def sse(self) -> bytes:
-        """A mid-stream error as one framed SSE event, then the stream's end."""
+    def sse(self, framing: str = DONE) -> bytes:
+        """A mid-stream error as one framed SSE event (then `[DONE]`, where the stream's
+        framing has one)."""
+        if framing == ANTHROPIC_EVENTS:
+            return f"event: error\ndata: {json.dumps(self.anthropic_body)}\n\n".encode()
+        if framing == RESPONSES_EVENTS:
+            error = self.body["error"]
+            assert isinstance(error, dict)
+            event = {"type": "error", **error}
+            return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
         return f"data: {json.dumps(self.body)}\n\ndata: [DONE]\n\n".encode()
 
     def raw(self) -> bytes:
@@ -107,24 +147,26 @@ def unavailable(message: str) -> APIError:
 
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Answer aiohttp's own errors (404, 405, 413, ...) and any escaped exception in the OpenAI
-    shape, without a traceback. An answer already under way cannot be replaced: it re-raises."""
+    """Answer aiohttp's own errors (404, 405, 413, ...) and any escaped exception in the shape
+    the path's clients parse (`shape_for`), without a traceback. An answer already under way
+    cannot be replaced: it re-raises."""
+    shape = shape_for(request.path)
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return e.response(shape)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         error = APIError.of_status(e.status, _reason(e))
         if allow := e.headers.get("Allow"):
             error.headers["Allow"] = allow
-        return error.response()
+        return error.response(shape)
     except Exception:
         if request.writer is not None and request.writer.output_size > 0:
             raise
         log.exception("unexpected error answering %s %s", request.method, request.path)
-        return APIError.of_status(500, "internal error in the router").response()
+        return APIError.of_status(500, "internal error in the router").response(shape)
 
 
 def _reason(e: web.HTTPException) -> str:

@@ -29,11 +29,12 @@ from aiohttp import web
 from router.classes import Refused
 from router.proxy import admission, split
 from router.proxy.adapters import ADAPTERS, AdapterLoadFailed
+from router.proxy.apis import API
 from router.proxy.capture import TraceCapture
 from router.proxy.driver import LiveCluster, LiveWorker, WorkerDown
-from router.proxy.errors import APIError, unavailable
+from router.proxy.errors import ANTHROPIC, APIError, unavailable
 from router.proxy.settings import ProxySettings
-from router.proxy.sse import StreamAccount, client_wants_usage, with_usage_requested
+from router.proxy.sse import ResponsesAccount
 from router.records import RecordWriter, RequestRecord, weighted_tokens
 from router.request import Request
 from router.runtime.trouble import own_trouble
@@ -90,13 +91,17 @@ class Forward:
       worker down, client gone), `release` once sent.
     """
 
-    def __init__(self, app: web.Application, http: web.Request, body: dict, req: Request) -> None:
+    def __init__(
+        self, app: web.Application, http: web.Request, body: dict, req: Request, api: API
+    ) -> None:
         self.cluster: LiveCluster = app[CLUSTER]
         self.settings: ProxySettings = app[SETTINGS]
         self.session = app[SESSION]
         self.adapters = app[ADAPTERS]
-        self.http, self.body, self.req = http, body, req
-        self.upstream_body = with_usage_requested(split.client_body(body))
+        self.http, self.body, self.req, self.api = http, body, req, api
+        self.upstream_body = api.upstream(body)
+        self.answer: dict | None = None  # a whole answer (or a stream's final response), parsed
+        self.continues: str | None = None  # the stored response a Responses turn continues
         self.request_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.metrics = self.cluster.metrics
         self.counted = False  # its outcome is in fairway_requests_total
@@ -114,7 +119,8 @@ class Forward:
         self.t0 = app[STARTED]
         self._book_failed = False
 
-    async def run(self, path: str) -> web.StreamResponse:
+    async def run(self) -> web.StreamResponse:
+        path = self.api.path
         try:
             return await self._attempts(path)
         except APIError as e:
@@ -177,7 +183,7 @@ class Forward:
         given back once: the prefill's by `prefilled` (`release` if it failed), the decode's
         by `release` (`abandon` while it waits in the decode worker's queue)."""
         req = self.req
-        body = split.prefill_body(self.upstream_body, prefill.kv_shape)
+        body = split.prefill_body(self.upstream_body, prefill.kv_shape, self.api.limit)
         sent = await self._attempt(prefill, reason, path, tried, body)
         if isinstance(sent, APIError):
             return sent
@@ -395,13 +401,22 @@ class Forward:
         self, upstream: aiohttp.ClientResponse, data: bytes, worker: LiveWorker, reason: str
     ) -> web.Response:
         self._mark_first_byte(worker)
+        headers = self._headers(upstream, worker)
         if upstream.status < 400:
-            self.output_tokens, self.cached_tokens = _usage(data)
+            with contextlib.suppress(ValueError):
+                self.answer = orjson.loads(data)
+            usage = self.api.usage(self.answer)
+            if usage is not None:
+                self.output_tokens, self.cached_tokens = (
+                    usage.completion_tokens,
+                    usage.cached_tokens,
+                )
             self._book(self.cluster.tokens, worker, self.req, self.output_tokens)
+        elif self.api.errors == ANTHROPIC:  # the worker's own error, in the shape the client parses
+            data = anthropic_error(data, upstream.status)
+            headers["Content-Type"] = "application/json"
         self._finish(reason, worker, "ok" if upstream.status < 400 else f"http_{upstream.status}")
-        return web.Response(
-            body=data, status=upstream.status, headers=self._headers(upstream, worker)
-        )
+        return web.Response(body=data, status=upstream.status, headers=headers)
 
     def _headers(self, upstream: aiohttp.ClientResponse, worker: LiveWorker) -> dict[str, str]:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -424,11 +439,13 @@ class Forward:
             self._finish(reason, worker, "client_gone")
             return response
         self.response = response
-        account = StreamAccount(forward_usage=client_wants_usage(self.body))
+        account = self.api.account(self.body)
+        if isinstance(account, ResponsesAccount):
+            account.continues = self.continues
         limit = self.settings.stream_timeout
         per_chunk = None if _arm_read_timeout(upstream, limit) else limit  # None: aiohttp's timer
-        ended = False  # the worker's `data: [DONE]` has gone by
-        tail = b""  # `[DONE]` and what follows it: sent with the stream's end, in one write
+        ended = False  # the worker's end of stream (`data: [DONE]`, a final event) has gone by
+        tail = b""  # the end and what follows it: sent with the stream's end, in one write
         itl = metrics.itl.labels(req.client)
         chunk, last = head, time.monotonic()
         try:
@@ -437,7 +454,7 @@ class Forward:
                 if n:
                     self.output_tokens += n
                     self._book(self.cluster.tokens, worker, req, n)
-                if events and (ended or b"data: [DONE]" in events):
+                if events and (ended or account.ends(events)):
                     ended = True
                     tail += events
                 elif events:
@@ -476,13 +493,13 @@ class Forward:
                 await self._end_stream(_unavailable("the router stopped this stream", "cancelled"))
             raise
         if rest := account.flush():  # bytes after the last whole event
-            if b"[DONE]" not in rest:
+            if not account.ends(rest):
                 return await self._broken(f"worker {worker.id} cut an event short", reason, worker)
             ended = True
             tail += rest
         if not ended:
             return await self._broken(
-                f"worker {worker.id} ended the stream without [DONE]", reason, worker
+                f"worker {worker.id} ended the stream before its end event", reason, worker
             )
         if account.usage is not None:
             # The worker's own count replaces the running estimate (charged as a correction).
@@ -490,6 +507,8 @@ class Forward:
             if exact != self.output_tokens:
                 self._book(self.cluster.tokens, worker, req, exact - self.output_tokens)
             self.output_tokens, self.cached_tokens = exact, account.usage.cached_tokens
+        if isinstance(account, ResponsesAccount):
+            self.answer = account.final
         self._finish(reason, worker, "ok")
         with contextlib.suppress(ConnectionError):
             await response.write_eof(tail)
@@ -506,7 +525,7 @@ class Forward:
         assert self.response is not None, "no stream to end"
         with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
             async with asyncio.timeout(5.0):  # a client that stopped reading cannot hold us
-                await self.response.write(error.sse())
+                await self.response.write(error.sse(self.api.framing))
                 await self.response.write_eof()
 
     def _mark_first_byte(self, worker: LiveWorker) -> None:
@@ -610,14 +629,16 @@ def _arm_read_timeout(upstream: aiohttp.ClientResponse, seconds: float) -> bool:
     return True
 
 
-def _usage(data: bytes) -> tuple[int, int | None]:
-    """(completion tokens, cached prompt tokens) from a non-streamed answer's usage; cached is
-    None when the worker does not report it (vLLM without --enable-prompt-tokens-details)."""
-    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-        usage = orjson.loads(data)["usage"]
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return int(usage["completion_tokens"]), None if cached is None else int(cached)
-    return 0, None
+def anthropic_error(data: bytes, status: int) -> bytes:
+    """A worker's error answer in Anthropic's shape (vLLM answers some /v1/messages errors,
+    its request validation's, in OpenAI's)."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        answer = orjson.loads(data)
+        if answer.get("type") == "error":
+            return data
+        message = str(answer["error"]["message"])
+        return orjson.dumps(APIError.of_status(status, message).anthropic_body)
+    return orjson.dumps(APIError.of_status(status).anthropic_body)
 
 
 def client_left(http: web.Request) -> bool:

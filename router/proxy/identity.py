@@ -10,7 +10,7 @@ trusted gateway (`trust_client_headers`) can only narrow it, never leave it:
                   larger value), never raises it
     none    ─▶ gateway's X-Client-Id (and X-Client-Weight), as named
                else the body's `user` ...... "user:<pseudonym>"
-               else the bearer key ......... "key:<pseudonym>"
+               else the API key ............ "key:<pseudonym>" (Bearer, or X-Api-Key)
                else ........................ "anonymous"
 
 Without tenants, a gateway's X-Priority (or the body's `priority`) sets the band, default 0.
@@ -126,8 +126,12 @@ def check_admin(http: web.Request, token: str | None) -> None:
 
 
 def bearer(http: web.Request) -> str | None:
+    """The caller's API key: OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's
+    `X-Api-Key: KEY`. The Authorization header wins when both are sent."""
     auth = http.headers.get("Authorization", "")
-    return auth[7:] if auth.startswith("Bearer ") and len(auth) > 7 else None
+    if auth.startswith("Bearer ") and len(auth) > 7:
+        return auth[7:]
+    return http.headers.get("X-Api-Key") or None
 
 
 def metric_labels(

@@ -21,7 +21,7 @@ import gc
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 import aiohttp
@@ -29,6 +29,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from router.proxy.apis import API
 from router.proxy.catalog import Catalog
 from router.proxy.errors import APIError, bad_request
 from router.proxy.identity import authenticate, client_identity, client_priority
@@ -169,20 +170,31 @@ async def parse_body(
 
 
 async def read_request(
-    http: web.Request, catalog: Catalog, s: ProxySettings, chat: bool, pool: Executor
+    http: web.Request,
+    catalog: Catalog,
+    s: ProxySettings,
+    api: API,
+    pool: Executor,
+    expand: Callable[[dict, Tenant | None], Awaitable[dict]] | None = None,
 ) -> tuple[dict, Request]:
     """Authenticate, read, parse and tokenize one generation request. A large body is parsed
-    and tokenized on `pool` (the tokenizer releases the GIL), so the event loop stays free."""
+    and tokenized on `pool` (the tokenizer releases the GIL), so the event loop stays free.
+    `expand`: what the body stands for, when it continues a stored conversation (the whole
+    conversation, which is what is tokenized and sent)."""
     tenant = authenticate(http, s)  # before reading a body an unknown caller sent
     raw = await read_body(http, s.max_body_bytes, s.body_timeout)
-
-    def work() -> tuple[dict, Request]:
-        body = parse_json(raw)
-        return body, build_request(http, body, catalog, s, chat, tenant)
-
-    if len(raw) <= INLINE_BYTES:
-        return work()
-    return await asyncio.get_running_loop().run_in_executor(pool, work)
+    loop = asyncio.get_running_loop()
+    large = len(raw) > INLINE_BYTES
+    body = await loop.run_in_executor(pool, parse_json, raw) if large else parse_json(raw)
+    if expand is not None:
+        expanded = await expand(body, tenant)
+        large = large or expanded is not body
+        body = expanded
+    if large:
+        req = await loop.run_in_executor(pool, build_request, http, body, catalog, s, api, tenant)
+    else:
+        req = build_request(http, body, catalog, s, api, tenant)
+    return body, req
 
 
 # ----------------------------------------------------------------------------- fields
@@ -210,14 +222,15 @@ def build_request(
     body: dict,
     catalog: Catalog,
     s: ProxySettings,
-    chat: bool,
+    api: API,
     tenant: Tenant | None = None,
 ) -> Request:
-    """The router's Request for a parsed body. A batch of prompts (/v1/completions with a list
-    of strings or token-id lists) is routed as one request, as the worker runs it: prompt_len is
-    the whole batch's, the prefix hashed is the longest prompt's, and the output is max_tokens
-    for each prompt and each of the `n` choices. The model named (a base model or an adapter)
-    and `cache_salt` make the prompt's cache identity (router.request.cache_root)."""
+    """The router's Request for a parsed body of `api` (apis.py). A batch of prompts
+    (/v1/completions with a list of strings or token-id lists) is routed as one request, as the
+    worker runs it: prompt_len is the whole batch's, the prefix hashed is the longest prompt's,
+    and the output is max_tokens for each prompt and each of the `n` choices. The model named (a
+    base model or an adapter) and `cache_salt` make the prompt's cache identity
+    (router.request.cache_root)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise bad_request("'model' is required", "model")
@@ -230,25 +243,24 @@ def build_request(
     priority = client_priority(http, body, tenant, s)
     _optional(body, "stream", lambda v: isinstance(v, bool), "true or false")
     _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    _optional(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer 1 to {MAX_N}")
-    n = body.get("n") or 1
-    best_of = body.get("best_of")
-    if best_of is not None and best_of not in (1, n):  # vLLM's server ignores it: say so
-        raise bad_request("'best_of' is not supported (the vLLM workers ignore it)", "best_of")
+    n = 1
+    if api.batches:
+        _optional(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer 1 to {MAX_N}")
+        n = body.get("n") or 1
+        best_of = body.get("best_of")
+        if best_of is not None and best_of not in (1, n):  # vLLM's server ignores it: say so
+            raise bad_request("'best_of' is not supported (the vLLM workers ignore it)", "best_of")
     try:
-        if chat:
-            prompts = [encoder.chat_ids(body.get("messages"), max_model_len)]
-        else:
-            if "prompt" not in body:
-                raise bad_request("'prompt' is required", "prompt")
-            prompts = encoder.completion_prompts(body["prompt"], max_model_len)
+        prompts = api.prompts(encoder, body, max_model_len)
     except PromptError as e:
         raise bad_request(str(e), e.param) from None
     ids = max(prompts, key=len)  # the first longest
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    key = api.max_tokens_key(body)
     max_tokens = body.get(key)
     if max_tokens is None:
-        max_tokens = max_model_len - len(ids) if chat else s.default_max_tokens
+        max_tokens = api.default_max_tokens(len(ids), max_model_len, s.default_max_tokens)
+        if max_tokens is None:
+            raise bad_request(f"'{key}' is required", key)
     if not _is_int(max_tokens) or max_tokens < 1:
         raise bad_request(f"'{key}' must be a positive integer", key)
     if len(ids) + max_tokens > max_model_len:

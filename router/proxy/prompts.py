@@ -138,7 +138,16 @@ class PromptEncoder:
             return [self._prompt_ids(self.check_ids(p, max_tokens, "prompt")) for p in prompt]
         raise PromptError("a batch of prompts must be all strings or all token-id lists", "prompt")
 
-    def chat_ids(self, messages: object, max_tokens: int | None = None) -> list[int]:
+    def chat_ids(
+        self,
+        messages: object,
+        max_tokens: int | None = None,
+        tools: list | None = None,
+        special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of chat `messages` rendered with the model's template (and `tools`, for
+        templates that describe them). `special_tokens`: the tokenizer's added on top of what
+        the template wrote, as vLLM does for some APIs."""
         max_tokens = max_tokens or self.max_model_len
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list", "messages")
@@ -148,14 +157,16 @@ class PromptEncoder:
         # The rendered text is at least as long as the messages: bound them before rendering.
         self.check_text("".join(m["content"] for m in flat), max_tokens, "messages")
         try:
-            text = self._chat.render(messages=flat, add_generation_prompt=True, **self.special)
+            text = self._chat.render(
+                messages=flat, tools=tools, add_generation_prompt=True, **self.special
+            )
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise PromptError(
                 f"the chat template cannot render these messages: {e}", "messages"
             ) from None
         self.check_text(text, max_tokens, "messages")
-        # The template already wrote the BOS token: do not let the tokenizer add another.
-        return self.encode(text, add_special_tokens=False)
+        # The template already wrote the BOS token: as a rule the tokenizer adds no other.
+        return self.encode(text, add_special_tokens=special_tokens)
 
     def block_hashes(self, ids: list[int], root: BlockHash | None = None) -> list[BlockHash]:
         """`root`: the cache identity's (router.request.cache_root)."""

@@ -57,10 +57,11 @@ def client_body(body: dict) -> dict:
     return body
 
 
-def prefill_body(body: dict, shape: str) -> dict:
-    """The prefill stage's body from the one the decode stage gets."""
+def prefill_body(body: dict, shape: str, limit: str = "max_tokens") -> dict:
+    """The prefill stage's body from the one the decode stage gets; `limit`: the API's output
+    limit field (max_output_tokens for the Responses API)."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    out["max_tokens"] = 1
+    out[limit] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["stream"] = False

@@ -19,7 +19,7 @@ from simulator.engine import EngineConfig
 from simulator.topology import Topology
 from workers.emulated import routes
 from workers.emulated.adapters import ADAPTER_LOAD_TIME, Adapters
-from workers.emulated.completions import chat_completions, completions
+from workers.emulated.completions import chat_completions, completions, messages, responses
 from workers.emulated.engine import WallClockEngine
 from workers.emulated.kv_events import KVEventPublisher, RecordingEncoder
 from workers.emulated.metrics import VLLMMetrics
@@ -142,6 +142,11 @@ def create_app(
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", routes.count_tokens)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)

@@ -1,21 +1,21 @@
-"""The emulated server's OpenAI API: /v1/completions and /v1/chat/completions, whole or
-streamed as vLLM streams them. Tokens are vocabulary pieces drawn from a seed of the prompt, so
-that every server answers a prompt alike (as greedy decoding would); how many come when is the
-engine's (workers/emulated/engine.py)."""
+"""The emulated server's generation APIs: /v1/completions, /v1/chat/completions, /v1/responses
+and /v1/messages, whole or streamed as vLLM streams them (the wording: shapes.py). Tokens are
+vocabulary pieces drawn from a seed of the prompt, so that every server answers a prompt alike
+(as greedy decoding would); how many come when is the engine's (workers/emulated/engine.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
-import uuid
 
 from aiohttp import web
 
+from router.proxy.apis import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from router.proxy.errors import APIError
 from router.proxy.openai_request import build_request, parse_body
+from workers.emulated.shapes import Counts, shape_for
 from workers.emulated.split import prompt_key
 from workers.emulated.state import (
     ADAPTERS,
@@ -44,36 +44,30 @@ def _priority(request: web.Request, body: dict) -> int:
     return value
 
 
-async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
+async def generate(request: web.Request, api: API) -> web.StreamResponse:
     app = request.app
     try:  # the proxy's own validation: one definition of a well-formed request
         body = await parse_body(request, max_bytes=64 * 1024 * 1024)  # vLLM sets no limit
-        req = build_request(request, body, app[CATALOG], app[LIMITS], chat)
+        req = build_request(request, body, app[CATALOG], app[LIMITS], api)
         req.priority = _priority(request, body) if app[PRIORITY_SCHEDULING] else 0
     except APIError as e:
-        return e.response()
+        return e.response(api.errors)
 
     if (publisher := app.get(KV_EVENTS)) is not None:
         publisher.identify(req.block_hashes, app[ADAPTERS].lora(req.adapter), req.cache_salt)
     engine, connector = app[ENGINE], app[CONNECTOR]
     connector.note(body)
     queue = engine.submit(req, connector.incoming(body, req, engine.cached_prefix(req)))
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
     # vLLM answers with the name asked for: an adapter's, for a request run under it
-    created, model, vocab = int(time.time()), body["model"], app[VOCAB]
+    shape = shape_for(api.name, body, body["model"], int(time.time()))
+    vocab = app[VOCAB]
     rng = random.Random(prompt_key(body))
 
     def piece(n: int) -> str:
         return "".join(rng.choice(vocab) for _ in range(n))
 
-    def usage(n_out: int) -> dict:
-        cached = engine.cached_tokens.pop(req.id, 0)
-        return {
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": n_out,
-            "total_tokens": req.prompt_len + n_out,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+    def counts(n_out: int) -> Counts:
+        return Counts(req.prompt_len, n_out, engine.cached_tokens.pop(req.id, 0))
 
     if not body.get("stream"):
         n_out, text = 0, []
@@ -84,62 +78,24 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
         except asyncio.CancelledError:  # the client hung up: vLLM cancels such a request too
             engine.abort(req)
             raise
-        choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(text)},
-                "finish_reason": "length",
-            }
-            if chat
-            else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": "length"}
-        )
-        answer = {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage(n_out),
-        }
-        if (params := connector.answer_params(body, req, rid)) is not None:
+        answer = shape.whole("".join(text), counts(n_out))
+        if (params := connector.answer_params(body, req, shape.id)) is not None:
             answer["kv_transfer_params"] = params
         connector.stored(body)
         return web.json_response(answer)
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choices: list, **extra: object) -> bytes:
-        payload = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": choices,
-            **extra,
-        }
-        return f"data: {json.dumps(payload)}\n\n".encode()
-
-    n_out = 0
+    n_out, text = 0, []
     try:
         while (n := await queue.get()) is not None:
-            if chat and n_out == 0:  # vLLM opens a chat stream with a role-only delta
-                opening = {"role": "assistant", "content": ""}
-                await response.write(event([{"index": 0, "delta": opening, "finish_reason": None}]))
+            if n_out == 0 and (opening := shape.opening()):
+                await response.write(opening)
             for _ in range(n):
                 n_out += 1
-                done = "length" if n_out == req.output_len else None
-                delta = (
-                    {"index": 0, "delta": {"content": piece(1)}, "finish_reason": done}
-                    if chat
-                    else {"index": 0, "text": piece(1), "logprobs": None, "finish_reason": done}
-                )
-                await response.write(event([delta]))
-        options = body.get("stream_options") or {}
-        if options.get("include_usage"):
-            await response.write(event([], usage=usage(n_out)))
-        await response.write(b"data: [DONE]\n\n")
+                text.append(piece(1))
+                await response.write(shape.token(text[-1], done=n_out == req.output_len))
+        await response.write(shape.closing("".join(text), counts(n_out)))
         await response.write_eof()
     except ConnectionError:
         engine.abort(req)  # the client left, as vLLM aborts on disconnect
@@ -152,8 +108,16 @@ async def generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await generate(request, chat=False)
+    return await generate(request, COMPLETIONS)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await generate(request, chat=True)
+    return await generate(request, CHAT)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await generate(request, RESPONSES)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await generate(request, MESSAGES)

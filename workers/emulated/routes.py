@@ -1,13 +1,16 @@
 """The emulated server's endpoints besides generation, as vLLM answers them: /health,
-/v1/models, /metrics, /reset_prefix_cache, and the LoRA adapters' load and unload."""
+/v1/models, /metrics, /reset_prefix_cache, the LoRA adapters' load and unload, /tokenize,
+/detokenize and Anthropic's /v1/messages/count_tokens."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from router.proxy.errors import APIError
+from router.proxy.apis import CHAT, COMPLETIONS, MESSAGES
+from router.proxy.errors import ANTHROPIC, APIError, bad_request
 from router.proxy.openai_request import parse_body
-from workers.emulated.state import ADAPTERS, ENGINE, LIMITS, MODEL, MODEL_DIR
+from router.proxy.prompts import PromptError
+from workers.emulated.state import ADAPTERS, CATALOG, ENGINE, LIMITS, MODEL, MODEL_DIR
 
 
 async def health(request: web.Request) -> web.Response:
@@ -82,3 +85,53 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     """As vLLM's endpoint of that name: drop every cached block no request is using."""
     dropped = request.app[ENGINE].reset_prefix_cache()
     return web.json_response({"dropped_blocks": dropped})
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's count_tokens, as vLLM answers it: the prompt's tokens, the template's."""
+    try:
+        body = await parse_body(request)
+        served = request.app[CATALOG].resolve(str(body.get("model")))
+        ids = MESSAGES.prompts(served.encoder, body, served.max_model_len)[0]
+    except PromptError as e:
+        return bad_request(str(e), e.param).response(ANTHROPIC)
+    except APIError as e:
+        return e.response(ANTHROPIC)
+    return web.json_response(
+        {"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}}
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a `prompt` (special tokens added) or chat `messages` (templated)."""
+    try:
+        body = await parse_body(request)
+        served = request.app[CATALOG].resolve(str(body.get("model", request.app[MODEL])))
+        api = CHAT if "messages" in body else COMPLETIONS
+        ids = api.prompts(served.encoder, body, served.max_model_len)[0]
+    except PromptError as e:
+        return bad_request(str(e), e.param).response()
+    except APIError as e:
+        return e.response()
+    return web.json_response(
+        {
+            "count": len(ids),
+            "max_model_len": served.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    try:
+        body = await parse_body(request)
+        served = request.app[CATALOG].resolve(str(body.get("model", request.app[MODEL])))
+        ids = served.encoder.check_ids(body.get("tokens") or [], served.max_model_len, "tokens")
+    except PromptError as e:
+        return bad_request(str(e), e.param).response()
+    except APIError as e:
+        return e.response()
+    return web.json_response(
+        {"prompt": served.encoder.tokenizer.decode(ids, skip_special_tokens=False)}
+    )
