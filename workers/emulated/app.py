@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 from aiohttp import web
@@ -37,6 +38,19 @@ from workers.emulated.state import (
     PRIORITY_SCHEDULING,
     VOCAB,
 )
+
+
+@web.middleware
+async def fastapi_not_found(request: web.Request, handler) -> web.StreamResponse:
+    """A path the server has no route for, answered as vLLM's server (FastAPI) answers it."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404, dumps=_compact)
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def create_app(
@@ -80,7 +94,7 @@ def create_app(
     if scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"scheduling policy {scheduling_policy!r}: fcfs or priority")
     by_priority = scheduling_policy == "priority"
-    app = web.Application()
+    app = web.Application(middlewares=[fastapi_not_found])
     encoder = RecordingEncoder(model_dir, block_size)
     config = EngineConfig(
         block_size=block_size,
