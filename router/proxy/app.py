@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from router.proxy import drain, passthrough, ratelimit, responses
+from router.proxy import drain, passthrough, ratelimit, realtime, responses
 from router.proxy.adapters import ADAPTERS, AdapterLoader
 from router.proxy.apis import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from router.proxy.capture import TraceCapture
@@ -29,6 +29,7 @@ from router.proxy.errors import APIError, bad_request, openai_errors
 from router.proxy.exposure import public_scope
 from router.proxy.forward import (
     CAPTURE,
+    CATALOG,
     CLUSTER,
     RECORDER,
     SESSION,
@@ -59,7 +60,6 @@ UPSTREAM_KEEPALIVE_S = 3.0  # idle upstream connections kept below the servers' 
 RUNNER_OPTIONS: dict[str, object] = {"handler_cancellation": True}
 
 # What only the handlers read from the app; what a request's trip reads: forward.py.
-CATALOG = web.AppKey("catalog", Catalog)
 POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the event loop
 
 
@@ -279,7 +279,8 @@ def create_app(
     app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/v1/messages", create_message)
     responses.install(app)
-    passthrough.install(app, served)
+    passthrough.install(app)
+    realtime.install(app)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

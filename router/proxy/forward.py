@@ -31,6 +31,7 @@ from router.proxy import admission, split
 from router.proxy.adapters import ADAPTERS, AdapterLoadFailed
 from router.proxy.apis import API
 from router.proxy.capture import TraceCapture
+from router.proxy.catalog import Catalog
 from router.proxy.driver import LiveCluster, LiveWorker, WorkerDown
 from router.proxy.errors import ANTHROPIC, APIError, unavailable
 from router.proxy.settings import ProxySettings
@@ -61,6 +62,7 @@ HOP_BY_HOP = {
 NOT_PASSED = HOP_BY_HOP | {admission.VLLM_PRIORITY_HEADER}
 # What a trip reads from the app; `create_app` (app.py) puts them there.
 CLUSTER = web.AppKey("cluster", LiveCluster)
+CATALOG = web.AppKey("catalog", Catalog)  # the models served, by the names clients use
 SETTINGS = web.AppKey("settings", ProxySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 RECORDER = web.AppKey("recorder", RecordWriter)  # requests.csv, when the proxy records

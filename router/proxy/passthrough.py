@@ -30,7 +30,7 @@ from router.proxy import ratelimit
 from router.proxy.catalog import Catalog, Served
 from router.proxy.driver import LiveCluster, LiveWorker
 from router.proxy.errors import APIError, bad_request, shape_for, unavailable
-from router.proxy.forward import CLUSTER, HOP_BY_HOP, NOT_PASSED, SESSION, SETTINGS
+from router.proxy.forward import CATALOG, CLUSTER, HOP_BY_HOP, NOT_PASSED, SESSION, SETTINGS
 from router.proxy.identity import authenticate, client_identity
 from router.proxy.openai_request import INLINE_BYTES, parse_json, read_body
 from router.proxy.settings import ProxySettings
@@ -70,10 +70,10 @@ async def relay(request: web.Request) -> web.StreamResponse:
             body = parse_json(raw)
         else:
             body = await asyncio.get_running_loop().run_in_executor(None, parse_json, raw)
-        served = _served(app[_CATALOG], body.get("model"))
+        served = served_model(app[CATALOG], body.get("model"))
         client, weight = client_identity(request, body, tenant, s)
         # The tenant's request rate, as generation checks it; no tokens are charged.
-        await ratelimit.check(request, _probe(client, weight, served))
+        await ratelimit.check(request, probe(client, weight))
         return await _forward(request, cluster, s, served, raw)
     except APIError as e:
         cluster.metrics.requests.labels(
@@ -82,13 +82,9 @@ async def relay(request: web.Request) -> web.StreamResponse:
         return e.response(shape)
 
 
-def install(app: web.Application, catalog: Catalog) -> None:
-    app[_CATALOG] = catalog
+def install(app: web.Application) -> None:
     for path in (*JSON_PATHS, *MULTIPART_PATHS):
         app.router.add_post(path, relay)
-
-
-_CATALOG = web.AppKey("passthrough_catalog", Catalog)
 
 
 def form_field(raw: bytes, content_type: str, name: str = "model") -> str | None:
@@ -108,7 +104,7 @@ def form_field(raw: bytes, content_type: str, name: str = "model") -> str | None
     return None
 
 
-def _served(catalog: Catalog, model: object) -> Served:
+def served_model(catalog: Catalog, model: object) -> Served:
     if model is None:
         bases = catalog.base_models()
         if len(bases) == 1:
@@ -119,12 +115,12 @@ def _served(catalog: Catalog, model: object) -> Served:
     return catalog.resolve(model)
 
 
-def _probe(client: str, weight: float, served: Served) -> Request:
+def probe(client: str, weight: float) -> Request:
     """What the rate limit reads of a request: its tenant; no prompt tokens to charge."""
     return Request(id=-1, arrival=0.0, prompt_len=1, output_len=1, client=client, weight=weight)
 
 
-def _candidates(cluster: LiveCluster, served: Served) -> list[LiveWorker]:
+def candidates(cluster: LiveCluster, served: Served) -> list[LiveWorker]:
     """The group's healthy workers, the least busy first."""
     workers = [w for w in cluster.healthy() if served.group is None or w.model == served.group]
     return sorted(workers, key=lambda w: (w.dispatch.in_flight + len(w.dispatch), w.id))
@@ -138,7 +134,7 @@ async def _forward(
     if request.path in JSON_PATHS:  # parsed as JSON, so sent as JSON (vLLM insists on the type)
         headers["Content-Type"] = "application/json"
     last: APIError = unavailable("no healthy worker serves this model")
-    for worker in _candidates(cluster, served)[: s.max_retries + 1]:
+    for worker in candidates(cluster, served)[: s.max_retries + 1]:
         try:
             async with asyncio.timeout(s.first_byte_timeout):
                 upstream = await session.post(
