@@ -11,7 +11,9 @@ turn into full input before routing it: any worker can serve any turn, and the p
                              ─► any worker ─► R2     stored: R2, I1 + R1's output + I2
 
 Each record holds its turns expanded, so a turn needs one read however long the conversation,
-and a conversation whose older responses expired or were evicted continues from its newest.
+and a conversation whose older responses expired or were evicted continues from its newest; the
+price is that a long conversation's early turns are stored again in each record (bounded by
+the retention, and in memory by max_bytes).
 
     MemoryResponses  one router: bounded in bytes (oldest out first), expired after retention
     RedisResponses   router replicas: one key per response in their store, expired by Redis
