@@ -26,6 +26,10 @@ MAX_CLIENT_ID = 128
 # Request priorities (vLLM's convention: lower is served first, default 0). Each value is a
 # band in every worker's queue, so a client-chosen one is bounded.
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
+# Responses the proxy relayed, kept to answer GET /v1/responses/{id} and to continue them
+# (router/proxy/conversations.py): this long, and in one router's memory, this much.
+RESPONSES_RETENTION = 3600.0
+RESPONSES_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,10 @@ class ProxySettings:
     # Tenant budgets when the replicas' store does not answer: "open" admits, "closed" is a
     # 503 (router/proxy/service/budget_store.py says why open is the default).
     rate_limit_store_failure: str = "open"
+    # Stored responses (conversations.py): seconds each can be read or continued, and the
+    # bytes one router keeps in memory (replicas keep theirs in their store).
+    responses_retention: float = RESPONSES_RETENTION
+    responses_max_bytes: int = RESPONSES_MAX_BYTES
 
     @property
     def upstream_timeout(self) -> aiohttp.ClientTimeout:

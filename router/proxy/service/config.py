@@ -43,6 +43,8 @@ from router.proxy.settings import (
     MAX_WEIGHT,
     MIN_PRIORITY,
     MIN_WEIGHT,
+    RESPONSES_MAX_BYTES,
+    RESPONSES_RETENTION,
 )
 from router.traits import IndexMode, Role
 
@@ -368,6 +370,21 @@ class ClassConfig(Strict):
     )
 
 
+class ResponsesConfig(Strict):
+    """The Responses API's stored responses (router/proxy/conversations.py): each can be
+    read (GET /v1/responses/{id}) or continued (previous_response_id) for `retention` s."""
+
+    retention: Seconds = Field(
+        RESPONSES_RETENTION, description="seconds a stored response can be read or continued"
+    )
+    max_bytes: int = Field(
+        RESPONSES_MAX_BYTES,
+        gt=0,
+        description="one router's in-memory store, oldest out first; replicas keep theirs in "
+        "their Redis",
+    )
+
+
 class AdapterConfig(Strict):
     """A LoRA adapter clients request by `name` (as vLLM serves it), loaded from `path` onto a
     worker of its group when routing places a request for it there."""
@@ -475,6 +492,7 @@ class ClusterConfig(Strict):
     router_sync: float = Field(
         0.1, gt=0, le=60, description="seconds between the replicas' syncs through Redis"
     )
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     redis_url: str | None = Field(None, description="the replicas' store; none: start one")
     redis_password: Secret | None = Field(
         None, description="the store's password (or redis_password_env, _file), not in the URL"

@@ -239,6 +239,7 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
     """The proxy of one replica: the whole policy, the parent's workers in its order, and the
     task that shares counters and routing decisions through Redis."""
     from router.proxy.app import CLUSTER, create_app
+    from router.proxy.conversations import responses_ctx
     from router.proxy.errors import APIError
     from router.proxy.identity import check_admin
     from router.proxy.service.budget_store import shared_budgets_ctx
@@ -273,6 +274,8 @@ def build_replica_app(spec: ReplicaSpec) -> web.Application:
         shared_state_ctx(app[CLUSTER], store, spec.prefix, token, config.router_sync)
     )
     app.cleanup_ctx.append(shared_budgets_ctx(store, spec.prefix))  # one budget per tenant
+    # Responses in the store: a turn continues at any replica, on any worker.
+    app.cleanup_ctx.append(responses_ctx(store, spec.prefix, config.responses.retention))
     return app
 
 

@@ -132,6 +132,8 @@ def settings_of(config: ClusterConfig) -> ProxySettings:
         client_salt=salt.encode() if salt else new_salt(),  # `fairway serve` always has one
         event_loop=config.event_loop,
         rate_limit_store_failure=config.rate_limit_store_failure,
+        responses_retention=config.responses.retention,
+        responses_max_bytes=config.responses.max_bytes,
     )
 
 

@@ -1,0 +1,247 @@
+"""The Responses API's conversation state, kept by the router rather than by a worker.
+
+vLLM's own store is per server, in memory and off by default: a turn that names
+`previous_response_id` could only go where the last turn ran, and dies with that server. So the
+proxy stores each response it relays, with the whole input it answered, and expands a chained
+turn into full input before routing it: any worker can serve any turn, and the prefix index
+(not a pin) keeps a conversation where its KV is.
+
+    turn 1   input I1 ─► worker ─► response R1      stored: R1, I1
+    turn 2   previous R1, input I2                  sent:   I1 + R1's output + I2
+                             ─► any worker ─► R2     stored: R2, I1 + R1's output + I2
+
+Each record holds its turns expanded, so a turn needs one read however long the conversation,
+and a conversation whose older responses expired or were evicted continues from its newest; the
+price is that a long conversation's early turns are stored again in each record (bounded by
+the retention, and in memory by max_bytes).
+
+    MemoryResponses  one router: bounded in bytes (oldest out first), expired after retention
+    RedisResponses   router replicas: one key per response in their store, expired by Redis
+
+A record is read, continued or deleted only by its owner; for anyone else it does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import orjson
+import redis
+import redis.asyncio
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from router.proxy.service.store import Store
+
+REDIS_TIMEOUT = 5.0  # seconds a call may take in all (the client's own: 2 s to connect, 2 s
+# to read), so that a store that stops answering fails a turn rather than holding it
+
+
+class StoreUnavailable(Exception):
+    """The shared store did not answer (Redis down, or slower than REDIS_TIMEOUT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    owner: str  # who made it (a tenant's client name, or the caller's identity)
+    response: dict  # the response object as the client got it (vLLM's Responses shape)
+    input: list[dict]  # the whole input it answered, as input items, earlier turns expanded
+
+    def continued(self) -> list[dict]:
+        """The input a follow-up turn continues from: `input`, then this response's output
+        as input items. A message keeps its role and text (not its id, status or logprobs:
+        an `incomplete` status would make vLLM continue that message instead of answering);
+        reasoning is dropped, as vLLM drops it when it expands a previous response; function
+        calls and other tool calls are valid input items as they are."""
+        items = list(self.input)
+        for item in self.response.get("output") or ():
+            kind = item.get("type")
+            if kind == "reasoning":
+                continue
+            if kind == "message":
+                content = [_content_part(p) for p in item.get("content") or ()]
+                item = {"type": "message", "role": "assistant", "content": content}
+            items.append(item)
+        return items
+
+
+def _content_part(part: dict) -> dict:
+    if part.get("type") == "output_text":
+        return {"type": "output_text", "text": part.get("text", "")}
+    return part  # a refusal: an input item as it is
+
+
+class Responses(Protocol):
+    """Where the proxy keeps the responses it relayed. Each call raises StoreUnavailable
+    when its backend does not answer, within a bounded time."""
+
+    retention: float  # seconds a response is kept after it is stored
+
+    async def get(self, owner: str, response_id: str) -> Stored | None:
+        """The response stored under `response_id` if `owner` made it; None if it was never
+        stored, has expired or was evicted, or is another owner's: one answer for all, so an
+        id reveals nothing about another tenant's."""
+        ...
+
+    async def put(self, response_id: str, stored: Stored) -> None:
+        """Keep `stored` for `retention` seconds (replacing what `response_id` held)."""
+        ...
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        """Forget the response if `owner` made it; whether there was one to forget."""
+        ...
+
+
+RESPONSES = web.AppKey("responses", Responses)
+
+
+def encode(stored: Stored) -> bytes:
+    """A record's bytes (what Redis holds, and what the memory store counts and keeps). A
+    body the proxy accepted may hold what orjson refuses (a lone surrogate, an integer past
+    64 bits: openai_request.py reads those with the standard module); so may the record."""
+    record = {"owner": stored.owner, "response": stored.response, "input": stored.input}
+    try:
+        return orjson.dumps(record)
+    except orjson.JSONEncodeError:
+        return json.dumps(record).encode()  # ASCII: a lone surrogate as its \u escape
+
+
+def decode(raw: bytes) -> Stored:
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # written by the standard module (`encode`)
+        record = json.loads(raw)
+    return Stored(record["owner"], record["response"], record["input"])
+
+
+class MemoryResponses:
+    """One router's store: records as bytes (a copy no caller can change, and the size it
+    is bounded by), in the order stored, which with one retention is the order they expire.
+    Past `max_bytes` the oldest go first; a record larger than `max_bytes` is not kept."""
+
+    def __init__(
+        self, retention: float, max_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        assert retention > 0 and max_bytes > 0, f"retention {retention}, max_bytes {max_bytes}"
+        self.retention, self.max_bytes, self.clock = retention, max_bytes, clock
+        self._records: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # id -> expiry, record
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    async def get(self, owner: str, response_id: str) -> Stored | None:
+        self._expire()
+        found = self._records.get(response_id)
+        if found is None:
+            return None
+        stored = decode(found[1])
+        return stored if stored.owner == owner else None
+
+    async def put(self, response_id: str, stored: Stored) -> None:
+        self._expire()
+        self._drop(response_id)
+        raw = encode(stored)
+        self._records[response_id] = (self.clock() + self.retention, raw)
+        self.num_bytes += len(raw)
+        while self.num_bytes > self.max_bytes:
+            self._drop(next(iter(self._records)))
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        if await self.get(owner, response_id) is None:
+            return False
+        self._drop(response_id)
+        return True
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._records:
+            response_id, (expiry, _) = next(iter(self._records.items()))
+            if expiry > now:
+                return
+            self._drop(response_id)
+
+    def _drop(self, response_id: str) -> None:
+        found = self._records.pop(response_id, None)
+        if found is not None:
+            self.num_bytes -= len(found[1])
+
+    def check_integrity(self) -> None:
+        expiries = [expiry for expiry, _ in self._records.values()]
+        assert expiries == sorted(expiries), "records are kept in the order they expire"
+        total = sum(len(raw) for _, raw in self._records.values())
+        assert total == self.num_bytes <= self.max_bytes, (total, self.num_bytes, self.max_bytes)
+
+
+class RedisResponses:
+    """Router replicas' store: one record per key, `<prefix>:response:<id>`, set to expire
+    after `retention` (Redis drops it; nothing here sweeps). Any replica serves any turn."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        prefix: str,
+        retention: float,
+        timeout: float = REDIS_TIMEOUT,
+    ) -> None:
+        self.client, self.prefix, self.retention, self.timeout = client, prefix, retention, timeout
+
+    def key(self, response_id: str) -> str:
+        return f"{self.prefix}:response:{response_id}"
+
+    async def get(self, owner: str, response_id: str) -> Stored | None:
+        async with self._answering():
+            raw = await self.client.get(self.key(response_id))
+        if raw is None:
+            return None
+        stored = decode(raw)
+        return stored if stored.owner == owner else None
+
+    async def put(self, response_id: str, stored: Stored) -> None:
+        # PX: a retention in seconds need not be whole (EX takes integers only).
+        expiry_ms = max(1, round(self.retention * 1000))
+        async with self._answering():
+            await self.client.set(self.key(response_id), encode(stored), px=expiry_ms)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        # Read, then delete: an id is made once, by one owner, so nothing changes it between.
+        if await self.get(owner, response_id) is None:
+            return False
+        async with self._answering():
+            return bool(await self.client.delete(self.key(response_id)))
+
+    @contextlib.asynccontextmanager
+    async def _answering(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except (redis.RedisError, OSError, TimeoutError) as e:
+            raise StoreUnavailable(
+                f"the responses store did not answer ({type(e).__name__}: {e})"
+            ) from e
+
+
+def responses_ctx(
+    store: Store, prefix: str, retention: float
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """An aiohttp cleanup context: while the app runs, its RESPONSES are kept in `store`
+    under `prefix` (shared by the replicas), in place of the memory store create_app put
+    there."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        client = store.client()
+        app[RESPONSES] = RedisResponses(client, prefix, retention)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(redis.RedisError, OSError):
+                await client.aclose()
+
+    return ctx

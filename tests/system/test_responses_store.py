@@ -1,0 +1,137 @@
+"""The replicas' stored responses in a real redis-server: one key per response, read only by
+its owner, gone after the retention; and when the server stops answering (stopped, then
+killed), each call fails as StoreUnavailable within a few seconds rather than hanging. A
+replica's app keeps its responses there, under its run's prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from aiohttp import web
+
+from router.proxy.conversations import RESPONSES, RedisResponses, Stored, StoreUnavailable
+from router.proxy.service.config import validate_config
+from router.proxy.service.replicas import ReplicaSpec, build_replica_app
+from router.proxy.service.store import OwnRedis, Store
+from tests.live_helpers import free_port, run, tokenizer_dir
+from tests.system.test_budget_replicas import kill, own_redis
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs redis-server (`make test` installs it)"
+)
+
+PREFIX = "fairway:test"
+RETENTION = 1.0
+PROMPT = [{"type": "message", "role": "user", "content": "hello"}]
+
+
+def stored(owner: str, text: str) -> Stored:
+    answer = [{"type": "output_text", "text": text}]
+    output = [{"type": "message", "role": "assistant", "content": answer}]
+    return Stored(owner, {"id": f"resp_{text}", "object": "response", "output": output}, PROMPT)
+
+
+def server_pid(server: OwnRedis) -> int:
+    """The redis-server this test started: its guard's one child."""
+    assert server.proc is not None
+    guard = server.proc.pid
+    children = Path(f"/proc/{guard}/task/{guard}/children").read_text().split()
+    assert len(children) == 1, f"the guard {guard} runs one server: {children}"
+    return int(children[0])
+
+
+async def fails_soon(call, within: float = 5.0) -> float:
+    """Await `call`, which must raise StoreUnavailable within `within` seconds; how long it
+    took."""
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        await asyncio.wait_for(call, within + 5)  # a hang fails the test, not the run
+    took = time.monotonic() - start
+    assert took < within, f"StoreUnavailable after {took:.1f} s"
+    return took
+
+
+def test_responses_in_redis(tmp_path: Path) -> None:
+    async def go() -> None:
+        with own_redis(tmp_path / "redis") as server:
+            client = Store(server.url).client()
+            try:
+                store = RedisResponses(client, PREFIX, RETENTION)
+                await store.put("resp_1", stored("team-a", "one"))
+                assert await store.get("team-a", "resp_1") == stored("team-a", "one")
+                assert await store.get("team-b", "resp_1") is None, "another owner's"
+                assert await store.get("team-a", "resp_2") is None, "never stored"
+                ttl = await client.pttl(f"{PREFIX}:response:resp_1")
+                assert 0 < ttl <= RETENTION * 1000, f"Redis expires it: {ttl} ms left"
+
+                assert await store.delete("team-b", "resp_1") is False
+                assert await store.delete("team-a", "resp_1") is True
+                assert await store.get("team-a", "resp_1") is None
+                assert await store.delete("team-a", "resp_1") is False
+
+                await store.put("resp_3", stored("team-a", "three"))
+                put_at = time.monotonic()
+                while await store.get("team-a", "resp_3") is not None:
+                    assert time.monotonic() - put_at < RETENTION + 3, "never expired"
+                    await asyncio.sleep(0.05)
+                assert time.monotonic() - put_at > RETENTION * 0.9, "expired too soon"
+
+                # Stopped: connections open, nothing answered. Each call ends at the
+                # client's 2 s timeout.
+                pid = server_pid(server)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await fails_soon(store.get("team-a", "resp_1"))
+                    await fails_soon(store.put("resp_4", stored("team-a", "four")))
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+
+                await kill(server)  # refused at once
+                assert await fails_soon(store.get("team-a", "resp_1")) < 1.0
+                assert await fails_soon(store.put("resp_5", stored("team-a", "five"))) < 1.0
+                assert await fails_soon(store.delete("team-a", "resp_1")) < 1.0
+            finally:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    await client.aclose()
+
+    run(go, timeout=60)
+
+
+def test_a_replica_keeps_its_responses_in_the_store(tmp_path: Path) -> None:
+    async def go() -> None:
+        with own_redis(tmp_path / "redis") as server:
+            config = validate_config({"port": free_port(), "responses": {"retention": 30}})
+            spec = ReplicaSpec(
+                0,
+                config.with_secrets(),
+                {"tiny": str(tokenizer_dir())},
+                [],
+                server.url,
+                "fairway:replica-test",
+                free_port(),
+            )
+            runner = web.AppRunner(build_replica_app(spec))
+            await runner.setup()  # its cleanup contexts open: the store's client among them
+            try:
+                store = runner.app[RESPONSES]
+                assert isinstance(store, RedisResponses), type(store)
+                assert (store.prefix, store.retention) == ("fairway:replica-test", 30)
+                await store.put("resp_1", stored("team-a", "one"))
+            finally:
+                await runner.cleanup()
+            check = redis.Redis.from_url(server.url)
+            try:
+                key = "fairway:replica-test:response:resp_1"
+                assert 0 < check.pttl(key) <= 30_000, "stored, expiring after the retention"
+            finally:
+                check.close()
+
+    run(go, timeout=60)
