@@ -5,6 +5,7 @@ are, each driven by the real client a user would point at Fairway."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import aiohttp
@@ -318,6 +319,32 @@ class TestPassedThrough:
                     assert (
                         r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
                     )
+
+        run(go)
+
+    def test_the_realtime_socket_reaches_a_worker_and_is_bounded(self) -> None:
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=20) as urls,
+                proxy(urls, max_body_bytes=64 * 1024) as (base, _),
+                aiohttp.ClientSession() as session,
+            ):
+                async with session.ws_connect(f"{base}/v1/realtime?model=tiny") as ws:
+                    assert (await ws.receive_json())["type"] == "session.created"
+                    await ws.send_json({"type": "session.update", "model": "tiny"})
+                    audio = base64.b64encode(bytes(32000)).decode()  # one second of silence
+                    await ws.send_json({"type": "input_audio_buffer.append", "audio": audio})
+                    await ws.send_json({"type": "input_audio_buffer.commit"})
+                    kinds = []
+                    while not kinds or kinds[-1] != "transcription.done":
+                        kinds.append((await ws.receive_json(timeout=10))["type"])
+                    assert kinds.count("transcription.delta") == 10
+                    # A frame over the proxy's body limit closes the socket.
+                    await ws.send_str("x" * (128 * 1024))
+                    closed = await ws.receive(timeout=10)
+                    assert closed.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+                async with session.get(f"{base}/v1/realtime?model=nope") as r:
+                    assert r.status == 404  # refused before the upgrade
 
         run(go)
 

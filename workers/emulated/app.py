@@ -24,6 +24,7 @@ from workers.emulated.completions import chat_completions, completions, messages
 from workers.emulated.engine import WallClockEngine
 from workers.emulated.kv_events import KVEventPublisher, RecordingEncoder
 from workers.emulated.metrics import VLLMMetrics
+from workers.emulated.realtime import realtime
 from workers.emulated.split import Connector
 from workers.emulated.state import (
     ADAPTERS,
@@ -160,6 +161,7 @@ def create_app(
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", routes.count_tokens)
     app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_get("/v1/realtime", realtime)
     app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/health", routes.health)
