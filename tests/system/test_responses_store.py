@@ -13,6 +13,8 @@ import signal
 import time
 from pathlib import Path
 
+import aiohttp
+import openai
 import pytest
 import redis
 from aiohttp import web
@@ -21,8 +23,9 @@ from router.proxy.conversations import RESPONSES, RedisResponses, Stored, StoreU
 from router.proxy.service.config import validate_config
 from router.proxy.service.replicas import ReplicaSpec, build_replica_app
 from router.proxy.service.store import OwnRedis, Store
-from tests.live_helpers import free_port, run, tokenizer_dir
+from tests.live_helpers import emulated_workers, free_port, run, tokenizer_dir
 from tests.system.test_budget_replicas import kill, own_redis
+from tests.system.test_live_replicas import fairway_serve
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server (`make test` installs it)"
@@ -135,3 +138,49 @@ def test_a_replica_keeps_its_responses_in_the_store(tmp_path: Path) -> None:
                 check.close()
 
     run(go, timeout=60)
+
+
+@pytest.mark.slow
+def test_chains_cross_replicas_and_a_dead_store_fails_only_them(tmp_path) -> None:
+    """Two replicas of `fairway serve` share the conversation store: a chain's turns alternate
+    between them. With the store killed, a chained turn gets a 503 that says why, while a turn
+    that continues nothing is answered as before."""
+
+    async def go() -> None:
+        with own_redis(tmp_path / "redis") as server:
+            async with (
+                emulated_workers(2, speed=20) as urls,
+                fairway_serve(tmp_path, urls, 2, redis_url=server.url) as (_, own, _, log_path),
+            ):
+                replicas = [
+                    openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+                    for url in own
+                ]
+                previous = None
+                for turn in range(4):  # each turn at the other replica
+                    r = await replicas[turn % 2].responses.create(
+                        model="tiny", input=f"turn {turn}", previous_response_id=previous,
+                        max_output_tokens=3,
+                    )  # fmt: skip
+                    assert r.previous_response_id == previous
+                    previous = r.id
+                assert (await replicas[0].responses.retrieve(previous)).id == previous
+
+                await kill(server)
+                with pytest.raises(openai.APIStatusError) as down:
+                    await replicas[1].responses.create(
+                        model="tiny", input="more", previous_response_id=previous
+                    )
+                assert down.value.status_code == 503
+                assert down.value.body["code"] == "store_unavailable", down.value.body
+                plain = await replicas[0].responses.create(
+                    model="tiny", input="fresh", max_output_tokens=3
+                )
+                assert plain.usage.output_tokens == 3
+                async with aiohttp.ClientSession() as s:
+                    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+                    async with s.post(f"{own[1]}/v1/chat/completions", json=chat) as r:
+                        assert r.status == 200
+                assert "Traceback" not in log_path.read_text()
+
+    run(go, timeout=180)
