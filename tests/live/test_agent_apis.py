@@ -14,7 +14,16 @@ import openai
 import pytest
 
 from router.proxy.settings import Tenant, keyed
-from tests.live_helpers import client, emulated_processes, emulated_workers, proxy, run
+from tests.live_helpers import (
+    client,
+    emulated_processes,
+    emulated_split_workers,
+    emulated_workers,
+    proxy,
+    run,
+    split_proxy,
+)
+from workers.emulated.state import CONNECTOR
 
 TOOL = {
     "type": "function",
@@ -236,6 +245,33 @@ class TestMessages:
                     assert r.status == 404 and (await r.json())["type"] == "error"
 
         run(go)
+
+
+def test_responses_and_messages_go_through_both_stages_of_a_split_fleet() -> None:
+    """The prefill stage is asked for one token in each API's own limit field, then the decode
+    worker answers the client, streamed or not."""
+
+    async def go() -> None:
+        async with (
+            emulated_split_workers(["prefill", "decode"], speed=20) as servers,
+            split_proxy([(url, app[CONNECTOR].role.value) for url, app in servers]) as (base, _),
+        ):
+            (_, prefill), (_, decode) = servers
+            prompt = "the quick brown fox jumps over the lazy dog " * 40
+            raw = await client(base).responses.with_raw_response.create(
+                model="tiny", input=prompt, max_output_tokens=6
+            )
+            assert raw.headers["X-Fairway-Worker"] == "1" and raw.parse().usage.output_tokens == 6
+            async with claude(base).messages.stream(
+                model="tiny", max_tokens=4, messages=[{"role": "user", "content": prompt}]
+            ) as stream:
+                final = await stream.get_final_message()
+            assert final.usage.output_tokens == 4
+            assert [limit for limit, _ in prefill[CONNECTOR].received] == [1, 1]
+            assert [limit for limit, _ in decode[CONNECTOR].received] == [6, 4]
+            assert all(params for _, params in decode[CONNECTOR].received), "the KV was handed over"
+
+    run(go)
 
 
 class TestLocality:

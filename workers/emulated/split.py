@@ -89,6 +89,8 @@ class Connector:
 
     def note(self, body: dict) -> None:
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
+        if limit is None:  # the Responses API's
+            limit = body.get("max_output_tokens")
         self.received.append((limit, body.get(KV_TRANSFER)))
 
     def incoming(self, body: dict, req: Request, local_hit: int) -> Incoming | None:
