@@ -38,6 +38,7 @@ from router.proxy.identity import authenticate, client_identity
 
 log = logging.getLogger(__name__)
 
+MAX_ID = 128  # characters: the ids made here are 37
 # Background responses still generating at this router: id -> (owner, task).
 BACKGROUND = web.AppKey("background_responses", dict)
 
@@ -71,6 +72,8 @@ async def expand(http: web.Request, body: dict, tenant: object) -> dict:
         return body
     if not isinstance(previous, str) or not previous:
         raise bad_request("'previous_response_id' must be a response id", "previous_response_id")
+    if not isinstance(body.get("input"), (str, list)):
+        raise bad_request("'input' must be a string or a list of items", "input")
     store: Responses = http.app[RESPONSES]
     stored = await _get(store, owner_of(http, tenant), previous, "previous_response_id")
     rest = {k: v for k, v in body.items() if k != "previous_response_id"}
@@ -222,6 +225,8 @@ def _answering(handler):
 
 
 async def _get(store: Responses, owner: str, rid: str, param: str = "response_id") -> Stored:
+    if len(rid) > MAX_ID:  # no id this router made is so long: no store round trip
+        raise _not_found(rid, store.retention, param)
     try:
         stored = await store.get(owner, rid)
     except StoreUnavailable:
