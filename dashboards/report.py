@@ -74,7 +74,7 @@ def read_records(path: Path) -> list[RequestRecord]:
                     raw = row.get(name, "")
                     if name in defaulted and not raw:
                         continue  # its default: an older file, or nothing known
-                    if name == "session":
+                    if name in ("session", "api"):
                         values[name] = raw or None
                     elif name == "client":
                         values[name] = raw

@@ -32,6 +32,7 @@ class RequestRecord:
     # KV took from the prefill worker to the decode worker.
     prefill_worker: int | None = None
     kv_transfer: float | None = None
+    api: str | None = None  # the client API that sent it (router.request.APIS); None: unknown
 
     @property
     def queue_time(self) -> float:
@@ -71,20 +72,26 @@ def service(record: RequestRecord) -> float:
     return weighted_tokens(record.prompt_tokens, record.output_tokens)
 
 
+# Columns written after the derived ones (queue_time ... e2e): added later, so a reader that
+# takes the earlier columns by position finds them where they were.
+TRAILING = ("api",)
+
+
 class RecordWriter:
     """requests.csv, one row per request as it completes (the simulator and the live proxy
     write the same columns, so one report reads both)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._names = [f.name for f in fields(RequestRecord)]
+        self._names = [f.name for f in fields(RequestRecord) if f.name not in TRAILING]
         self._file = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
         self._csv = csv.writer(self._file)
-        self._csv.writerow([*self._names, "queue_time", "ttft", "tpot", "e2e"])
+        self._csv.writerow([*self._names, "queue_time", "ttft", "tpot", "e2e", *TRAILING])
 
     def write(self, r: RequestRecord, flush: bool = False) -> None:
         row = [getattr(r, n) for n in self._names]
-        self._csv.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e])
+        tail = [getattr(r, n) for n in TRAILING]
+        self._csv.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e, *tail])
         if flush:
             self._file.flush()
 

@@ -17,10 +17,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 
 BlockHash = int
+# The client APIs a request may come through: OpenAI completions, chat completions and
+# Responses, and Anthropic Messages.
+Api = Literal["completions", "chat", "responses", "messages"]
+APIS: tuple[str, ...] = get_args(Api)
 
 
 def hash_token_blocks(
@@ -80,6 +85,9 @@ class Request:
     `model` names the model group that must serve it (None: a fleet of one model), `adapter` the
     LoRA adapter it runs under (None: the base model); both and `cache_salt` are part of its
     blocks' identity (see `cache_root`), which `block_hashes` already carry.
+
+    `api` is the client API that sent it (one of `APIS`; None: not known, as in a trace that does
+    not say). It changes nothing about how the request is served: records and reports split by it.
     """
 
     id: int
@@ -97,10 +105,12 @@ class Request:
     model: str | None = None
     adapter: str | None = None
     cache_salt: str | None = None
+    api: str | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_len > 0, f"request {self.id}: prompt_len must be positive"
         assert self.output_len > 0, f"request {self.id}: output_len must be positive"
+        assert self.api is None or self.api in APIS, f"request {self.id}: unknown api {self.api!r}"
 
     @property
     def num_blocks(self) -> int:

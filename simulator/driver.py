@@ -728,6 +728,7 @@ class SimCluster:
                 predicted_ttft=self._predicted_ttft.pop(req.id, None),
                 prefill_worker=None if split is None else split.worker,
                 kv_transfer=None if split is None else split.kv_transfer,
+                api=req.api,
             )
         )
         if self.budgets is not None:

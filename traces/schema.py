@@ -4,6 +4,7 @@
     {"arrival": 0.0, "prompt_len": 812, "output_len": 64, "block_hashes": [...], "client": "a"}
     {"arrival": 0.4, "prompt_len": 95, "output_len": 12, "session": "s1", "think_time": 2.0}
     {"arrival": 0.5, "prompt_len": 95, "output_len": 12, "model": "8b", "adapter": "sql"}
+    {"arrival": 0.6, "prompt_len": 4096, "output_len": 80, "session": "a1", "api": "responses"}
 
 `arrival` is in seconds. `block_hashes` are the chained hashes of the prompt's full blocks of
 `block_size` tokens (router.request.hash_token_blocks). `model` (the model group), `adapter`
@@ -11,6 +12,8 @@
 promises the hashes already include them (as `write_native` writes them); otherwise each
 request's hashes are re-keyed under its identity on reading (`router.request.rekey_blocks`), so
 a trace of plain token hashes, such as a converted public one, needs no hashing of its own.
+`api` names the client API that sent a request (completions, chat, responses, messages); a
+trace that does not say leaves it unknown.
 Every loader returns a `Trace`; every error names the file and line.
 """
 
@@ -24,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from router.request import Request, cache_root, rekey_blocks
+from router.request import Api, Request, cache_root, rekey_blocks
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -82,6 +85,7 @@ class TraceLine(BaseModel):
     model: str | None = Field(None, min_length=1)
     adapter: str | None = Field(None, min_length=1)
     cache_salt: str | None = Field(None, min_length=1)  # vLLM refuses an empty salt too
+    api: Api | None = None  # the client API that sent it
     # A proxy's recording (router/proxy/capture.py) also says who served each request; a replay
     # ignores it, a comparison of routing decisions reads it from Trace.meta["served_by"].
     worker: int | None = None
@@ -162,6 +166,7 @@ OPTIONAL_FIELDS = (
     ("model", None),
     ("adapter", None),
     ("cache_salt", None),
+    ("api", None),
 )
 
 
