@@ -85,6 +85,8 @@ class TraceCapture:
             line["weight"] = request.weight
         if request.priority != 0:  # its band: a replay runs it in the same class
             line["priority"] = request.priority
+        if request.api is not None:  # a replay sends it through the same API
+            line["api"] = request.api
         text = json.dumps(line, separators=(",", ":")) + "\n"
         if self._size + len(text) > self.max_file_bytes and self._size > len(self._header()):
             self._rotate()

@@ -576,6 +576,7 @@ class Forward:
                 priority=req.priority,
                 predicted_ttft=self.cluster.predicted_ttft(req),
                 prefill_worker=None if self.prefill_worker is None else self.prefill_worker.id,
+                api=req.api,
             )
             self.recorder.write(record, flush=True)
         if self.capture is not None and status == "ok":

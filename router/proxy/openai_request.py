@@ -283,4 +283,5 @@ def build_request(
         model=served.group,
         adapter=served.adapter,
         cache_salt=salt,
+        api=api.name,
     )

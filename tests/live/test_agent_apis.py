@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import csv
 import json
 
 import aiohttp
@@ -272,6 +273,32 @@ def test_responses_and_messages_go_through_both_stages_of_a_split_fleet() -> Non
             assert all(params for _, params in decode[CONNECTOR].received), "the KV was handed over"
 
     run(go)
+
+
+def test_records_and_recordings_name_the_api(tmp_path) -> None:
+    async def go() -> None:
+        async with (
+            emulated_workers(1, speed=20) as urls,
+            proxy(urls, record_dir=str(tmp_path)) as (base, _),
+        ):
+            oa, ac = client(base), claude(base)
+            await oa.completions.create(model="tiny", prompt="a b c", max_tokens=2)
+            await oa.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+            await oa.responses.create(model="tiny", input="x", max_output_tokens=2)
+            await ac.messages.create(
+                model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}]
+            )
+
+    run(go)
+    with open(tmp_path / "requests.csv") as f:
+        assert [row["api"] for row in csv.DictReader(f)] == [
+            "completions", "chat", "responses", "messages",
+        ]  # fmt: skip
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    recorded = [json.loads(line).get("api") for line in lines if '"arrival"' in line]
+    assert recorded == ["completions", "chat", "responses", "messages"]
 
 
 class TestLocality:
