@@ -222,7 +222,9 @@ class TestMessages:
                 counted = await ac.messages.count_tokens(
                     model="tiny", system="Be brief.", messages=history
                 )
-                assert counted.input_tokens == m.usage.input_tokens
+                assert (
+                    counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+                )
 
         run(go)
 
@@ -335,7 +337,8 @@ class TestLocality:
                         )
                         answer = m.content[0].text
                         cached += m.usage.cache_read_input_tokens
-                        prompt += m.usage.input_tokens
+                        # Anthropic counts the cached tokens apart from input_tokens.
+                        prompt += m.usage.input_tokens + m.usage.cache_read_input_tokens
                     history += [
                         {"role": "assistant", "content": answer},
                         {"role": "user", "content": f"tool output {turn}: " + "ok " * 30},

@@ -176,7 +176,8 @@ def test_a_tool_calling_session_resent_whole_hits_as_chat_does(served) -> None:
                     model="tiny", system=system, messages=blocks, max_tokens=8
                 )
                 cached += m.usage.cache_read_input_tokens
-                prompt += m.usage.input_tokens
+                # Anthropic counts the cached tokens apart from input_tokens.
+                prompt += m.usage.input_tokens + m.usage.cache_read_input_tokens
                 text = m.content[0].text
             chat += [
                 {

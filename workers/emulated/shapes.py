@@ -215,8 +215,9 @@ class MessageShape(Shape):
 
     @staticmethod
     def _usage(c: Counts) -> dict:
+        # Anthropic's input_tokens leaves out the tokens read from the cache (vLLM's rule).
         return {
-            "input_tokens": c.prompt,
+            "input_tokens": max(0, c.prompt - c.cached),
             "output_tokens": c.output,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": c.cached,
