@@ -3,9 +3,9 @@
     endpoint                                       body        sent to
     /tokenize, /detokenize                         JSON        the least busy healthy worker
     /v1/messages/count_tokens (Anthropic)          JSON          of the group that serves the
-    /v1/embeddings, /pooling, /classify,           JSON          body's `model` (the only
-      /score, /v1/score, /rerank, /v1/rerank,                    group, if the body names none)
-      /v2/rerank
+    /v1/embeddings, /v2/embed, /pooling,           JSON          body's `model` (the only
+      /classify, /score, /v1/score, /rerank,                     group, if the body names none)
+      /v1/rerank, /v2/rerank, /generative_scoring
     /v1/audio/transcriptions, /translations        multipart   the same, `model` a form field
 
 They pass the checks generation does before anything reaches a worker: the caller's API key
@@ -43,6 +43,7 @@ JSON_PATHS = (
     "/detokenize",
     "/v1/messages/count_tokens",
     "/v1/embeddings",
+    "/v2/embed",
     "/pooling",
     "/classify",
     "/score",
@@ -50,6 +51,7 @@ JSON_PATHS = (
     "/rerank",
     "/v1/rerank",
     "/v2/rerank",
+    "/generative_scoring",
 )
 MULTIPART_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 MAX_FORM_FIELD = 256  # the `model` form field: a name, not a payload
