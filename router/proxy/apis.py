@@ -73,6 +73,11 @@ class API:
     def account(self, body: dict) -> StreamAccount | ResponsesAccount | MessagesAccount:
         raise NotImplementedError
 
+    def begun(self, head: bytes) -> bool:
+        """Whether a stream's first bytes hold a token (or its end): what the proxy commits
+        to the client at (forward.py). Completions and chat streams begin with one."""
+        return True
+
 
 class Completions(API):
     def prompts(self, encoder: PromptEncoder, body: dict, max_len: int) -> list[list[int]]:
@@ -126,6 +131,9 @@ class Responses(API):
     def account(self, body: dict) -> ResponsesAccount:
         return ResponsesAccount()
 
+    def begun(self, head: bytes) -> bool:
+        return ResponsesAccount.TOKEN in head or ResponsesAccount.END.search(head) is not None
+
 
 class Messages(API):
     def prompts(self, encoder: PromptEncoder, body: dict, max_len: int) -> list[list[int]]:
@@ -140,6 +148,9 @@ class Messages(API):
 
     def account(self, body: dict) -> MessagesAccount:
         return MessagesAccount()
+
+    def begun(self, head: bytes) -> bool:
+        return MessagesAccount.TOKEN in head or MessagesAccount.END.search(head) is not None
 
 
 COMPLETIONS = Completions("completions", "/v1/completions", batches=True)

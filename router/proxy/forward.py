@@ -371,8 +371,16 @@ class Forward:
                 if resp.status >= 400 or "text/event-stream" not in resp.content_type:
                     return resp, await resp.read(), False
                 head = await resp.content.readany()
-                if not head:
-                    raise _bad_gateway(f"worker {worker.id} ended the stream before any event")
+                # Held until the first token: the Responses API's and Anthropic's streams open
+                # with events sent before any is generated, and committing to them would take
+                # a stalled worker's request past the point where another can be tried.
+                while head and not self.api.begun(head):
+                    more = await resp.content.readany()
+                    if not more:
+                        break
+                    head += more
+                if not head or not self.api.begun(head):
+                    raise _bad_gateway(f"worker {worker.id} ended the stream before any token")
                 return resp, head, True
         except (aiohttp.ClientError, TimeoutError) as e:
             if resp is not None:

@@ -24,6 +24,7 @@ from tests.live_helpers import (
     run,
     split_proxy,
 )
+from tests.metrics_page import samples
 from workers.emulated.state import CONNECTOR
 
 TOOL = {
@@ -94,6 +95,30 @@ class TestResponses:
                         model="tiny", input="x", previous_response_id="resp_nothing"
                     )
                 assert missing.value.body["param"] == "previous_response_id"
+
+        run(go)
+
+    def test_a_stream_commits_at_its_first_token_not_its_opening_events(self) -> None:
+        """vLLM opens a Responses stream at once (response.created, in_progress) and generates
+        after: a worker that has said only that much within first_byte_timeout is left for
+        another, as one that said nothing would be; the client sees one clean stream."""
+
+        async def go() -> None:
+            async with (
+                emulated_workers(1, speed=0.0005) as stalled,  # seconds before its first token
+                emulated_workers(1, speed=20) as fast,
+                proxy(stalled + fast, first_byte_timeout=1.0) as (base, _),
+            ):
+                async with client(base).responses.stream(
+                    model="tiny", input="hello " * 300, max_output_tokens=4
+                ) as stream:
+                    kinds = [event.type async for event in stream]
+                    final = await stream.get_final_response()
+                assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed"
+                assert final.usage.output_tokens == 4
+                async with aiohttp.ClientSession() as session:
+                    retried = await samples(session, base.admin, "fairway_retries_total")
+                assert retried == {'{worker="0"}': 1.0, '{worker="1"}': 0.0}, retried  # stalled first
 
         run(go)
 

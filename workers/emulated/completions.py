@@ -88,6 +88,8 @@ async def generate(request: web.Request, api: API) -> web.StreamResponse:
     await response.prepare(request)
     n_out, text = 0, []
     try:
+        if preamble := shape.preamble():
+            await response.write(preamble)
         while (n := await queue.get()) is not None:
             if n_out == 0 and (opening := shape.opening()):
                 await response.write(opening)

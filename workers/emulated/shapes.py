@@ -34,7 +34,12 @@ class Shape:
     def whole(self, text: str, counts: Counts) -> dict:
         raise NotImplementedError
 
+    def preamble(self) -> bytes:
+        """What a stream sends before any token is generated."""
+        return b""
+
     def opening(self) -> bytes:
+        """What a stream sends with its first token, before it."""
         return b""
 
     def token(self, piece: str, done: bool) -> bytes:
@@ -166,17 +171,18 @@ class ResponseShape(Shape):
     def whole(self, text: str, counts: Counts) -> dict:
         return self._response("incomplete", [self._message(text, "completed")], counts)
 
+    def preamble(self) -> bytes:
+        # vLLM sends these as soon as the request is accepted, before generating.
+        started = {"response": self._response("in_progress", [], None)}
+        return self._event("response.created", started) + self._event(
+            "response.in_progress", started
+        )
+
     def opening(self) -> bytes:
         empty = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
         at = {"item_id": self.item, "output_index": 0}
         return b"".join(
             [
-                self._event(
-                    "response.created", {"response": self._response("in_progress", [], None)}
-                ),
-                self._event(
-                    "response.in_progress", {"response": self._response("in_progress", [], None)}
-                ),
                 self._event(
                     "response.output_item.added",
                     {"item": self._message("", "in_progress"), "output_index": 0},
