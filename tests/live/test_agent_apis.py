@@ -118,7 +118,8 @@ class TestResponses:
                 assert final.usage.output_tokens == 4
                 async with aiohttp.ClientSession() as session:
                     retried = await samples(session, base.admin, "fairway_retries_total")
-                assert retried == {'{worker="0"}': 1.0, '{worker="1"}': 0.0}, retried  # stalled first
+                # The stalled worker was tried first, and left.
+                assert retried == {'{worker="0"}': 1.0, '{worker="1"}': 0.0}, retried
 
         run(go)
 
