@@ -132,7 +132,7 @@ class Responses(API):
         return ResponsesAccount()
 
     def begun(self, head: bytes) -> bool:
-        return ResponsesAccount.TOKEN in head or ResponsesAccount.END.search(head) is not None
+        return ResponsesAccount.begun(head)
 
 
 class Messages(API):
@@ -150,7 +150,7 @@ class Messages(API):
         return MessagesAccount()
 
     def begun(self, head: bytes) -> bool:
-        return MessagesAccount.TOKEN in head or MessagesAccount.END.search(head) is not None
+        return MessagesAccount.begun(head)
 
 
 COMPLETIONS = Completions("completions", "/v1/completions", batches=True)

@@ -50,7 +50,32 @@ def client_wants_usage(body: dict) -> bool:
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
-class StreamAccount:
+class WholeEvents:
+    """What every stream account shares: a stream cut into whole events (`whole`), and
+    whatever trails the last one (`flush`)."""
+
+    def __init__(self) -> None:
+        self.usage: Usage | None = None
+        self._partial = b""
+
+    def whole(self, chunk: bytes) -> bytes:
+        """The whole events the stream holds so far, from `chunk` and what came before it;
+        the rest is kept for the next chunk."""
+        data = self._partial + chunk if self._partial else chunk
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:
+            self._partial = data
+            return b""
+        self._partial = data[end:]
+        return data[:end]
+
+    def flush(self) -> bytes:
+        """Whatever trails the last whole event (a stream should end on one)."""
+        rest, self._partial = self._partial, b""
+        return rest
+
+
+class StreamAccount(WholeEvents):
     """Splits a completions or chat stream into whole events, counts their tokens and takes
     the usage event out.
 
@@ -61,21 +86,16 @@ class StreamAccount:
     END = b"data: [DONE]"
 
     def __init__(self, forward_usage: bool) -> None:
+        super().__init__()
         self.forward_usage = forward_usage
-        self.usage: Usage | None = None
-        self._partial = b""
 
     def ends(self, events: bytes) -> bool:
         return self.END in events
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
-        data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:
-            self._partial = data
+        whole = self.whole(chunk)
+        if not whole:
             return b"", 0
-        self._partial = data[end:]
-        whole = data[:end]
         if _USAGE.search(whole) is None:  # the common case: token events only
             return whole, _count_tokens(whole)
         kept, tokens = [], 0
@@ -89,13 +109,8 @@ class StreamAccount:
             kept.append(event + b"\n\n")
         return b"".join(kept), tokens
 
-    def flush(self) -> bytes:
-        """Whatever trails the last whole event (a stream should end on one)."""
-        rest, self._partial = self._partial, b""
-        return rest
 
-
-class NamedEventAccount:
+class NamedEventAccount(WholeEvents):
     """A stream of named events (`event: NAME` then `data: {...}`): the Responses API's and
     Anthropic's. Every event is passed on; the usage comes from the event that carries it."""
 
@@ -103,22 +118,17 @@ class NamedEventAccount:
     USAGE: re.Pattern[bytes]  # the events that carry the exact usage
     END: re.Pattern[bytes]  # the event that ends the stream
 
-    def __init__(self) -> None:
-        self.usage: Usage | None = None
-        self._partial = b""
-
     def ends(self, events: bytes) -> bool:
         return self.END.search(events) is not None
 
+    @classmethod
+    def begun(cls, head: bytes) -> bool:
+        """Whether a stream's first bytes hold a token, or its end."""
+        return cls.TOKEN in head or cls.END.search(head) is not None
+
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
-        data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:
-            self._partial = data
-            return b"", 0
-        self._partial = data[end:]
-        whole = data[:end]
-        if self.USAGE.search(whole) is not None:
+        whole = self.whole(chunk)
+        if whole and self.USAGE.search(whole) is not None:
             for event in whole.split(b"\n\n")[:-1]:
                 if self.USAGE.search(event) is not None:
                     payload = event.partition(b"data: ")[2]
@@ -128,10 +138,6 @@ class NamedEventAccount:
 
     def seen_final(self, event: object) -> None:
         raise NotImplementedError
-
-    def flush(self) -> bytes:
-        rest, self._partial = self._partial, b""
-        return rest
 
 
 class ResponsesAccount(NamedEventAccount):
