@@ -16,22 +16,29 @@ from router.cli.args import load_workload, sim_setup
 FLEET_OPTIONS = (("workers", None), ("prefill_workers", 0), ("decode_workers", 0), ("fleet", None))
 
 
+def _number(text: str, kind: type[float] | type[int]) -> float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+
+
 def attainment_share(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 
 def positive_seconds(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive seconds, got {text}")
     return value
 
 
 def at_least_one(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int))
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value

@@ -166,6 +166,9 @@ def test_attainment_is_the_class_definition_with_refusals_missing() -> None:
         (["--tpot", "-0.1"], "--tpot"),
         (["--max-workers", "0"], "--max-workers"),
         (["--policies", "lpm,fastest"], "--policies"),
+        (["--policy", "fastest"], "--policy"),
+        (["--ttft", "soon"], "--ttft"),
+        (["--jobs", "0"], "--jobs"),
     ],
 )
 def test_bad_input_is_refused_naming_the_field(flags: list[str], field: str, capsys) -> None:
@@ -189,3 +192,10 @@ def test_a_tpot_below_a_lone_decode_step_is_refused(capsys) -> None:
             "--ttft", "10", "--tpot", "0.00001", "--jobs", "1"]  # fmt: skip
     assert main(argv) == 2
     assert "tpot: 1e-05 s is below the " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--workers=4", "--prefill-workers=1", "--decode-workers=2"])
+def test_a_fixed_fleet_is_refused_since_plan_chooses_it(flag: str, capsys) -> None:
+    argv = ["plan", "--trace", "gen:shared_prefix", "--ttft", "2", "--tpot", "0.1", flag]
+    assert main(argv) == 2
+    assert f"{flag.split('=')[0]}: plan searches the fleet" in capsys.readouterr().err
