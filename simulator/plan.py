@@ -232,6 +232,10 @@ class Evaluator:
         self.close()
 
 
+# Outcomes of a policy's candidate fleets, in the order asked (an Evaluator, or a stub).
+Evaluate = Callable[[str, Iterable[Fleet]], list[Outcome]]
+
+
 @dataclass
 class Answer:
     """One policy's search, of mixed fleets or of split ones: its fleet (None: none up to the
@@ -244,12 +248,10 @@ class Answer:
 
 
 def search_mixed(
-    evaluate: Callable[[str, Iterable[Fleet]], list[Outcome]],
-    policy: str,
-    goal: Goal,
-    max_workers: int,
-    batch: int,
+    evaluate: Evaluate, policy: str, goal: Goal, max_workers: int, batch: int
 ) -> Answer:
+    """The fewest mixed workers, `batch` counts simulated at a time."""
+
     def meets(counts: list[int]) -> dict[int, bool]:
         outcomes = evaluate(policy, [Fleet(n) for n in counts])
         return {o.fleet.workers: o.attainment >= goal.attainment for o in outcomes}
@@ -260,11 +262,7 @@ def search_mixed(
 
 
 def search_split(
-    evaluate: Callable[[str, Iterable[Fleet]], list[Outcome]],
-    policy: str,
-    goal: Goal,
-    max_workers: int,
-    batch: int,
+    evaluate: Evaluate, policy: str, goal: Goal, max_workers: int, batch: int
 ) -> Answer:
     """Totals searched with `splits`; then, below the answer, every split of each smaller
     total until one has none that meets."""
