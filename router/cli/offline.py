@@ -16,6 +16,7 @@ from router.cli.args import (
     run_simulation,
     sim_setup,
 )
+from router.cli.plan import add_plan_args, cmd_plan
 from router.registry import call_with_params
 
 
@@ -255,6 +256,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=2, help="parallel processes (without Ray)")
     p.add_argument("--ray-address", help="run the policies as Ray tasks on this cluster")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser(
+        "plan", help="the fewest workers that serve a trace within TTFT and TPOT targets"
+    )
+    add_trace_args(p)
+    add_sim_args(p)
+    add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
 
     sub.add_parser("policies", help="list routing policies").set_defaults(func=cmd_policies)
 
