@@ -327,3 +327,13 @@ async def emulated_role_processes(
              "--topology-gpus", str(len(roles))] for i, role in enumerate(roles)]  # fmt: skip
     async with emulated_processes(len(roles), speed, args) as servers:
         yield servers
+
+
+def anthropic_prompt_tokens(usage) -> int:
+    """The whole prompt of an Anthropic usage: input_tokens leaves out what was read from the
+    cache and what was written to it."""
+    return (
+        usage.input_tokens
+        + (usage.cache_read_input_tokens or 0)
+        + (usage.cache_creation_input_tokens or 0)
+    )

@@ -16,6 +16,7 @@ import pytest
 
 from router.proxy.settings import Tenant, keyed
 from tests.live_helpers import (
+    anthropic_prompt_tokens,
     client,
     emulated_processes,
     emulated_split_workers,
@@ -248,9 +249,7 @@ class TestMessages:
                 counted = await ac.messages.count_tokens(
                     model="tiny", system="Be brief.", messages=history
                 )
-                assert (
-                    counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
-                )
+                assert counted.input_tokens == anthropic_prompt_tokens(m.usage)
 
         run(go)
 
@@ -363,8 +362,8 @@ class TestLocality:
                         )
                         answer = m.content[0].text
                         cached += m.usage.cache_read_input_tokens
-                        # Anthropic counts the cached tokens apart from input_tokens.
-                        prompt += m.usage.input_tokens + m.usage.cache_read_input_tokens
+                        # Anthropic counts cached and cache-written tokens apart from input_tokens.
+                        prompt += anthropic_prompt_tokens(m.usage)
                     history += [
                         {"role": "assistant", "content": answer},
                         {"role": "user", "content": f"tool output {turn}: " + "ok " * 30},

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from router.proxy.ports import free_ports
-from tests.live_helpers import fairway_serve, run
+from tests.live_helpers import anthropic_prompt_tokens, fairway_serve, run
 from workers.launch import VLLM_PYTHON
 
 pytestmark = pytest.mark.slow
@@ -176,8 +176,8 @@ def test_a_tool_calling_session_resent_whole_hits_as_chat_does(served) -> None:
                     model="tiny", system=system, messages=blocks, max_tokens=8
                 )
                 cached += m.usage.cache_read_input_tokens
-                # Anthropic counts the cached tokens apart from input_tokens.
-                prompt += m.usage.input_tokens + m.usage.cache_read_input_tokens
+                # Anthropic counts cached and cache-written tokens apart from input_tokens.
+                prompt += anthropic_prompt_tokens(m.usage)
                 text = m.content[0].text
             chat += [
                 {
