@@ -208,9 +208,10 @@ class Planner:
         return math.ceil(rate / per_worker) if per_worker > 0 else self.config.max_workers
 
     def worker_rate(self, prompt: float, output: float, hit_rate: float) -> float:
-        """Requests per second one worker sustains for this mix with its decode steps within
-        the TPOT target: the largest batch whose step keeps it (and fits the KV cache), each
-        request's prefill, and its output decoded in steps shared by the batch."""
+        """Requests per second one worker sustains for this mix within the TPOT target: the
+        largest batch (that fits the KV cache) whose decode step, stretched by the prefills
+        running beside it, keeps the target; each request costs its prefill and its output
+        decoded in steps shared by the batch."""
         if prompt <= 0:
             return 0.0
         output = max(output, 1.0)
@@ -220,9 +221,11 @@ class Planner:
         best = 0.0
         for batch in range(1, min(self.max_num_seqs, fits) + 1):
             step = self.cost.decode_time(batch, int(batch * (prompt + output / 2)))
-            if step > self.config.tpot and batch > 1:
+            rate = 1.0 / (prefill + output * step / batch)
+            # Prefills share the steps (chunked): a sequence's token waits for them too.
+            if batch > 1 and step / max(1.0 - rate * prefill, 1e-9) > self.config.tpot:
                 break
-            best = max(best, 1.0 / (prefill + output * step / batch))
+            best = rate
         return best
 
     def _trend_at(self, t: float) -> float:
