@@ -42,6 +42,7 @@ from router.core import Router
 from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
 from router.ledger import LedgerStore
+from router.planner import Planner, PlannerConfig
 from router.policy import GlobalPolicy, LocalPolicy
 from router.records import Refusal, RequestRecord
 from router.request import BlockHash, Request
@@ -50,6 +51,7 @@ from router.traits import IndexMode, Placement, Role
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import ModelGroup, check_requests, parse_fleet
 from simulator.results import WorkerRecord, summarize
+from simulator.scaling import Scaler
 from simulator.topology import KVTransfers, Topology, Transfer, kv_bytes
 from traces.schema import Trace
 from traces.transform import InfiniteCache
@@ -114,10 +116,20 @@ class SimConfig:
     decode_workers: int = 0
     topology: str = "dgx-h100"
     kv_bytes_per_token: int | None = None
+    # A fleet that grows and shrinks (simulator.scaling): `autoscale.max_workers` engines,
+    # of which the planner keeps its target serving; `num_workers` is set to the maximum.
+    autoscale: PlannerConfig | None = None
     seed: int = 0
     show_progress: bool = False
 
     def __post_init__(self) -> None:
+        if self.autoscale is not None:
+            if self.groups or self.prefill_workers or self.decode_workers or self.outages:
+                raise ValueError(
+                    "autoscale: a fleet of one pool of mixed workers only (no model groups, "
+                    "split pools or outages)"
+                )
+            object.__setattr__(self, "num_workers", self.autoscale.max_workers)
         if self.groups:
             fleet = parse_fleet({"groups": list(self.groups)}, source="config")
             object.__setattr__(self, "groups", fleet.groups)
@@ -386,6 +398,10 @@ class SimCluster:
         self._predicted_ttft: dict[int, float | None] = {}
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
+        self.scaler: Scaler | None = None
+        if config.autoscale is not None:
+            planner = Planner(config.autoscale, cost, config.engine.max_num_seqs)
+            self.scaler = Scaler(self.env, planner, self.routers, self.engines, self._sync_all)
 
     def _global_policy(self) -> GlobalPolicy:
         c = self.config
@@ -447,6 +463,8 @@ class SimCluster:
             self.env.process(self._outage(*outage))
         if len(self.routers) > 1 and self.config.router_sync > 0:
             self.env.process(self._sync_routers())
+        if self.scaler is not None:
+            self.env.process(self.scaler.run(self._done))
         with paced_for_throughput():  # a run's total time is what counts, not its pauses
             self.env.run()
         self._progress.close()
@@ -464,6 +482,13 @@ class SimCluster:
             classes=self.classes,
             refusals=self.refusals,
         )
+        # Every worker holds a GPU from the start to the last answer, or as the planner had it.
+        end = max([r.finish for r in self.records] + [x.at for x in self.refusals], default=0.0)
+        if self.scaler is None:
+            summary["gpu_seconds"] = self.config.num_workers * end
+        else:
+            self.scaler.close(end)
+            summary.update(self.scaler.summary())
         decisions = sum((r.decisions for r in self.routers), Counter())
         summary["decisions"] = dict(sorted(decisions.items(), key=lambda kv: -kv[1]))
         prompt = summary["tokens"]["prompt"]  # type: ignore[index]
@@ -523,6 +548,12 @@ class SimCluster:
             if engines[wid].run_end == end:  # else stale: syncing would apply steps mid-run
                 engines[wid].sync(now)
 
+    def _sync_all(self, now: float) -> None:
+        """Every engine's steps ended by `now` applied (a fleet decision reads every queue)."""
+        self._sync(now)
+        for engine in self.engines:
+            engine.sync(now)
+
     def _due_at(self, engine: Engine) -> float | None:
         return engine.run_end if self._lazy else engine.next_step_end
 
@@ -531,6 +562,9 @@ class SimCluster:
         self._sync(now)
         router = self.routers[self._next_router]
         self._next_router = (self._next_router + 1) % len(self.routers)
+        scaler = self.scaler
+        if scaler is not None and not rerouted:
+            scaler.arrived(req)
         if self._lazy:  # bring up to date what this decision reads, and nothing else
             # A request routed among a part of the fleet (its group, its adapter's holders) is
             # decided in a view the router makes inside route(): a policy asked what it reads
@@ -550,7 +584,7 @@ class SimCluster:
             self._refused(req, RATE_LIMIT)
             return
         try:
-            routed = router.route(req, now)
+            routed = router.route(req, now, scaler.draining if scaler is not None else ())
         except Refused as refused:
             self._refused(req, refused.reason)
             return
@@ -559,6 +593,8 @@ class SimCluster:
         if routed.predicted_ttft is not None:
             self._predicted_ttft[req.id] = routed.predicted_ttft
         self.bound.observe(req)
+        if scaler is not None:
+            scaler.routed(req, routed.hit_blocks * self.trace.block_size)
         self._submit_all(routed.decision.worker, routed.released)
         limit = router.queue_limit(req)
         if limit is not None:
@@ -580,6 +616,8 @@ class SimCluster:
         self._owner.pop(req.id, None)
         self._submit_all(worker, released)
         self._refused(req, QUEUE_TIME)
+        if self.scaler is not None:
+            self.scaler.finished(worker)
 
     def _refused(self, req: Request, reason: str) -> None:
         self.refusals.append(Refusal(req.id, req.client, req.priority, reason, self.env.now))
@@ -735,6 +773,8 @@ class SimCluster:
             self.budgets.charge_output(req.client, seq.num_output, now)
         router = self._owner.pop(req.id, self.router) if self._owner else self.router
         self._submit_all(seq.worker, router.finish(req, now))
+        if self.scaler is not None:
+            self.scaler.finished(seq.worker)
         if self._progress is not None:
             self._progress.update()
         self._next_turn(req)
@@ -799,7 +839,7 @@ class SimCluster:
             "index": self.config.index,
             "kv_event_delay": self.config.kv_event_delay,
             "seed": self.config.seed,
-        }
+        } | ({} if self.config.autoscale is None else {"autoscale": asdict(self.config.autoscale)})
 
 
 class DelayedKVEvents:

@@ -4,6 +4,7 @@ and list what the simulator knows (policies, models, generators)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from dashboards.tables import class_rows, format_table, pool_rows, summary_row
@@ -23,6 +24,7 @@ from router.registry import call_with_params
 def cmd_simulate(args: argparse.Namespace) -> int:
     from simulator.results import write_results
 
+    autoscale = _autoscale(args.autoscale)  # a bad setting stops the run before it starts
     trace = load_workload(args)
     if args.print_config:
         from simulator.driver import SimCluster
@@ -30,8 +32,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cluster = SimCluster(trace, *sim_setup(args, trace))
         print_config(cluster.policy.name, cluster.local_name, cluster.router_config)
         return 0
-    result = run_simulation(args, trace)
+    if autoscale is None:
+        result = run_simulation(args, trace)
+    else:
+        from simulator.driver import simulate
+
+        cost, config = sim_setup(args, trace)
+        try:
+            config = replace(config, autoscale=autoscale)
+        except ValueError as e:
+            raise SystemExit(f"fairway: --autoscale: {e}") from None
+        result = simulate(trace, cost, config)
     print(format_table([summary_row(args.policy, result.summary)]))
+    if autoscale is not None:
+        print(_gpu_hours(result.summary))
     classes = class_rows(args.policy, result.summary)
     if classes:
         print(format_table(classes))
@@ -46,6 +60,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_results(out, result.summary, result.records)
         print(f"wrote {out / 'summary.json'} and {out / 'requests.csv'}")
     return 0
+
+
+def _autoscale(spec: str | None):  # -> PlannerConfig | None
+    """`--autoscale min=N,max=N,startup=S[,...]`; an error names the field."""
+    if spec is None:
+        return None
+    from router.planner import PlannerConfig
+
+    try:
+        return PlannerConfig.parse(spec)
+    except ValueError as e:
+        raise SystemExit(f"fairway: --autoscale: {e}") from None
+
+
+def _gpu_hours(summary: dict) -> str:
+    """The autoscaled fleet's GPU-hours and the range of workers it served with."""
+    serving = [active for _, active, _ in summary["workers_over_time"]]
+    return (
+        f"GPU-hours: {summary['gpu_seconds'] / 3600:.3f} "
+        f"(serving {min(serving)} to {max(serving)} workers)"
+    )
 
 
 def group_rows(summary: dict) -> list[dict[str, object]]:
@@ -245,6 +280,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="write summary.json and requests.csv into this folder")
     p.add_argument(
         "--print-config", action="store_true", help="print the router's effective settings and stop"
+    )
+    p.add_argument(
+        "--autoscale",
+        metavar="min=N,max=N,startup=S[,interval=S,...]",
+        help="grow and shrink the fleet with the planner (replaces --workers): workers serve "
+        "`startup` seconds after they start, cold, and drain before they stop; also "
+        "interval, cooldown, step_down, history, headroom, low_water, tpot, initial "
+        "(docs/operations.md)",
     )
     p.set_defaults(func=cmd_simulate)
 
