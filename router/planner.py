@@ -165,15 +165,7 @@ class Planner:
         """The target after `window`. Mutates the planner's history (deterministic: the same
         windows give the same plans)."""
         c = self.config
-        self._windows.append(window)
-        if window.arrivals:
-            cached = min(window.cached_tokens, window.prompt_tokens)
-            self._mix = (
-                window.prompt_tokens / window.arrivals,
-                window.output_tokens / window.arrivals,
-                cached / window.prompt_tokens if window.prompt_tokens else 0.0,
-            )
-        per_worker = self.worker_rate(*self._mix)
+        per_worker = self._observe(window)
         horizon = window.end + c.startup + c.interval
         projected = max(window.rate, self._trend_at(horizon))
         # What waits now must be served over the same horizon, on top of what arrives.
@@ -201,6 +193,18 @@ class Planner:
         else:
             reason = "hold: cooling down"
         return Plan(self.target, reason, projected, per_worker, needed)
+
+    def _observe(self, window: Window) -> float:
+        """Keeps `window` (and its mix, if anything arrived); one worker's rate for the mix."""
+        self._windows.append(window)
+        if window.arrivals:
+            cached = min(window.cached_tokens, window.prompt_tokens)
+            self._mix = (
+                window.prompt_tokens / window.arrivals,
+                window.output_tokens / window.arrivals,
+                cached / window.prompt_tokens if window.prompt_tokens else 0.0,
+            )
+        return self.worker_rate(*self._mix)
 
     def _workers_for(self, rate: float, per_worker: float) -> int:
         if rate <= 0:
@@ -240,3 +244,51 @@ class Planner:
         sxx = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
         return max(0.0, my + slope * (t - mx))
+
+
+class ReactivePlanner(Planner):
+    """A utilization-threshold autoscaler, as Kubernetes' HPA and Knative's KPA: no look-ahead.
+    Utilization is the last window's load (its rate, and what waits served over a start-up and
+    an interval) over what the committed workers (serving and starting) sustain. Above `high`
+    the target jumps to the fleet that puts it back at `headroom`; below `low` held for the
+    cool-down, it steps down towards that fleet by at most `step_down`."""
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        cost: CostModel,
+        max_num_seqs: int = 256,
+        high: float = 0.9,
+        low: float = 0.6,
+    ) -> None:
+        if not 0 < low < config.headroom < high:
+            raise ValueError(f"thresholds: need 0 < low < headroom < high, got {low}, {high}")
+        super().__init__(config, cost, max_num_seqs)
+        self.high, self.low = high, low
+
+    def decide(self, window: Window, fleet: Fleet) -> Plan:
+        c = self.config
+        per_worker = self._observe(window)
+        load = window.rate + fleet.waiting / (c.startup + c.interval)
+        committed = max(fleet.serving + fleet.starting, 1)
+        utilization = load / (committed * per_worker) if per_worker > 0 else math.inf
+        needed = self._workers_for(load, c.headroom * per_worker)
+        wanted = min(max(needed, c.min_workers), c.max_workers)
+        now = window.end
+        if utilization > self.high and wanted > self.target:
+            self._low_since = None
+            self.target = wanted
+            reason = "up"
+        elif utilization >= self.low or wanted >= self.target:
+            self._low_since = None
+            reason = "hold"
+        elif self._low_since is None:
+            self._low_since = now
+            reason = "hold: cooling down"
+        elif now - self._low_since >= c.hold:
+            self.target = max(wanted, self.target - c.step_down)
+            self._low_since = now
+            reason = "down"
+        else:
+            reason = "hold: cooling down"
+        return Plan(self.target, reason, load, per_worker, needed)

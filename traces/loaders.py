@@ -19,6 +19,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Collection
 from datetime import datetime
 from pathlib import Path
 
@@ -192,6 +193,8 @@ def load_servegen(
     seed: int = 0,
     start: float | None = None,
     duration: float = SERVEGEN_WINDOW,
+    clients: Collection[str] | None = None,
+    speedup: float = 1.0,
 ) -> Trace:
     """Draw one workload from a ServeGen client folder.
 
@@ -201,10 +204,16 @@ def load_servegen(
     from the window's input/output distributions (the latest dataset window at or before it).
     `start` defaults to the busiest window over all clients. Clients without a dataset file are
     skipped (five of m-small's are missing) and listed in `trace.meta["skipped_clients"]`.
+    `clients`: only these (by name, "chunk-N"). `speedup`: the windows played that many times
+    faster, each at its own rate (a day's shape in fewer requests).
     """
-    clients = sorted(path.rglob("chunk-*-trace.csv"), key=_chunk_number)
+    if not speedup > 0:
+        raise ValueError(f"speedup: must be > 0, got {speedup}")
+    csvs = sorted(path.rglob("chunk-*-trace.csv"), key=_chunk_number)
+    if clients is not None:
+        csvs = [p for p in csvs if p.name.removesuffix("-trace.csv") in clients]
     rates: dict[Path, list[tuple[float, float, float, str, float]]] = {}
-    for trace_csv in clients:
+    for trace_csv in csvs:
         rates[trace_csv] = _servegen_windows(trace_csv)
     if start is None:
         totals: dict[float, float] = {}
@@ -217,7 +226,7 @@ def load_servegen(
     rng = random.Random(seed)
     requests: list[Request] = []
     skipped: list[str] = []
-    for trace_csv in clients:
+    for trace_csv in csvs:
         client = trace_csv.name.removesuffix("-trace.csv")
         dataset_path = trace_csv.with_name(f"{client}-dataset.json")
         if not dataset_path.exists():
@@ -234,17 +243,17 @@ def load_servegen(
             now = max(t, start)
             stop = min(t + SERVEGEN_WINDOW, end)
             while True:
-                now += _inter_arrival(rng, rate, cv, family, shape)
+                now += speedup * _inter_arrival(rng, rate, cv, family, shape)
                 if now >= stop:
                     break
                 n_in = max(1, int(inputs.draw(rng)))
                 n_out = max(1, int(outputs.draw(rng)))
-                requests.append(Request(0, now, n_in, n_out, client=client))
+                requests.append(Request(0, now / speedup, n_in, n_out, client=client))
     if not requests:
         raise TraceError(path, None, f"no requests in window [{start}, {end})")
     requests.sort(key=lambda r: r.arrival)
     trace = Trace(renumber(requests), DEFAULT_BLOCK_SIZE, source=str(path))
-    trace.meta.update(start=start, duration=duration, skipped_clients=skipped)
+    trace.meta.update(start=start, duration=duration, speedup=speedup, skipped_clients=skipped)
     return finish(trace)
 
 
