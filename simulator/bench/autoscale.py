@@ -58,7 +58,7 @@ class Day:
 
     start: float = 0.0
     duration: float = 24 * HOUR
-    speedup: float = 24.0
+    speedup: float = 48.0
     startup: float = 60.0
     interval: float = 60.0
     seed: int = 0
@@ -231,27 +231,37 @@ def row(day: Day, run: Run, summary: dict[str, object]) -> dict[str, object]:
 
 
 def verdict(day: Day, rows: list[dict[str, object]], summaries: dict[str, dict]) -> str:
-    """Whether the planner reaches the goal within `WITHIN` of the oracle's GPU-hours, and
-    where it loses its misses: the hour with the most, and its fleet beside the oracle's."""
+    """Whether the planner reaches `GOAL` within `WITHIN` of the oracle's GPU-hours; where it
+    spends more than the oracle (the hours with the most workers over the oracle's), and where
+    it misses most (the hour, and its fleet there beside the oracle's)."""
     by = {r["fleet"]: r for r in rows}
     planner, oracle = by["planner"], by["oracle"]
     ratio = planner["GPU-hours"] / oracle["GPU-hours"]  # type: ignore[operator]
     meets = planner["attainment"] >= GOAL  # type: ignore[operator]
+    reaches = meets and ratio <= WITHIN
     text = (
-        f"planner: attainment {planner['attainment']:.3f} "
-        f"({'meets' if meets else 'misses'} the {GOAL:g} goal) on {ratio:.2f}x the oracle's "
-        f"GPU-hours ({'within' if ratio <= WITHIN else 'over'} {WITHIN:g}x)"
+        f"the planner {'reaches' if reaches else 'does not reach'} the goal: attainment "
+        f"{planner['attainment']:.3f} ({'at least' if meets else 'under'} {GOAL:g}) on "
+        f"{ratio:.2f}x the oracle's GPU-hours ({'within' if ratio <= WITHIN else 'over'} "
+        f"{WITHIN:g}x)"
     )
-    text += "; " + ("it reaches the goal" if meets and ratio <= WITHIN else "it falls short")
+    mine = _serving_by_hour(day, summaries["planner"])
+    best = _serving_by_hour(day, summaries["oracle"])
+    excess = sorted(mine, key=lambda h: best.get(h, 0.0) - mine[h])[:3]
+    text += "; most workers over the oracle's at " + ", ".join(
+        f"{h % 24:02d}:00 ({mine[h]:.1f} against {best.get(h, 0.0):.1f})"
+        for h in sorted(excess)
+        if mine[h] > best.get(h, 0.0)
+    )
     missed = summaries["planner"]["missed_by_hour"]
     if missed:
         hour = max(missed, key=missed.get)
-        mine = _serving_by_hour(day, summaries["planner"]).get(hour, 0.0)
-        best = _serving_by_hour(day, summaries["oracle"]).get(hour, 0.0)
-        cause = "lag: fewer workers than the oracle" if mine < best else "not fleet size"
+        short = mine.get(hour, 0.0) < best.get(hour, 0.0)
+        why = "lag: fewer workers than the load needed" if short else "bursts, not the fleet size"
         text += (
-            f". Most misses at {hour % 24:02d}:00 ({missed[hour]} requests): "
-            f"{mine:.1f} workers serving on average there, the oracle {best:.1f} ({cause})"
+            f"; most misses at {hour % 24:02d}:00 ({missed[hour]} requests, "
+            f"{mine.get(hour, 0.0):.1f} workers against the oracle's {best.get(hour, 0.0):.1f}: "
+            f"{why})"
         )
     return text
 
