@@ -21,6 +21,7 @@ times `speedup`).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -186,21 +187,26 @@ def _run_one(day: Day, run: Run) -> tuple[Run, dict[str, object]]:
             cluster.scaler.planner = OraclePlanner(settings, cost, seqs, needs, day.window)
     result = cluster.run()
     summary = result.summary
-    summary["missed_by_hour"] = _missed_by_hour(day, result.records)
+    summary["missed_arrivals"] = _missed(result.records)
     summary["requests"] = len(trace)
     return run, summary
 
 
-def _missed_by_hour(day: Day, records: Sequence[object]) -> dict[int, int]:
-    """Requests missing a target, by the hour of the day they arrived in."""
+def _missed(records: Sequence[object]) -> list[float]:
+    """When the requests missing a target arrived (run seconds)."""
     ttft, tpot = TARGETS[0].ttft, TARGETS[0].tpot
-    missed: dict[int, int] = defaultdict(int)
-    for r in records:
-        late = r.ttft > ttft or (r.tpot is not None and r.tpot > tpot)  # type: ignore[attr-defined]
-        if late:
-            hour = int((day.start + r.arrival * day.speedup) // HOUR)  # type: ignore[attr-defined]
-            missed[hour] += 1
-    return dict(missed)
+    return [
+        r.arrival  # type: ignore[attr-defined]
+        for r in records
+        if r.ttft > ttft or (r.tpot is not None and r.tpot > tpot)  # type: ignore[attr-defined]
+    ]
+
+
+def _serving_at(summary: dict[str, object], t: float) -> int:
+    """Workers serving at run time `t`, as of the decision before it."""
+    series = summary["workers_over_time"]
+    times = [point[0] for point in series]  # type: ignore[union-attr]
+    return series[max(bisect.bisect_right(times, t) - 1, 0)][1]  # type: ignore[index]
 
 
 def _serving_by_hour(day: Day, summary: dict[str, object]) -> dict[int, float]:
@@ -253,15 +259,21 @@ def verdict(day: Day, rows: list[dict[str, object]], summaries: dict[str, dict])
         for h in sorted(excess)
         if mine[h] > best.get(h, 0.0)
     )
-    missed = summaries["planner"]["missed_by_hour"]
+    missed = summaries["planner"]["missed_arrivals"]
     if missed:
-        hour = max(missed, key=missed.get)
-        short = mine.get(hour, 0.0) < best.get(hour, 0.0)
-        why = "lag: fewer workers than the load needed" if short else "bursts, not the fleet size"
+        hours: dict[int, int] = defaultdict(int)
+        for t in missed:
+            hours[int((day.start + t * day.speedup) // HOUR)] += 1
+        hour = max(hours, key=hours.get)  # type: ignore[arg-type]
+        lag = sum(
+            1
+            for t in missed
+            if _serving_at(summaries["planner"], t) < _serving_at(summaries["oracle"], t)
+        )
         text += (
-            f"; most misses at {hour % 24:02d}:00 ({missed[hour]} requests, "
-            f"{mine.get(hour, 0.0):.1f} workers against the oracle's {best.get(hour, 0.0):.1f}: "
-            f"{why})"
+            f"; {len(missed)} requests missed, most at {hour % 24:02d}:00 ({hours[hour]}); "
+            f"{lag} of them while it served fewer workers than the oracle (lag behind a rise), "
+            f"the rest on as many or more (bursts within a window)"
         )
     return text
 
