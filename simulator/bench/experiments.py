@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dashboards.tables import format_table, summary_row
 from router.cost_model import roofline
-from simulator.bench import pd, priority
+from simulator.bench import agents, pd, priority
 from simulator.driver import SimConfig, simulate
 from simulator.fleet import ModelGroup
 from traces.generators import agent_loops, flood, late_joiner, lora_tenants, shared_prefix
@@ -410,6 +410,7 @@ def run_experiment(name: str, seed: int = 0, out: Path | None = None, jobs: int 
 MEASURED: dict[str, Callable[..., list[tuple[str, list[dict[str, object]]]]]] = {
     "priority": priority.run,
     "pd": pd.run,
+    "agents": agents.run,
 }
 NAMES = [*EXPERIMENTS, *MEASURED]
 
