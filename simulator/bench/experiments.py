@@ -335,11 +335,13 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
     ),
     "cache-pressure": (
         "Shared documents at 24 req/s on 8 workers (more documents than one worker's cache, "
-        "overloaded): fairness against locality, D²LPM's quantum swept",
+        "overloaded): fairness against locality, D²LPM's quantum as its charges set it (the "
+        "default), then swept",
         [
             _run("vtc", "shared_prefix_24", "vtc", 8),
             _run("lpm", "shared_prefix_24", "lpm", 8),
             _run("dlpm", "shared_prefix_24", "dlpm", 8),
+            _run("d2lpm Q from its charges", "shared_prefix_24", "d2lpm", 8),
             *(
                 _run(
                     f"d2lpm Q={q}",
