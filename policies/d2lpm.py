@@ -16,6 +16,10 @@ use a worker at once. A request withdrawn before it ran there (queue timeout, wo
 refunded what its dispatch charged, and the quantum its arrival granted if it leaves the client
 inactive there: it costs nothing. Each worker runs local DLPM. VTC's cost options apply
 (`cost`, `charge_output`: policies/service_cost.py), with the extend tokens as the input.
+Without a `quantum`, Q^u follows the dispatch charges (policies/quantum.py): below one
+request's charge, a client joining a holder of its prefix would be in deficit there after one
+request and its next sent away from its cache, where the miss costs more. The local DLPM
+keeps its own default (`local_params` sets it).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.lpm import healthy_matches, is_imbalanced, shortest_queue
+from policies.quantum import Quantum
 from policies.service_params import DEFAULT_SERVICE_COST, ServiceCostParams
 from router.ledger import Ledger
 from router.policy import Decision, GlobalPolicy
@@ -50,15 +55,13 @@ class DistributedDLPM(GlobalPolicy):
 
     def __init__(
         self,
-        quantum: float = 2048,
+        quantum: float | None = None,
         cache_threshold: float = 0.3,
         balance_abs_threshold: float = 64,
         balance_rel_threshold: float = 1.5,
         service_cost: ServiceCostParams = DEFAULT_SERVICE_COST,
     ) -> None:
-        if quantum <= 0:
-            raise ValueError(f"quantum: must be positive, got {quantum}")
-        self.quantum = quantum
+        self._quantum = Quantum(quantum)  # None: adapted to the dispatch charges
         self.meter = service_cost.meter()
         self.cache_threshold = cache_threshold
         self.balance = (balance_abs_threshold, balance_rel_threshold)
@@ -67,6 +70,11 @@ class DistributedDLPM(GlobalPolicy):
         self._matched: dict[int, int] = {}  # request id -> blocks matched on the chosen worker
         self._sent: dict[int, _Sent] = {}  # request id -> its dispatch, while outstanding
         self._last_match: tuple[int, dict[WorkerId, int]] = (-1, {})
+
+    @property
+    def quantum(self) -> float:
+        """Q^u now: the user's, or the one the dispatch charges so far call for."""
+        return self._quantum.value
 
     def deficit(self, client: str, worker: WorkerId) -> float:
         """The client's deficit on `worker` as a new request would find it."""
@@ -118,7 +126,9 @@ class DistributedDLPM(GlobalPolicy):
         self.deficits.setdefault(key, 0.0)
         clients[request.client] = clients.get(request.client, 0) + 1
         extend = request.prompt_len - self._matched.pop(request.id, 0) * view.block_size
-        self.deficits[key] -= self.meter.start(request, max(extend, 1))
+        charge = self.meter.start(request, max(extend, 1))
+        self._quantum.observe(charge)
+        self.deficits[key] -= charge
         self._sent[request.id] = _Sent(worker, granted)
         self._refill(worker)
 

@@ -8,21 +8,23 @@ from shared content, never from hand-placed hashes:
     few_shot        a pool of few-shot templates shared across tenants, then a question
     chat_sessions   multi-turn chats: turn k = turn k-1's prompt + its answer + a new message
     agent_loops     tool loops: a long tool preamble, then call, tool output, call, ...
+    agent_sessions  coding agents: a preamble per tenant, contexts growing to tens of thousands
+                    of tokens, tenants of unequal demand, each session on one client API
     flood           one client floods over a long shared prefix next to calm clients
     priority_mix    interactive tenants at a steady rate beside batch tenants (two priorities)
 
-Sessions (chat, agent) carry `think_time`, so they also replay closed-loop. Every generator
+Sessions (chat, agents) carry `think_time`, so they also replay closed-loop. Every generator
 takes `seed` and draws from its own streams.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from router.request import Request, cache_root, hash_token_blocks
+from router.request import APIS, Request, cache_root, hash_token_blocks
 from traces.schema import DEFAULT_BLOCK_SIZE, Trace, finish, renumber
 
 VOCAB = 32000
@@ -178,30 +180,53 @@ def _sessions(
     block_size: int,
     source: str,
     num_tenants: int,
-    first_prompt: Callable[[random.Random, _Tokens], np.ndarray],
+    first_prompt: Callable[[random.Random, _Tokens, int], np.ndarray],
     turns: Callable[[random.Random], int],
-    user_tokens: float,
+    message: Callable[[random.Random], int],
     output_tokens: float,
     think: Callable[[random.Random], float],
+    tenant_weights: Sequence[float] | None = None,
+    apis: Sequence[str] = (),
 ) -> Trace:
-    """Sessions whose every turn's prompt extends the previous prompt and answer."""
+    """Sessions whose every turn's prompt extends the previous prompt and answer.
+
+    A session's tenant is drawn uniformly, or in proportion to `tenant_weights`; its first
+    prompt is `first_prompt(rng, tokens, tenant)`, and each later turn adds the answer and a
+    message of `message(rng)` tokens. With `apis`, each session is sent through one of them."""
     rng, tokens = random.Random(seed), _Tokens(seed)
     reqs: list[Request] = []
     for s, start in enumerate(_poisson_times(rng, rate, num_sessions)):
-        client = f"tenant-{rng.randrange(num_tenants)}"
-        prompt = first_prompt(rng, tokens)
+        tenant = (
+            rng.choices(range(num_tenants), tenant_weights)[0]
+            if tenant_weights is not None
+            else rng.randrange(num_tenants)
+        )
+        client = f"tenant-{tenant}"
+        api = rng.choice(apis) if apis else None
+        prompt = first_prompt(rng, tokens, tenant)
+        hashes: list[int] = []  # the prompt's full blocks hashed so far: later turns extend them
         t = start
         for turn in range(turns(rng)):
             out = _lognormal_int(rng, output_tokens)
             wait = think(rng) if turn else None
+            hashes += hash_token_blocks(
+                prompt[len(hashes) * block_size :], block_size, hashes[-1] if hashes else None
+            )
             reqs.append(
-                _request(
-                    0, t, prompt, out, block_size, client=client, session=f"s{s}", think_time=wait
+                Request(
+                    id=0,
+                    arrival=t,
+                    prompt_len=len(prompt),
+                    output_len=out,
+                    block_hashes=list(hashes),
+                    client=client,
+                    session=f"s{s}",
+                    think_time=wait,
+                    api=api,
                 )
             )
             answer = tokens.take(out)
-            message = tokens.take(_lognormal_int(rng, user_tokens))
-            prompt = np.concatenate([prompt, answer, message])
+            prompt = np.concatenate([prompt, answer, tokens.take(message(rng))])
             # Open-loop timestamp of the next turn: a guess at the answer time plus think time;
             # closed-loop replay uses the real finish instead.
             t += 0.02 * out + think(rng)
@@ -225,7 +250,7 @@ def chat_sessions(
     across tenants, so chat turns reuse their own history above all."""
     shared = {k: _Tokens(seed + 1 + k).take(system_tokens) for k in range(num_tenants)}
 
-    def first(rng: random.Random, tokens: _Tokens) -> np.ndarray:
+    def first(rng: random.Random, tokens: _Tokens, tenant: int) -> np.ndarray:
         system = shared[rng.randrange(num_tenants)]
         return np.concatenate([system, tokens.take(_lognormal_int(rng, user_tokens))])
 
@@ -238,7 +263,7 @@ def chat_sessions(
         num_tenants,
         first,
         turns=lambda rng: 1 + int(rng.expovariate(1 / max(mean_turns - 1, 1e-9))),
-        user_tokens=user_tokens,
+        message=lambda rng: _lognormal_int(rng, user_tokens),
         output_tokens=output_tokens,
         think=lambda rng: rng.expovariate(1 / think_time) if think_time > 0 else 0.0,
     )
@@ -259,7 +284,7 @@ def agent_loops(
     """Agent/tool loops: short calls on a long, growing context; tools answer after a delay."""
     preamble = _Tokens(seed + 7).take(preamble_tokens)  # one tool spec shared by every agent
 
-    def first(rng: random.Random, tokens: _Tokens) -> np.ndarray:
+    def first(rng: random.Random, tokens: _Tokens, tenant: int) -> np.ndarray:
         return np.concatenate([preamble, tokens.take(_lognormal_int(rng, 200))])
 
     return _sessions(
@@ -271,9 +296,72 @@ def agent_loops(
         num_tenants,
         first,
         turns=lambda rng: max(1, int(rng.gauss(steps, steps / 4))),
-        user_tokens=tool_output_tokens,
+        message=lambda rng: _lognormal_int(rng, tool_output_tokens),
         output_tokens=call_tokens,
         think=lambda rng: rng.expovariate(1 / tool_latency),
+    )
+
+
+def agent_sessions(
+    num_sessions: int = 200,
+    num_tenants: int = 8,
+    tenant_skew: float = 1.0,
+    preamble_tokens: int = 6000,
+    task_tokens: int = 400,
+    mean_turns: float = 16,
+    tool_tokens: int = 1200,
+    tool_tokens_min: int = 200,
+    tool_tokens_max: int = 6000,
+    output_tokens: int = 150,
+    tool_time: float = 2.0,
+    rate: float = 1.0,
+    apis: str = "responses,messages",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> Trace:
+    """Coding agents and tool-calling assistants: closed-loop sessions on contexts that grow to
+    tens of thousands of tokens.
+
+    Each tenant has its own preamble (system prompt and tool specs, ~`preamble_tokens`) that
+    all its sessions start with, then the session's task. Every later turn's prompt is the
+    previous prompt, the model's answer (a tool call) and the tool's result: lognormal around
+    `tool_tokens`, clipped to [`tool_tokens_min`, `tool_tokens_max`]. The next turn is sent
+    `tool_time` (exponential mean) after the answer. Sessions start as a Poisson process at
+    `rate`; tenant k starts a share in proportion to 1/(k+1)^tenant_skew. A session speaks one
+    client API throughout, drawn from the comma-separated `apis`."""
+    names = tuple(a.strip() for a in apis.split(",") if a.strip())
+    unknown = [a for a in names if a not in APIS]
+    if not names or unknown:
+        raise ValueError(f"apis: a comma-separated list of {', '.join(APIS)}, got {apis!r}")
+    if not 0 < tool_tokens_min <= tool_tokens_max:
+        raise ValueError(
+            f"tool_tokens_min, tool_tokens_max: 0 < min <= max, got {tool_tokens_min}, "
+            f"{tool_tokens_max}"
+        )
+    preambles: dict[int, np.ndarray] = {}
+
+    def first(rng: random.Random, tokens: _Tokens, tenant: int) -> np.ndarray:
+        if tenant not in preambles:  # drawn when the tenant first appears: one stream
+            preambles[tenant] = tokens.take(_lognormal_int(rng, preamble_tokens, 0.2, block_size))
+        return np.concatenate([preambles[tenant], tokens.take(_lognormal_int(rng, task_tokens))])
+
+    def tool_result(rng: random.Random) -> int:
+        return min(_lognormal_int(rng, tool_tokens, 0.8, tool_tokens_min), tool_tokens_max)
+
+    return _sessions(
+        num_sessions,
+        rate,
+        seed,
+        block_size,
+        "agent_sessions",
+        num_tenants,
+        first,
+        turns=lambda rng: _lognormal_int(rng, mean_turns, 0.4, 2),
+        message=tool_result,
+        output_tokens=output_tokens,
+        think=lambda rng: rng.expovariate(1 / tool_time) if tool_time > 0 else 0.0,
+        tenant_weights=[1 / (k + 1) ** tenant_skew for k in range(num_tenants)],
+        apis=names,
     )
 
 
@@ -391,4 +479,5 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
     "few_shot": few_shot,
     "chat_sessions": chat_sessions,
     "agent_loops": agent_loops,
+    "agent_sessions": agent_sessions,
 }

@@ -341,7 +341,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--quick",
         action="store_true",
         help="the smallest configuration, where an experiment has one (priority: lpm only, "
-        "1x and 10x the capacity, 20 s of arrivals)",
+        "1x and 10x the capacity, 20 s of arrivals; pd and agents: fewer requests and runs)",
     )
     p.set_defaults(func=cmd_experiment)
 

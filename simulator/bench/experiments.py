@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dashboards.tables import format_table, summary_row
 from router.cost_model import roofline
-from simulator.bench import autoscale, pd, priority
+from simulator.bench import agents, autoscale, pd, priority
 from simulator.driver import SimConfig, simulate
 from simulator.fleet import ModelGroup
 from traces.generators import agent_loops, flood, late_joiner, lora_tenants, shared_prefix
@@ -335,11 +335,13 @@ EXPERIMENTS: dict[str, tuple[str, list[Run]]] = {
     ),
     "cache-pressure": (
         "Shared documents at 24 req/s on 8 workers (more documents than one worker's cache, "
-        "overloaded): fairness against locality, D²LPM's quantum swept",
+        "overloaded): fairness against locality, D²LPM's quantum as its charges set it (the "
+        "default), then swept",
         [
             _run("vtc", "shared_prefix_24", "vtc", 8),
             _run("lpm", "shared_prefix_24", "lpm", 8),
             _run("dlpm", "shared_prefix_24", "dlpm", 8),
+            _run("d2lpm Q from its charges", "shared_prefix_24", "d2lpm", 8),
             *(
                 _run(
                     f"d2lpm Q={q}",
@@ -410,6 +412,7 @@ def run_experiment(name: str, seed: int = 0, out: Path | None = None, jobs: int 
 MEASURED: dict[str, Callable[..., list[tuple[str, list[dict[str, object]]]]]] = {
     "priority": priority.run,
     "pd": pd.run,
+    "agents": agents.run,
     "autoscale": autoscale.run,
 }
 NAMES = [*EXPERIMENTS, *MEASURED]

@@ -438,7 +438,7 @@ class TestCostFunctions:
             registry.build(name, params)
 
     def test_d2lpm_predicted_charge_is_refunded_on_withdraw_and_settled_on_finish(self) -> None:
-        policy = policies.global_policies.create("d2lpm", charge_output="predicted")
+        policy = policies.global_policies.create("d2lpm", quantum=2048, charge_output="predicted")
         view = make_view(0)
         policy.meter.predicted["a"] = 50.0
         r = make_req(1, [], "a", tail=100, out=20)
