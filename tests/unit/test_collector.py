@@ -47,7 +47,9 @@ class TestPacedForThroughput:
             frozen = gc.get_freeze_count()
             with paced_for_throughput():
                 pass
-            assert gc.get_freeze_count() == frozen
+            # Still frozen, and not frozen again. (Not an equality: a frozen object that the
+            # previous tests left only referenced from a frame leaves the count when it dies.)
+            assert 0 < gc.get_freeze_count() <= frozen
         finally:
             gc.unfreeze()
 
