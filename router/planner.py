@@ -175,24 +175,29 @@ class Planner:
         wanted = min(max(needed, c.min_workers), c.max_workers)
         enough = min(max(self._workers_for(projected, c.low_water * planned), c.min_workers),
                      c.max_workers)  # fmt: skip
-        now = window.end
-        if wanted > self.target:
-            self._low_since = None
-            self.target = wanted
-            reason = "up"
-        elif enough >= self.target:
-            self._low_since = None
-            reason = "hold"
-        elif self._low_since is None:
-            self._low_since = now
-            reason = "hold: cooling down"
-        elif now - self._low_since >= c.hold:
-            self.target = max(enough, self.target - c.step_down)
-            self._low_since = now  # the next step down waits a cool-down of its own
-            reason = "down"
-        else:
-            reason = "hold: cooling down"
+        rise = wanted if wanted > self.target else None
+        reason = self._move(rise, enough >= self.target, enough, window.end)
         return Plan(self.target, reason, projected, per_worker, needed)
+
+    def _move(self, rise: int | None, holds: bool, floor: int, now: float) -> str:
+        """The hysteresis every planner shares: up to `rise` at once (None: no rise called
+        for); held while `holds`; else down toward `floor`, at most `step_down` at a time, each
+        step after a cool-down of its own. Returns the decision's reason."""
+        if rise is not None:
+            self._low_since = None
+            self.target = rise
+            return "up"
+        if holds:
+            self._low_since = None
+            return "hold"
+        if self._low_since is None:
+            self._low_since = now
+            return "hold: cooling down"
+        if now - self._low_since >= self.config.hold:
+            self.target = max(floor, self.target - self.config.step_down)
+            self._low_since = now  # the next step down waits a cool-down of its own
+            return "down"
+        return "hold: cooling down"
 
     def _observe(self, window: Window) -> float:
         """Keeps `window` (and its mix, if anything arrived); one worker's rate for the mix."""
@@ -274,21 +279,7 @@ class ReactivePlanner(Planner):
         utilization = load / (committed * per_worker) if per_worker > 0 else math.inf
         needed = self._workers_for(load, c.headroom * per_worker)
         wanted = min(max(needed, c.min_workers), c.max_workers)
-        now = window.end
-        if utilization > self.high and wanted > self.target:
-            self._low_since = None
-            self.target = wanted
-            reason = "up"
-        elif utilization >= self.low or wanted >= self.target:
-            self._low_since = None
-            reason = "hold"
-        elif self._low_since is None:
-            self._low_since = now
-            reason = "hold: cooling down"
-        elif now - self._low_since >= c.hold:
-            self.target = max(wanted, self.target - c.step_down)
-            self._low_since = now
-            reason = "down"
-        else:
-            reason = "hold: cooling down"
+        rise = wanted if utilization > self.high and wanted > self.target else None
+        holds = utilization >= self.low or wanted >= self.target
+        reason = self._move(rise, holds, wanted, window.end)
         return Plan(self.target, reason, load, per_worker, needed)
