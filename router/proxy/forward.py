@@ -196,7 +196,7 @@ class Forward:
                 return self._answer(upstream, data, prefill, reason)
             finally:
                 self._book(self.cluster.release, prefill, req, 0)
-        params, self.prefill_hit = split.prefill_answer(data, prefill.kv_shape)
+        params, self.prefill_hit = split.prefill_answer(data, prefill.kv_shape, self.api.usage)
         self.prefill_worker = prefill
         if params is None and prefill.kv_shape == split.HANDSHAKE and not prefill.kv_warned:
             prefill.kv_warned = True  # once: every prefill it answers will lack them

@@ -27,9 +27,12 @@ otherwise valid, and vLLM's own clients never need to send them through a router
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import orjson
+
+from router.proxy.sse import Usage, chat_usage
 
 HANDSHAKE, SHARED = "handshake", "shared"
 SHAPES = (HANDSHAKE, SHARED)
@@ -75,20 +78,20 @@ def decode_body(body: dict, params: dict | None) -> dict:
     return body if params is None else {**body, KV_TRANSFER: params}
 
 
-def prefill_answer(data: bytes, shape: str) -> tuple[dict | None, int | None]:
+def prefill_answer(
+    data: bytes, shape: str, usage_of: Callable[[object], Usage | None] = chat_usage
+) -> tuple[dict | None, int | None]:
     """(kv_transfer_params for the decode request, cached prompt tokens the prefill server
-    reported) from its answer. A handshake answer without parameters (a server started
-    without its connector) gives None: the decode server then computes the prompt itself,
-    slower but the same answer."""
+    reported) from its answer, its usage read as its API words it (`usage_of`: apis.py). A
+    handshake answer without parameters (a server started without its connector) gives None:
+    the decode server then computes the prompt itself, slower but the same answer."""
     answer: dict = {}
     with contextlib.suppress(ValueError):
         parsed = orjson.loads(data)
         if isinstance(parsed, dict):
             answer = parsed
-    cached = None
-    with contextlib.suppress(AttributeError, KeyError, TypeError, ValueError):
-        value = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-        cached = None if value is None else int(value)
+    usage = usage_of(answer)
+    cached = None if usage is None else usage.cached_tokens
     if shape != HANDSHAKE:
         return None, cached
     params = answer.get(KV_TRANSFER)

@@ -207,7 +207,7 @@ class TestProtocol:
 
     def test_the_decode_gets_the_clients_body_and_the_prefills_parameters(self) -> None:
         params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "h"}
-        usage = {"prompt_tokens_details": {"cached_tokens": 256}}
+        usage = {"completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 256}}
         answer = orjson.dumps({"kv_transfer_params": params, "usage": usage})
         assert prefill_answer(answer, "handshake") == (params, 256)
         assert decode_body(self.BODY, params) == {**self.BODY, "kv_transfer_params": params}
