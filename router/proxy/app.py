@@ -66,12 +66,14 @@ POOL = web.AppKey("pool", ThreadPoolExecutor)  # tokenizes large prompts off the
 async def generate(request: web.Request, api: API) -> web.StreamResponse:
     app = request.app
     settings: ProxySettings = app[SETTINGS]
-    continued: list[str] = []  # the response a Responses turn continues, if it names one
+    # A Responses turn's owner, and the response it continues if it names one.
+    turn: dict[str, str | None] = {"owner": None, "previous": None}
 
     async def expand(body: dict, tenant: Tenant | None) -> dict:
+        turn["owner"] = owner = responses.owner_of(request, tenant)
         if isinstance(previous := body.get("previous_response_id"), str):
-            continued.append(previous)
-        return await responses.expand(request, body, tenant)
+            turn["previous"] = previous
+        return await responses.expand(request, body, owner)
 
     try:
         body, req = await read_request(
@@ -86,9 +88,9 @@ async def generate(request: web.Request, api: API) -> web.StreamResponse:
     forward = Forward(app, request, body, req, api)
     if api is not RESPONSES:
         return await _forwarded(forward)
-    previous = continued[0] if continued else None
+    previous, owner = turn["previous"], turn["owner"]
+    assert owner is not None, "a Responses body is always expanded (read_request)"
     forward.continues = previous
-    owner = responses.owner_of(request)
     rid = forward.upstream_body["request_id"] = responses.new_response_id()
     if body.get("background"):
         if body.get("store") is False or body.get("stream"):

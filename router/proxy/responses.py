@@ -64,7 +64,7 @@ def as_items(value: object) -> list:
     return list(value) if isinstance(value, list) else []
 
 
-async def expand(http: web.Request, body: dict, tenant: object) -> dict:
+async def expand(http: web.Request, body: dict, owner: str) -> dict:
     """`body` with its `previous_response_id` expanded: the stored conversation, then this
     input. The body as it is when it continues nothing."""
     previous = body.get("previous_response_id")
@@ -75,7 +75,7 @@ async def expand(http: web.Request, body: dict, tenant: object) -> dict:
     if not isinstance(body.get("input"), (str, list)):
         raise bad_request("'input' must be a string or a list of items", "input")
     store: Responses = http.app[RESPONSES]
-    stored = await _get(store, owner_of(http, tenant), previous, "previous_response_id")
+    stored = await _get(store, owner, previous, "previous_response_id")
     rest = {k: v for k, v in body.items() if k != "previous_response_id"}
     return {**rest, "input": stored.continued() + as_items(body.get("input"))}
 
