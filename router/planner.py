@@ -7,16 +7,19 @@
 Pure: no clock, no I/O. A driver (the simulator's replay, later the live proxy against Ray) hands
 it one `Window` and one `Fleet` per decision and starts or drains workers towards the target.
 
-Scaling up looks ahead: the arrival rate's trend (a least-squares line over the last few windows)
-is projected over a worker's start-up plus one interval, so workers are serving before the load
-that needs them arrives. Scaling down waits: only after a lower target has held for `cooldown`
-seconds, and by at most `step_down` workers at a time, so a short lull or the end of a spike
-does not stop workers the next burst needs.
+Scaling up looks ahead: the arrival rate's trend over the last few windows is projected over a
+worker's start-up plus one interval, so workers are serving before the load that needs them
+arrives. The trend is a Theil-Sen line (the median of the pairwise slopes) and the load mix is
+pooled over the same windows: production arrivals are bursty, and one busy window, or a few long
+answers in it, would otherwise be extrapolated into workers the day never needs. Scaling down
+waits: only after a lower target has held for `cooldown` seconds, so a short lull or the end of a
+spike does not stop workers the next burst needs.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, fields
 
@@ -28,9 +31,12 @@ class PlannerConfig:
     """`min_workers`..`max_workers`: the target's range; `startup`: seconds from starting a
     worker to its serving; `interval`: seconds between decisions; `cooldown` (None: four
     intervals): how long a lower target must hold before workers are drained; `step_down`: the
-    most workers one decision drains; `history`: windows the trend is fitted over; `headroom`:
+    most workers one decision drains (None: down to the need at once); `history`: windows the
+    trend and the mix are taken over; `headroom`:
     the share of a worker's sustainable rate planned for (the rest absorbs bursts, so queues
-    and TTFT stay short); `low_water`: workers are drained only once the need fits the smaller
+    and TTFT stay short); `high_water`: workers are added only once the projection loads the
+    fleet above this share of what it sustains (a window's noise inside the band between
+    `headroom` and `high_water` adds nothing); `low_water`: workers are drained only once the need fits the smaller
     fleet at this share of its planned rate (the gap keeps a load near a boundary from
     flapping between two sizes); `tpot`: the time per output token a worker's batch must keep;
     `initial`: workers serving at the start (None: `min_workers`)."""
@@ -40,9 +46,10 @@ class PlannerConfig:
     startup: float = 60.0
     interval: float = 15.0
     cooldown: float | None = None
-    step_down: int = 1
-    history: int = 4
+    step_down: int | None = None
+    history: int = 8
     headroom: float = 0.8
+    high_water: float = 0.9
     low_water: float = 0.85
     tpot: float = 0.1
     initial: int | None = None
@@ -61,12 +68,16 @@ class PlannerConfig:
             raise ValueError(f"interval: must be > 0 seconds, got {self.interval}")
         if self.cooldown is not None and self.cooldown < 0:
             raise ValueError(f"cooldown: must be >= 0 seconds, got {self.cooldown}")
-        if self.step_down < 1:
+        if self.step_down is not None and self.step_down < 1:
             raise ValueError(f"step_down: must be at least 1, got {self.step_down}")
         if self.history < 2:
             raise ValueError(f"history: must be at least 2 windows, got {self.history}")
         if not 0 < self.headroom <= 1:
             raise ValueError(f"headroom: must be in (0, 1], got {self.headroom}")
+        if not self.headroom <= self.high_water <= 1:
+            raise ValueError(
+                f"high_water: must be within headroom..1 ({self.headroom}..1), got {self.high_water}"
+            )
         if not 0 < self.low_water <= 1:
             raise ValueError(f"low_water: must be in (0, 1], got {self.low_water}")
         if not self.tpot > 0:
@@ -167,7 +178,8 @@ class Planner:
         c = self.config
         per_worker = self._observe(window)
         horizon = window.end + c.startup + c.interval
-        projected = max(window.rate, self._trend_at(horizon))
+        # Not below the windows' mean: a trend pointing down waits for the load to fall.
+        projected = max(self._mean_rate(), self._trend_at(horizon))
         # What waits now must be served over the same horizon, on top of what arrives.
         projected += fleet.waiting / (c.startup + c.interval)
         planned = c.headroom * per_worker
@@ -175,7 +187,8 @@ class Planner:
         wanted = min(max(needed, c.min_workers), c.max_workers)
         enough = min(max(self._workers_for(projected, c.low_water * planned), c.min_workers),
                      c.max_workers)  # fmt: skip
-        rise = wanted if wanted > self.target else None
+        crowded = self._workers_for(projected, c.high_water * per_worker) > self.target
+        rise = wanted if crowded and wanted > self.target else None
         reason = self._move(rise, enough >= self.target, enough, window.end)
         return Plan(self.target, reason, projected, per_worker, needed)
 
@@ -194,22 +207,31 @@ class Planner:
             self._low_since = now
             return "hold: cooling down"
         if now - self._low_since >= self.config.hold:
-            self.target = max(floor, self.target - self.config.step_down)
+            step = self.config.step_down
+            self.target = floor if step is None else max(floor, self.target - step)
             self._low_since = now  # the next step down waits a cool-down of its own
             return "down"
         return "hold: cooling down"
 
     def _observe(self, window: Window) -> float:
-        """Keeps `window` (and its mix, if anything arrived); one worker's rate for the mix."""
+        """Keeps `window`; one worker's rate for the mix of the windows kept (the last mix seen
+        while nothing arrives)."""
         self._windows.append(window)
-        if window.arrivals:
-            cached = min(window.cached_tokens, window.prompt_tokens)
-            self._mix = (
-                window.prompt_tokens / window.arrivals,
-                window.output_tokens / window.arrivals,
-                cached / window.prompt_tokens if window.prompt_tokens else 0.0,
-            )
+        arrivals = sum(w.arrivals for w in self._windows)
+        if arrivals:
+            prompt = sum(w.prompt_tokens for w in self._windows)
+            cached = sum(min(w.cached_tokens, w.prompt_tokens) for w in self._windows)
+            output = sum(w.output_tokens for w in self._windows)
+            self._mix = (prompt / arrivals, output / arrivals, cached / prompt if prompt else 0.0)
         return self.worker_rate(*self._mix)
+
+    def _mean_rate(self) -> float:
+        """Arrivals per second over the windows kept."""
+        windows = self._windows
+        if not windows:
+            return 0.0
+        span = windows[-1].end - windows[0].start
+        return sum(w.arrivals for w in windows) / span if span > 0 else windows[-1].rate
 
     def _workers_for(self, rate: float, per_worker: float) -> int:
         if rate <= 0:
@@ -238,17 +260,24 @@ class Planner:
         return best
 
     def _trend_at(self, t: float) -> float:
-        """The arrival rate at `t` on the least-squares line through the windows' rates (0 if
-        it points below; the last rate with fewer than two windows)."""
+        """The arrival rate at `t` on the Theil-Sen line through the windows' rates (0 if it
+        points below; the last rate with fewer than two windows). A step from quiet to busy
+        in the last window moves a least-squares line's slope by the whole step over the span;
+        the median slope waits until the step has held for half the windows."""
         windows = self._windows
         if len(windows) < 2:
             return windows[-1].rate if windows else 0.0
         xs = [(w.start + w.end) / 2 for w in windows]
         ys = [w.rate for w in windows]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
-        return max(0.0, my + slope * (t - mx))
+        slopes = [
+            (ys[j] - ys[i]) / (xs[j] - xs[i])
+            for i in range(len(xs))
+            for j in range(i + 1, len(xs))
+            if xs[j] > xs[i]
+        ]
+        slope = statistics.median(slopes) if slopes else 0.0
+        intercept = statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
+        return max(0.0, intercept + slope * t)
 
 
 class ReactivePlanner(Planner):

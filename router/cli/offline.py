@@ -286,8 +286,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="min=N,max=N,startup=S[,interval=S,...]",
         help="grow and shrink the fleet with the planner (replaces --workers): workers serve "
         "`startup` seconds after they start, cold, and drain before they stop; also "
-        "interval, cooldown, step_down, history, headroom, low_water, tpot, initial "
-        "(docs/operations.md)",
+        "interval, cooldown, step_down, history, headroom, high_water, low_water, tpot, initial "
+        "(docs/experiments.md, Autoscaling a ramp)",
     )
     p.set_defaults(func=cmd_simulate)
 

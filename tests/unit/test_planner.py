@@ -78,7 +78,8 @@ def test_the_target_stays_within_min_and_max() -> None:
     p = planner(min_workers=2, max_workers=5, cooldown=0.0, step_down=10)
     assert p.target == 2  # the initial fleet is the minimum
     per_worker = sustained(p)
-    targets = feed(p, [0.0] * 3 + [100 * per_worker] * 3 + [0.0] * 6)
+    # Idle, a flood, then idle until the flood has left the windows the planner keeps.
+    targets = feed(p, [0.0] * 3 + [100 * per_worker] * 3 + [0.0] * (p.config.history + 1))
     assert min(targets) == 2 and max(targets) == 5
     assert targets[:3] == [2, 2, 2]
     assert targets[3:6] == [5, 5, 5]
@@ -132,3 +133,18 @@ def test_settings_parse_with_short_names() -> None:
     c = PlannerConfig.parse("min=2,max=16,startup=60,interval=15")
     assert (c.min_workers, c.max_workers, c.startup, c.interval) == (2, 16, 60.0, 15.0)
     assert c.hold == 60.0 and c.first == 2
+
+
+def test_one_busy_window_is_not_extrapolated() -> None:
+    """ServeGen's arrivals are burstier than Poisson: one window at three times a flat load
+    (or one with a few long answers) must not be projected a start-up ahead as a ramp."""
+    p = planner()
+    per_worker = sustained(p)
+    *flat, spike = feed(p, [4 * per_worker] * 8 + [12 * per_worker])
+    # The windows' mean rises by a quarter; a line through the spike would ask for 12+.
+    assert flat[-1] <= spike <= 6
+    w = window(90.0, 4 * per_worker)
+    long_answers = Window(w.start, w.end, w.arrivals, w.prompt_tokens, 20 * w.output_tokens)
+    assert p.decide(long_answers, Fleet(p.target)).worker_rate > 0.5 * p.worker_rate(
+        PROMPT, OUTPUT, 0.5
+    )  # the mix is the windows', not the last one's
