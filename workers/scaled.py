@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,17 +41,21 @@ def check_scalable(config: ClusterConfig) -> None:
 
 
 class PoolLauncher:
-    """router.proxy.autoscale.Launcher over a WorkerPool: its blocking calls in threads."""
+    """router.proxy.autoscale.Launcher over a WorkerPool: its blocking calls in threads, one
+    slot's in the order they were asked for (a stop before the start that reuses the slot)."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
+        self._slots: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def launch(self, slot: int) -> Server:
-        spec = await asyncio.to_thread(self.pool.launch, slot)
+        async with self._slots[slot]:
+            spec = await asyncio.to_thread(self.pool.launch, slot)
         return Server(spec.url, spec.kv_events)
 
     async def retire(self, slot: int) -> None:
-        await asyncio.to_thread(self.pool.retire, slot)
+        async with self._slots[slot]:
+            await asyncio.to_thread(self.pool.retire, slot)
 
 
 @contextlib.contextmanager

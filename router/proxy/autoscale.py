@@ -113,7 +113,12 @@ class LiveScaler:
 
     def reap(self) -> None:
         """Stop each draining worker that has nothing left: removed from the router, then its
-        server stopped."""
+        server stopped. A worker removed by hand (the admin API) leaves its slot: stopped."""
+        for slot, wid in list(self.wid.items()):
+            if wid not in self.cluster.workers:
+                del self.wid[slot]
+                self.phase[slot] = Phase.STOPPED
+                self._spawn(self.launcher.retire(slot))
         for slot, p in enumerate(self.phase):
             if p is Phase.DRAINING and self._work(slot) == 0:
                 self.phase[slot] = Phase.STOPPED
