@@ -277,15 +277,20 @@ class WorkerPool:
         actor = ServerActor.options(num_gpus=self.num_gpus) if self.num_gpus else ServerActor
         return actor.remote(spec)
 
-    def launch(self, i: int) -> ServerSpec:
-        """Start server `i` (a slot `start` left) and wait until it answers (blocks: call
-        from a thread). A RuntimeError if the pool is stopping or `i` is running."""
+    def launch(self, i: int) -> ray.ObjectRef:
+        """Start server `i` (a slot `start` left). Returns at once, with the reference its
+        ServerProcess comes back on when it answers (`await` it, and hand it to `launched`):
+        nothing blocks on a start that may take minutes. A RuntimeError if the pool is
+        stopping or `i` is running."""
         with self._lock:
             if self._stopped or self.actors[i] is not None:
                 raise RuntimeError(f"server {i}: the pool is stopping, or it runs already")
             actor = self.actors[i] = self._actor(self.specs[i])
-        self.processes[i] = ray.get(actor.start.remote())
-        return self.specs[i]
+        return actor.start.remote()
+
+    def launched(self, i: int, process: ServerProcess) -> None:
+        """Server `i` answers: where it runs, to stop it by pid if Ray is gone."""
+        self.processes[i] = process
 
     def retire(self, i: int, grace: float = 10.0) -> None:
         """Stop server `i` and its actor (blocks: call from a thread); nothing if it is not

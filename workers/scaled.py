@@ -41,8 +41,8 @@ def check_scalable(config: ClusterConfig) -> None:
 
 
 class PoolLauncher:
-    """router.proxy.autoscale.Launcher over a WorkerPool: its blocking calls in threads, one
-    slot's in the order they were asked for (a stop before the start that reuses the slot)."""
+    """router.proxy.autoscale.Launcher over a WorkerPool, one slot's calls in the order they
+    were asked for (a stop before the start that reuses the slot)."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
@@ -50,7 +50,10 @@ class PoolLauncher:
 
     async def launch(self, slot: int) -> Server:
         async with self._slots[slot]:
-            spec = await asyncio.to_thread(self.pool.launch, slot)
+            # Awaited, not waited for in a thread: a proxy that stops meanwhile does not wait
+            # for the start (the pool's stop ends the server, started or not).
+            self.pool.launched(slot, await self.pool.launch(slot))
+        spec = self.pool.specs[slot]
         return Server(spec.url, spec.kv_events)
 
     async def retire(self, slot: int) -> None:
