@@ -200,3 +200,25 @@ class TestLiveScaler:
             assert launcher.retired == [1] and scaler.phase[1] is R
 
         asyncio.run(go())
+
+
+class TestServeOption:
+    """`fairway serve --autoscale`: a bad setting, or a fleet it cannot size, stops the command
+    before anything starts, with the field named."""
+
+    @pytest.mark.parametrize(
+        ("argv", "field"),
+        [
+            (["--autoscale", "min=3,max=2"], "min: 3 is above max"),
+            (["--autoscale", "min=1,max=2,startup=-1"], "startup: must be >= 0"),
+            (["--autoscale", "min=1,max=2,speed=3"], "speed: expected K=V"),
+            (["--autoscale", "min=1,max=2", "--prefill-workers", "1", "--decode-workers", "1"],
+             "workers.prefill, workers.decode"),
+            (["--autoscale", "min=1,max=2", "--routers", "2"], "routers: "),
+        ],
+    )  # fmt: skip
+    def test_errors_name_the_field(self, argv: list[str], field: str) -> None:
+        from router.cli import main
+
+        with pytest.raises(SystemExit, match=f"--autoscale: {field}"):
+            main(["serve", "--backend", "emulated", *argv])
