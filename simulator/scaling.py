@@ -22,8 +22,6 @@ from router.request import Request
 from router.scaling import Phase, ScalingLoop
 from simulator.engine import Engine
 
-__all__ = ["Phase", "Scaler"]
-
 
 class Scaler:
     """The fleet's membership over a run, driven by `planner`. `routers` and `engines` are the

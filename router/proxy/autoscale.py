@@ -129,6 +129,7 @@ class LiveScaler:
     async def run(self) -> None:
         """Decide every interval (and stop drained workers in between) until cancelled."""
         interval = self.planner.config.interval
+        self.loop.demand.start = self.clock()  # the first window opens as the proxy serves
         next_at = self.clock() + interval
         while True:
             await asyncio.sleep(max(0.0, min(REAP_EVERY, next_at - self.clock())))
@@ -137,7 +138,9 @@ class LiveScaler:
                 self.reap()
                 continue
             self.decide(now)
-            next_at = max(next_at + interval, now)  # a late decision does not bunch the next
+            next_at += interval
+            if next_at <= now:  # a decision late by an interval or more: none bunched after it
+                next_at = now + interval
 
     async def running(self, app: web.Application) -> AsyncIterator[None]:
         """For `app.cleanup_ctx`: the loop while the app serves."""

@@ -187,6 +187,29 @@ class TestLiveScaler:
 
         asyncio.run(go())
 
+    def test_the_loop_decides_every_interval_until_the_app_stops(self) -> None:
+        async def go() -> None:
+            policy = policies.global_policies.build("least_load", {})
+            cluster = LiveCluster(
+                policy,
+                lambda: policies.local_policies.build("fcfs", {}),
+                RouterConfig(block_size=16, cost=COST),
+            )
+            first = cluster.add_worker("http://127.0.0.1:9000")
+            config = PlannerConfig(min_workers=1, max_workers=3, interval=0.05)
+            scaler = LiveScaler(cluster, Script(config, [1] * 100), Launcher(), {0: first.id})
+            running = scaler.running(None)  # type: ignore[arg-type]
+            await running.__anext__()
+            await asyncio.sleep(0.3)
+            with pytest.raises(StopAsyncIteration):
+                await running.__anext__()
+            made = len(scaler.loop.plans)
+            assert made >= 3, f"{made} decisions in 0.3 s (or more) at 0.05 s"
+            await asyncio.sleep(0.1)
+            assert len(scaler.loop.plans) == made, "none after the app stopped"
+
+        asyncio.run(go())
+
     def test_a_worker_removed_by_hand_leaves_its_slot(self) -> None:
         async def go() -> None:
             cluster, scaler, launcher = fleet([2, 2])
