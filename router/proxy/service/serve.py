@@ -70,25 +70,27 @@ def router_config_of(config: ClusterConfig) -> RouterConfig:
 def step_tokens_of(config: ClusterConfig) -> int:
     """The workers' step budget, as their vLLM arguments set it (the smallest of any group's:
     a prediction that errs, errs late), else vLLM's default."""
-    budgets = [vllm_int_arg(g.workers.vllm_args, "--max-num-batched-tokens") for g in config.groups]
-    return min((b for b in budgets if b is not None), default=DEFAULT_STEP_TOKENS)
+    flag = "--max-num-batched-tokens"
+    budgets = [n for g in config.groups for n in vllm_ints(g.workers.vllm_args, flag)]
+    return min(budgets, default=DEFAULT_STEP_TOKENS)
 
 
 def max_num_seqs_of(config: ClusterConfig) -> int:
     """The first group's batch limit, as its vLLM arguments set it, else vLLM's default."""
-    seqs = vllm_int_arg(config.groups[0].workers.vllm_args, "--max-num-seqs")
-    return DEFAULT_MAX_NUM_SEQS if seqs is None else seqs
+    seqs = vllm_ints(config.groups[0].workers.vllm_args, "--max-num-seqs")
+    return min(seqs, default=DEFAULT_MAX_NUM_SEQS)
 
 
-def vllm_int_arg(args: list[str], flag: str) -> int | None:
-    """The whole number `flag` is given in vLLM's arguments (`--flag N` or `--flag=N`)."""
+def vllm_ints(args: list[str], flag: str) -> list[int]:
+    """Each whole number `flag` is given in vLLM's arguments (`--flag N` or `--flag=N`)."""
+    found = []
     for i, arg in enumerate(args):
         name, _, value = arg.partition("=")
         if name == flag:
             value = value or (args[i + 1] if i + 1 < len(args) else "")
             if value.isdigit():
-                return int(value)
-    return None
+                found.append(int(value))
+    return found
 
 
 def catalog_of(config: ClusterConfig, model_dirs: dict[str, Path]) -> Catalog:
