@@ -216,7 +216,30 @@ CLASS_PANELS: tuple[Panel, ...] = (
         "reqps",
     ),
 )
-ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (("Traffic classes and budgets", CLASS_PANELS),)
+# Autoscaling (`fairway serve --autoscale`): the planner's target per pool against the workers
+# serving, and those on their way in or out.
+AUTOSCALE_PANELS: tuple[Panel, ...] = (
+    Panel(
+        "Workers per pool: the planner's target and those serving",
+        (
+            ("max by (pool) (fairway_pool_target_workers)", "target {{pool}}"),
+            ('max by (pool) (fairway_pool_workers{phase="serving"})', "serving {{pool}}"),
+        ),
+    ),
+    Panel(
+        "Workers starting (not yet answering) and draining (finishing what they have)",
+        (
+            (
+                'max by (pool, phase) (fairway_pool_workers{phase=~"starting|draining"})',
+                "{{phase}} {{pool}}",
+            ),
+        ),
+    ),
+)
+ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
+    ("Traffic classes and budgets", CLASS_PANELS),
+    ("Autoscaling", AUTOSCALE_PANELS),
+)
 
 
 def _panel(panel_id: int, p: Panel, x: int, y: int) -> dict:
@@ -306,19 +329,29 @@ DRIFT = (
 )
 
 
+# The planner wants more workers than serve: the gap a start-up closes is expected, one that
+# outlasts any start-up (vLLM loads a large model in minutes) is not.
+BEHIND = (
+    "max by (instance, pool) (fairway_pool_target_workers) > "
+    'max by (instance, pool) (fairway_pool_workers{phase="serving"})'
+)
+
+
 def alert_rules(
     threshold: float = 0.5,
     hold: str = "10m",
     sync_hold: str = "1m",
     attainment_target: float = 0.99,
     attainment_hold: str = "5m",
+    scale_hold: str = "15m",
 ) -> dict:
     """Prometheus alerting rules: the index's predictions and the workers' reuse drift apart
     (a tokenizer or chat-template mismatch, lost KV events, a worker restarted with an empty
     cache), routing fell back from the index it was configured with, a router replica has
     not synced with the replicas' store for `sync_hold`, the interactive class's answered
-    requests met their targets less than `attainment_target` of the time over 5 minutes, and
-    Ray's GCS is gone (the proxy serves on through its grace, then stops)."""
+    requests met their targets less than `attainment_target` of the time over 5 minutes,
+    Ray's GCS is gone (the proxy serves on through its grace, then stops), and an autoscaled
+    pool has served fewer workers than its target for `scale_hold`."""
     return {
         "groups": [
             {
@@ -383,6 +416,20 @@ def alert_rules(
                             "It serves on the workers that still answer, degraded, and stops "
                             "itself when ray_gcs_grace is over. Bring the Ray head back within "
                             "the grace (the stop is called off), or restart the proxy after.",
+                        },
+                    },
+                    {
+                        "alert": "FairwayAutoscaleBehind",
+                        "expr": BEHIND,
+                        "for": scale_hold,
+                        "labels": {"severity": "warning"},
+                        "annotations": {
+                            "summary": "An autoscaled pool serves fewer workers than its target",
+                            "description": "{{ $labels.instance }}, pool {{ $labels.pool }}: "
+                            f"the planner's target has stayed above the workers serving for "
+                            f"{scale_hold}. Workers fail to start (see the proxy's log and the "
+                            "workers' logs) or the cluster has no room for them (Ray's "
+                            "resources, GPUs).",
                         },
                     },
                 ],

@@ -2,11 +2,8 @@
 
 Every engine of the largest fleet exists from the start; those not in the fleet are down in
 each router (routed nothing). Each interval the planner hears what arrived and sets a target,
-and the fleet moves towards it:
-
-    stopped ──start──▶ starting ──`startup` s──▶ serving ──drain──▶ draining ──idle──▶ stopped
-                           │ (target fell: stopped at once)  ▲            │
-                           └────────────────────────────────-┼────────────┘ (target rose: serves on)
+and the fleet moves towards it (router/scaling.py decides, for this driver and the live proxy
+alike; a start serves `startup` s later).
 
 A started worker serves cold: its engine's cache is emptied and the router forgot what it held
 when it stopped. A draining worker is routed nothing new but keeps what it was given (its router
@@ -16,21 +13,14 @@ queue included) until it has finished it; then it stops. GPU time counts from a 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from enum import Enum
 
 import simpy
 
 from router.core import Router
-from router.planner import Fleet, Plan, Planner, PlannerConfig, Window
+from router.planner import Plan, Planner, PlannerConfig
 from router.request import Request
+from router.scaling import Phase, ScalingLoop
 from simulator.engine import Engine
-
-
-class Phase(str, Enum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
 
 
 class Scaler:
@@ -45,7 +35,8 @@ class Scaler:
         engines: Sequence[Engine],
         sync: Callable[[float], None],
     ) -> None:
-        self.env, self.planner, self.routers, self.engines = env, planner, routers, engines
+        self.env, self.routers, self.engines = env, routers, engines
+        self.loop = ScalingLoop(planner)
         self._sync = sync
         config: PlannerConfig = planner.config
         self.config = config
@@ -55,23 +46,33 @@ class Scaler:
         self._started_at: list[float | None] = [0.0 if w < config.first else None for w in range(n)]
         self._generation = [0] * n  # a start cancelled before it served ignores its timer
         self.gpu_seconds = 0.0
-        self.series: list[tuple[float, int, int]] = [(0.0, config.first, config.first)]
-        self.plans: list[Plan] = []
-        self._window_start = 0.0
-        self._arrivals = self._prompt = self._output = self._cached = 0
         for w in range(config.first, n):
             for router in routers:
                 router.worker_down(w, 0.0)
 
     # ------------------------------------------------------------ from the driver
 
+    @property
+    def planner(self) -> Planner:
+        return self.loop.planner
+
+    @planner.setter
+    def planner(self, planner: Planner) -> None:  # another planner, before the run starts
+        self.loop.planner = planner
+
+    @property
+    def plans(self) -> list[Plan]:
+        return self.loop.plans
+
+    @property
+    def series(self) -> list[tuple[float, int, int]]:
+        return self.loop.series
+
     def arrived(self, req: Request) -> None:
-        self._arrivals += 1
-        self._prompt += req.prompt_len
-        self._output += req.output_len
+        self.loop.demand.arrived(req)
 
     def routed(self, req: Request, hit_tokens: int) -> None:
-        self._cached += min(hit_tokens, req.prompt_len)
+        self.loop.demand.routed(req, hit_tokens)
 
     def finished(self, worker: int) -> None:
         """A request on `worker` ended: a draining worker with nothing left stops."""
@@ -100,55 +101,23 @@ class Scaler:
         for w in sorted(self.draining):  # one whose last request was withdrawn, not finished
             if self._idle(w):
                 self._stop(w)
-        window = Window(self._window_start, now, self._arrivals, self._prompt, self._output,
-                        self._cached)  # fmt: skip
-        self._window_start = now
-        self._arrivals = self._prompt = self._output = self._cached = 0
         serving = [w for w, p in enumerate(self.phase) if p is Phase.SERVING]
         waiting = sum(
             len(self.engines[w].waiting) + sum(len(r.queues[w]) for r in self.routers)
             for w in serving
         )
-        starting = self.phase.count(Phase.STARTING)
-        plan = self.planner.decide(window, Fleet(len(serving), starting, waiting))
-        self.plans.append(plan)
-        self._move_to(plan.target)
-        self.series.append((now, self.phase.count(Phase.SERVING), plan.target))
-        return plan
-
-    def _move_to(self, target: int) -> None:
-        phase = self.phase
-        committed = phase.count(Phase.SERVING) + phase.count(Phase.STARTING)
-        # Up: a draining worker serves on (warm, at once) before a stopped one is started.
-        for w in sorted(self.draining):
-            if committed >= target:
-                break
+        plan, moves = self.loop.decide(now, self.phase, waiting, self._work)
+        for w in moves.revive:
             self.draining.discard(w)
-            phase[w] = Phase.SERVING
-            committed += 1
-        for w, p in enumerate(phase):
-            if committed >= target:
-                break
-            if p is Phase.STOPPED:
-                self._start(w)
-                committed += 1
-        # Down: a start not yet serving is cancelled first, then the least busy serving
-        # worker (the highest id among equals) drains.
-        for w in reversed(range(len(phase))):
-            if committed <= target:
-                break
-            if phase[w] is Phase.STARTING:
-                self._stop(w)
-                committed -= 1
-        busy = sorted(
-            (w for w, p in enumerate(phase) if p is Phase.SERVING),
-            key=lambda w: (self._work(w), -w),
-        )
-        for w in busy:
-            if committed <= target:
-                break
+            self.phase[w] = Phase.SERVING
+        for w in moves.start:
+            self._start(w)
+        for w in moves.cancel:
+            self._stop(w)
+        for w in moves.drain:
             self._drain(w)
-            committed -= 1
+        self.loop.record(now, self.phase)
+        return plan
 
     # ------------------------------------------------------------ membership
 
@@ -206,8 +175,5 @@ class Scaler:
         return {
             "gpu_seconds": self.gpu_seconds,
             "workers_over_time": [list(point) for point in self.series],
-            "autoscale_decisions": {
-                reason: sum(1 for p in self.plans if p.reason == reason)
-                for reason in sorted({p.reason for p in self.plans})
-            },
+            "autoscale_decisions": self.loop.decisions(),
         }

@@ -225,7 +225,8 @@ def outlast_gcs(seconds: float) -> None:
 
 
 class WorkerPool:
-    """Start N servers through Ray (an existing cluster by address, else a local one)."""
+    """Start N servers through Ray (an existing cluster by address, else a local one); an
+    autoscaled fleet starts some of them and the others one at a time (`launch`, `retire`)."""
 
     def __init__(
         self,
@@ -241,8 +242,14 @@ class WorkerPool:
         self._gcs: tuple[str, int] | None = None
         self._unwatch = threading.Event()
         self._owns_ray = False  # started a local Ray instance: stop it with the servers
+        # Servers started and stopped one at a time (`launch`, `retire`) from other threads,
+        # while `stop` may run: the actor list changes under this lock only.
+        self._lock = threading.Lock()
+        self._stopped = False
 
-    def start(self) -> list[ServerSpec]:
+    def start(self, count: int | None = None) -> list[ServerSpec]:
+        """Start the first `count` servers (None: all), and wait for each to answer; the
+        others are slots `launch` starts later."""
         if not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             kwargs: dict[str, object] = {"include_dashboard": False, "log_to_driver": False}
@@ -254,19 +261,58 @@ class WorkerPool:
             self._owns_ray = not self.ray_address
         host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
         self._gcs = (host, int(port))
-        actor = ServerActor.options(num_gpus=self.num_gpus) if self.num_gpus else ServerActor
-        self.actors = [actor.remote(spec) for spec in self.specs]
-        self.processes = [None] * len(self.actors)
+        n = len(self.specs) if count is None else count
+        self.actors = [self._actor(spec) for spec in self.specs[:n]]
+        self.actors += [None] * (len(self.specs) - n)
+        self.processes = [None] * len(self.specs)
         try:
-            self.processes = list(ray.get([a.start.remote() for a in self.actors]))
+            started = ray.get([a.start.remote() for a in self.actors if a is not None])
+            self.processes[:n] = started
         except BaseException:
             self.stop()  # the servers that did start
             raise
         return self.specs
 
+    def _actor(self, spec: ServerSpec):
+        actor = ServerActor.options(num_gpus=self.num_gpus) if self.num_gpus else ServerActor
+        return actor.remote(spec)
+
+    def launch(self, i: int) -> ray.ObjectRef:
+        """Start server `i` (a slot `start` left). Returns at once, with the reference its
+        ServerProcess comes back on when it answers (`await` it, and hand it to `launched`):
+        nothing blocks on a start that may take minutes. A RuntimeError if the pool is
+        stopping or `i` is running."""
+        with self._lock:
+            if self._stopped or self.actors[i] is not None:
+                raise RuntimeError(f"server {i}: the pool is stopping, or it runs already")
+            actor = self.actors[i] = self._actor(self.specs[i])
+        return actor.start.remote()
+
+    def launched(self, i: int, process: ServerProcess) -> None:
+        """Server `i` answers: where it runs, to stop it by pid if Ray is gone."""
+        self.processes[i] = process
+
+    def retire(self, i: int, grace: float = 10.0) -> None:
+        """Stop server `i` and its actor (blocks: call from a thread); nothing if it is not
+        running."""
+        with self._lock:
+            actor, self.actors[i] = self.actors[i], None
+        if actor is None:
+            return
+        try:
+            ray.get(actor.stop.remote(grace), timeout=grace + 20)
+        except Exception as e:  # Ray or the actor is gone: the server's pid remains
+            log.warning("stopping server %d through Ray failed: %s", i, e)
+            if (process := self.processes[i]) is not None:
+                process.stop(grace, actor=True)
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+        self.processes[i] = None
+
     def status(self) -> list[dict[str, object]]:
-        statuses = ray.get([a.status.remote() for a in self.actors])
-        for i, s in enumerate(statuses):
+        running = [(i, a) for i, a in enumerate(self.actors) if a is not None]
+        statuses = ray.get([a.status.remote() for _, a in running])
+        for (i, _), s in zip(running, statuses, strict=True):
             if s["process"] is not None:
                 self.processes[i] = s["process"]  # type: ignore[assignment]
         return statuses
@@ -315,13 +361,16 @@ class WorkerPool:
         """Stop every server: through its actor, and whatever is still running on this host
         by its pid (the actors may be gone with Ray)."""
         self._unwatch.set()
-        if not self.actors:
+        with self._lock:
+            self._stopped = True
+            actors = [a for a in self.actors if a is not None]
+        if not actors:
             return
         gcs_up = self._gcs is not None and _reachable(*self._gcs, 2.0)
         through_ray = False
         if gcs_up:
             try:
-                ray.get([a.stop.remote() for a in self.actors], timeout=timeout)
+                ray.get([a.stop.remote() for a in actors], timeout=timeout)
                 through_ray = True
             except Exception as e:  # an actor or Ray itself is gone: the pids below remain
                 log.warning("stopping servers through Ray failed: %s", e)
@@ -329,7 +378,7 @@ class WorkerPool:
             if process is not None:
                 process.stop(actor=not through_ray)
         if gcs_up:
-            for a in self.actors:
+            for a in actors:
                 with contextlib.suppress(Exception):
                     ray.kill(a)
         self.actors = []

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dashboards.tables import format_table, summary_row
 from router.cli.args import add_trace_args, load_workload
+from router.cli.offline import _autoscale
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -24,7 +25,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from workers.launch import model_dir_of, running_workers
     from workers.pool import outlast_gcs
 
+    autoscale = _autoscale(args.autoscale)  # a bad setting stops the command before any work
     config: ClusterConfig = serve_config(args).with_salt()  # one salt, shared by replicas
+    if autoscale is not None:
+        from workers.scaled import check_scalable
+
+        try:
+            check_scalable(config)
+        except ValueError as e:
+            raise SystemExit(f"fairway: --autoscale: {e}") from None
     if args.print_config:
         from router.cli.args import print_config
 
@@ -41,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Ray must not end this process before the grace and the stop after it are over.
     outlast_gcs(config.ray_gcs_grace + SHUTDOWN_GRACE + 30)
     try:
+        if autoscale is not None:
+            return _serve_scaled(config, autoscale, cluster, model_dirs, scratch, gcs)
         with running_workers(config, scratch, on_lost=gcs) as workers:
             if config.routers > 1:  # N proxy processes on one port
                 from router.proxy.service.replicas import run_replicas
@@ -50,6 +61,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return run_proxy(config, cluster, model_dirs, gcs)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _serve_scaled(config, autoscale, cluster, model_dirs, scratch, gcs) -> int:
+    """Serve with the planner sizing the fleet: its first workers started here, the others
+    started and drained as it decides (router/proxy/autoscale.py)."""
+    from router.planner import Planner
+    from router.proxy.autoscale import LiveScaler
+    from router.proxy.service.serve import add_workers, max_num_seqs_of, run_proxy
+    from workers.scaled import scaled_workers
+
+    with scaled_workers(config, autoscale, scratch, on_lost=gcs) as (workers, launcher):
+        add_workers(cluster, workers)
+        slots = {slot: wid for slot, wid in enumerate(sorted(cluster.workers))}
+        planner = Planner(autoscale, cluster.router.config.cost, max_num_seqs_of(config))
+        scaler = LiveScaler(cluster, planner, launcher, slots)
+        return run_proxy(config, cluster, model_dirs, gcs, autoscaler=scaler)
 
 
 def serve_config(args: argparse.Namespace):  # -> ClusterConfig
@@ -177,6 +204,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         metavar="SECONDS",
         help="serve on this long, degraded, once Ray's GCS is gone, then stop (default 60)",
+    )
+    p.add_argument(
+        "--autoscale",
+        metavar="min=N,max=N,startup=S[,interval=S,...]",
+        help="size the fleet with the planner as `simulate --autoscale` does: start workers "
+        "(up to max) and drain them (down to min); --workers is ignored",
     )
     p.set_defaults(func=cmd_serve)
 

@@ -31,6 +31,7 @@ from router.prefix_index import PrefixIndex, WorkerId
 from router.proxy.metrics import NO_DECODE, RouterMetrics
 from router.request import Request
 from router.runtime.collector import CollectorPacing
+from router.scaling import Demand
 from router.traits import IndexLevel, IndexMode, Role
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,10 @@ class LiveCluster:
         self.workers: dict[WorkerId, LiveWorker] = {}
         self._next_id = 0  # ids are never reused: ledger keys and metrics labels hold them
         self._collector = CollectorPacing()  # a full GC pass over the index is a 10+ ms stall
+        # Autoscaling (router/proxy/autoscale.py): workers routed nothing new while they finish
+        # what they have, and the demand the planner hears (None: no autoscaling).
+        self.draining: set[WorkerId] = set()
+        self.demand: Demand | None = None
 
     @property
     def next_worker_id(self) -> WorkerId:
@@ -205,6 +210,7 @@ class LiveCluster:
     def remove_worker(self, wid: WorkerId) -> None:
         self.mark_down(wid)
         self.router.remove_worker(wid, self.clock())
+        self.draining.discard(wid)
         del self.workers[wid]
 
     def mark_down(self, wid: WorkerId) -> None:
@@ -252,6 +258,13 @@ class LiveCluster:
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         now = self.clock()
         self._collector.tick(now)
+        # A retry (the caller excludes the workers it tried) is no new demand; a request
+        # refused is demand all the same, as the simulator counts it.
+        retry = bool(exclude)
+        if self.demand is not None and not retry:
+            self.demand.arrived(request)
+        if self.draining:
+            exclude = {*exclude, *self.draining}
         try:
             routed = self.router.route(request, now, exclude)
         except NoHealthyWorker:
@@ -264,6 +277,8 @@ class LiveCluster:
         if routed.predicted_ttft is not None:
             self._predicted_ttft[request.id] = routed.predicted_ttft
         bs = self.view.block_size
+        if self.demand is not None and not retry:
+            self.demand.routed(request, routed.hit_blocks * bs)
         self.metrics.prompt_tokens.labels(worker.label).inc(request.prompt_len)
         self.metrics.estimated_hit_tokens.labels(worker.label, IndexMode.APPROXIMATE).inc(
             routed.approximate_hit_blocks * bs
@@ -306,6 +321,8 @@ class LiveCluster:
         fut: asyncio.Future[LiveWorker] = asyncio.get_running_loop().create_future()
         self._score_hits(worker, request, cached_tokens)
         level = self.router.indexes.level
+        if self.draining:
+            exclude = {*exclude, *self.draining}
         handoff = self.router.prefilled(request, self.clock(), cached_tokens, exclude)
         self._note_level(level)
         self._send(worker, handoff.released_prefill)

@@ -366,6 +366,25 @@ class RouterMetrics:
                 registry=r,
             )
         )
+        # Autoscaling (router/proxy/autoscale.py), by pool: the planner's target, and the
+        # workers starting, serving and draining towards it (present only with --autoscale).
+        self.pool_target_workers = Labelled(
+            Gauge(
+                "fairway_pool_target_workers",
+                "Workers the autoscaling planner wants in each pool",
+                ["pool"],
+                registry=r,
+            )
+        )
+        self.pool_workers = Labelled(
+            Gauge(
+                "fairway_pool_workers",
+                "Workers in each pool by phase: starting (not yet answering), serving, draining "
+                "(routed nothing new, finishing what they have)",
+                ["pool", "phase"],
+                registry=r,
+            )
+        )
         # Zero series from the start: the dashboard and rate() need them.
         for cause in DEGRADED_CAUSES:
             self.degraded.labels(cause).set(0)

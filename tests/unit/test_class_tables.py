@@ -111,8 +111,14 @@ class TestDashboardRow:
         header = len(grafana.PANELS)
         assert panels[header]["type"] == "row"
         assert panels[header]["title"] == "Traffic classes and budgets"
-        below = panels[header + 1 :]
+        below = panels[header + 1 : header + 1 + len(grafana.CLASS_PANELS)]
         assert [p["title"] for p in below] == [p.title for p in grafana.CLASS_PANELS]
+        after = panels[header + 1 + len(grafana.CLASS_PANELS) :]
+        assert [p["title"] for p in after] == [
+            "Autoscaling",
+            *(p.title for p in grafana.AUTOSCALE_PANELS),
+        ], "the classes row ends at the next row's header"
+        assert after[0]["type"] == "row"
         assert all(p["gridPos"]["y"] > panels[header]["gridPos"]["y"] for p in below)
         assert len({p["id"] for p in panels}) == len(panels)
         cells = [

@@ -15,6 +15,7 @@ from router.config import DEFAULT_STEP_TOKENS, RouterConfig, slowest_adapter_loa
 from router.cost_model import FittedCost, roofline
 from router.proxy import connections
 from router.proxy.app import RUNNER_OPTIONS, create_app
+from router.proxy.autoscale import LiveScaler
 from router.proxy.catalog import Catalog
 from router.proxy.driver import LiveCluster
 from router.proxy.exposure import admin_socket
@@ -25,6 +26,7 @@ from router.proxy.service.gcs_grace import GcsGrace
 from router.proxy.settings import SHUTDOWN_GRACE, ProxySettings, Tenant, keyed, new_salt
 
 log = logging.getLogger("fairway.serve")
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's --max-num-seqs when it is not given
 
 
 def build_cluster(config: ClusterConfig) -> LiveCluster:
@@ -68,16 +70,27 @@ def router_config_of(config: ClusterConfig) -> RouterConfig:
 def step_tokens_of(config: ClusterConfig) -> int:
     """The workers' step budget, as their vLLM arguments set it (the smallest of any group's:
     a prediction that errs, errs late), else vLLM's default."""
-    budgets = []
-    for g in config.groups:
-        args = g.workers.vllm_args
-        for i, arg in enumerate(args):
-            name, _, value = arg.partition("=")
-            if name == "--max-num-batched-tokens":
-                value = value or (args[i + 1] if i + 1 < len(args) else "")
-                if value.isdigit():
-                    budgets.append(int(value))
+    flag = "--max-num-batched-tokens"
+    budgets = [n for g in config.groups for n in vllm_ints(g.workers.vllm_args, flag)]
     return min(budgets, default=DEFAULT_STEP_TOKENS)
+
+
+def max_num_seqs_of(config: ClusterConfig) -> int:
+    """The first group's batch limit, as its vLLM arguments set it, else vLLM's default."""
+    seqs = vllm_ints(config.groups[0].workers.vllm_args, "--max-num-seqs")
+    return min(seqs, default=DEFAULT_MAX_NUM_SEQS)
+
+
+def vllm_ints(args: list[str], flag: str) -> list[int]:
+    """Each whole number `flag` is given in vLLM's arguments (`--flag N` or `--flag=N`)."""
+    found = []
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name == flag:
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit():
+                found.append(int(value))
+    return found
 
 
 def catalog_of(config: ClusterConfig, model_dirs: dict[str, Path]) -> Catalog:
@@ -152,11 +165,15 @@ def run_proxy(
     cluster: LiveCluster,
     model_dirs: dict[str, Path],
     gcs: GcsGrace | None = None,
+    autoscaler: LiveScaler | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT, then give in-flight requests SHUTDOWN_GRACE to finish.
-    `gcs`: the grace a lost Ray GCS gets, shown on /health and /metrics while it runs."""
+    `gcs`: the grace a lost Ray GCS gets, shown on /health and /metrics while it runs;
+    `autoscaler`: sizes the fleet while the proxy serves (router/proxy/autoscale.py)."""
     settings = settings_of(config)
     app = create_app(cluster, catalog_of(config, model_dirs), settings)
+    if autoscaler is not None:
+        app.cleanup_ctx.append(autoscaler.running)
     if gcs is not None:
         app[HEALTH_NOTES].append(gcs.health_note)
         cluster.metrics.watch_degraded("ray_gcs", gcs.is_degraded)
