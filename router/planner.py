@@ -28,17 +28,16 @@ from router.cost_model import CostModel
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    """`min_workers`..`max_workers`: the target's range; `startup`: seconds from starting a
-    worker to its serving; `interval`: seconds between decisions; `cooldown` (None: four
-    intervals): how long a lower target must hold before workers are drained; `step_down`: the
-    most workers one decision drains (None: down to the need at once); `history`: windows the
-    trend and the mix are taken over; `headroom`:
-    the share of a worker's sustainable rate planned for (the rest absorbs bursts, so queues
-    and TTFT stay short); `high_water`: workers are added only once the projection loads the
-    fleet above this share of what it sustains (a window's noise inside the band between
-    `headroom` and `high_water` adds nothing); `low_water`: workers are drained only once the need fits the smaller
-    fleet at this share of its planned rate (the gap keeps a load near a boundary from
-    flapping between two sizes); `tpot`: the time per output token a worker's batch must keep;
+    """`min_workers`..`max_workers`: the target's range; `startup`: seconds from starting a worker
+    to its serving; `interval`: seconds between decisions; `cooldown` (None: four intervals): how
+    long a lower target must hold before workers are drained; `step_down`: the most workers one
+    decision drains (None: down to the need at once); `history`: windows the trend and the mix are
+    taken over; `headroom`: the share of a worker's sustainable rate planned for (the rest absorbs
+    bursts, so queues and TTFT stay short); `high_water`: workers are added only once the projection
+    loads the fleet above this share of what it sustains (a window's noise inside the band between
+    `headroom` and `high_water` adds nothing); `low_water`: workers are drained only once the need
+    fits the smaller fleet at this share of its planned rate (the gap keeps a load near a boundary
+    from flapping between two sizes); `tpot`: the time per output token a worker's batch must keep;
     `initial`: workers serving at the start (None: `min_workers`)."""
 
     min_workers: int = 1
@@ -76,7 +75,8 @@ class PlannerConfig:
             raise ValueError(f"headroom: must be in (0, 1], got {self.headroom}")
         if not self.headroom <= self.high_water <= 1:
             raise ValueError(
-                f"high_water: must be within headroom..1 ({self.headroom}..1), got {self.high_water}"
+                f"high_water: must be within headroom..1 ({self.headroom}..1), "
+                f"got {self.high_water}"
             )
         if not 0 < self.low_water <= 1:
             raise ValueError(f"low_water: must be in (0, 1], got {self.low_water}")

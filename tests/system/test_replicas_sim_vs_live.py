@@ -1,13 +1,13 @@
 """The simulator's replica model against live router replicas (issue 10 C), small.
 
-`fairway serve --routers N` in front of two emulated workers (the simulator's engine in wall
-time, 50x) serves rounds of requests over a few documents with LPM, one request at a time; the simulator replays the
-same requests (same prompts and hashes, sent at the same moments, the same engine and cost
-model) with `routers=N, router_sync=S`, each request sent to the replica that answered it live.
-Each request opens its own connection, so the kernel picks a replica for each. What must hold
-in both: one router keeps every document on one worker; replicas that never sync lose hits to
-it; and the simulated hit rate is within a few points of the live one. The bench
-(`fairway bench-replicas`) prints the full comparison. Bounded: 3 servers, 92 requests each.
+`fairway serve --routers N` in front of two emulated workers (the simulator's engine in wall time,
+50x) serves rounds of requests over a few documents with LPM, one request at a time; the simulator
+replays the same requests (same prompts and hashes, sent at the same moments, the same engine and
+cost model) with `routers=N, router_sync=S`, each request sent to the replica that answered it live.
+Each request opens its own connection, so the kernel picks a replica for each. What must hold in
+both: one router keeps every document on one worker; replicas that never sync lose hits to it; and
+the simulated hit rate is within a few points of the live one. The bench (`fairway bench-replicas`)
+prints the full comparison. Bounded: 3 servers, 92 requests each.
 """
 
 from __future__ import annotations
