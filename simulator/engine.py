@@ -149,6 +149,65 @@ class EngineListener(Protocol):
         by `on_progress` since the run began (at the run's end, or before anything reads one)."""
 
 
+class _Cohort:
+    """The sequences of a run that decode one token in every one of its steps, advanced as one.
+
+    A router reading every engine's load brings each engine up to date after every arrival,
+    mid-run: those steps go to the cohort's shared counter `lag` and to the engine's totals,
+    at a cost that does not grow with the batch, while each sequence keeps the fields it had
+    when the cohort formed until `catch_up` (at the run's end, or before anything reads one).
+    The blocks the lagging steps take are counted, not allocated:
+
+        formed    a sequence at c = q * bs + r computed tokens holds q + 1 blocks (those of
+                  the step in progress, allocated)
+        lag p     it needs q + ceil((r + p) / bs): floor((r + p - 1) / bs) more, that is
+                  (p - 1) // bs, plus one if r >= bs - (p - 1) % bs: one bisection over the
+                  sorted residues r counts that for the whole cohort
+    """
+
+    __slots__ = ("seqs", "lag", "owed_blocks", "is_caught_up", "_residues", "_block_size")
+
+    def __init__(self, seqs: list[Seq], block_size: int) -> None:
+        self.seqs = seqs
+        self.lag = 0  # steps applied in sum, to the engine but not yet to each sequence
+        self.owed_blocks = 0  # the blocks those steps take, not yet allocated
+        # Once caught up, its sequences no longer hold the blocks of a step in progress, so
+        # counting from formation no longer holds: no more steps in sum.
+        self.is_caught_up = False
+        self._block_size = block_size
+        # Each sequence's computed tokens modulo the block size when formed, sorted; counted
+        # on the first step in sum (a run applied only at its end never needs them).
+        self._residues: list[int] | None = None
+
+    def advance(self, num_steps: int) -> None:
+        """`num_steps` more steps in sum. Only from formation: never after `catch_up` (the
+        engine cuts a run short once its sequences are read mid-run)."""
+        bs, residues = self._block_size, self._residues
+        assert not self.is_caught_up, "a cohort advances in sum only from its formation"
+        if residues is None:
+            residues = self._residues = sorted(seq.num_computed % bs for seq in self.seqs)
+        self.lag += num_steps
+        t = self.lag - 1
+        crossed = len(residues) - bisect.bisect_left(residues, bs - t % bs)
+        self.owed_blocks = len(residues) * (t // bs) + crossed
+
+    def catch_up(self, blocks: BlockManager, num_steps: int) -> int:
+        """Each sequence made the steps in sum and `num_steps` more: its tokens and the blocks
+        they fill. Returns how many that is for each."""
+        bs = self._block_size
+        steps = self.lag + num_steps
+        for seq in self.seqs:
+            table = seq.table
+            seq.num_computed = computed = seq.num_computed + steps
+            seq.num_output += steps
+            need = (computed + bs - 1) // bs - len(table.hashed) - table.num_anonymous
+            if need > 0:
+                blocks.allocate(table, need)
+        self.lag = self.owed_blocks = 0
+        self.is_caught_up = True
+        return steps
+
+
 @dataclass(slots=True)
 class _Run:
     """Steps planned as one event: `batch` is (seq, tokens) of step 1; later steps decode."""
@@ -156,22 +215,20 @@ class _Run:
     batch: list[tuple[Seq, int]]
     ends: list[float]  # end time of each step
     # Every step of the run decodes one token per sequence, step 1 included (its blocks were
-    # allocated while planning): then `seqs` is the batch's sequences and one pass applies
-    # any number of its steps.
-    seqs: list[Seq] | None = None
+    # allocated while planning), or every step after the first, once that is applied and its
+    # sequences hold the next step's blocks: one pass (or none, in sum) applies any number.
+    cohort: _Cohort | None = None
     applied: int = 0
-    # Steps applied to the engine's totals and told to the listener as a sum only, not yet to
-    # each sequence (see Engine._progress_decode_steps).
-    pending: int = 0
-    pending_blocks: int = 0  # the blocks those steps take, not yet allocated
-    # Each sequence's computed tokens modulo the block size at planning, sorted: the blocks
-    # that `pending` steps from the start of the run take, by counting (None once settled).
-    residues: list[int] | None = None
     end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
 
     @property
     def is_multi_step(self) -> bool:
         return len(self.ends) - self.applied > 1
+
+    @property
+    def lag(self) -> int:
+        """Steps applied to the engine in sum, not yet to each sequence."""
+        return self.cohort.lag if self.cohort is not None else 0
 
 
 def _lowest_priority(seq: Seq) -> tuple[int, float]:
@@ -282,7 +339,7 @@ class Engine:
     def _unqueue(self, seq: Seq) -> None:
         """`seq` leaves the waiting queue for good, uncharged (withdrawn, or its client left)."""
         del self.waiting[seq.req.id]
-        if self._local_counts_tokens and self._run is not None and self._run.pending:
+        if self._local_counts_tokens and self._run is not None and self._run.lag:
             self._settle()  # the discipline may read its counters (VTC's last departed)
             self._cut_run()
         self.local.remove(seq.req)
@@ -314,11 +371,11 @@ class Engine:
         if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
             return False
         done = bisect.bisect_right(run.ends, now, lo=run.applied)
-        if run.applied == 0 and run.seqs is None:
+        if run.applied == 0 and run.cohort is None:
             self._apply_first_step(run)
         if done > run.applied and done < len(run.ends) and self._defers_tokens:
             # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
-            if run.seqs is None:
+            if run.cohort is None:
                 self._decode_in_sum_from_here(run)
             self._progress_decode_steps(run, done - run.applied)
             if self.config.check_invariants:
@@ -471,10 +528,8 @@ class Engine:
             durations[0] += self._load_due
             self._load_due = 0.0
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
-        run = _Run(batch, ends, decoding)
-        if decoding is not None and self._defers_tokens and len(ends) > 1:
-            run.residues = sorted(seq.num_computed % cfg.block_size for seq in decoding)
-        return run
+        cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
+        return _Run(batch, ends, cohort)
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.
@@ -679,16 +734,15 @@ class Engine:
 
     def _decode_in_sum_from_here(self, run: _Run) -> None:
         """A run whose step 1 prefilled, that step applied: each sequence takes the blocks of
-        the step in progress, as step 1 of a decode run planned now would, so that the steps
-        from here on can be applied in sum."""
+        the step in progress, as step 1 of a decode run planned now would, so that its
+        sequences form a cohort and the steps from here on can be applied in sum."""
         blocks, bs = self.blocks, self.config.block_size
         seqs = [seq for seq, _ in run.batch]
         for seq in seqs:
             need = (seq.num_computed + bs) // bs - len(seq.table)
             if need > 0:
                 blocks.allocate(seq.table, need)
-        run.seqs = seqs
-        run.residues = sorted(seq.num_computed % bs for seq in seqs)
+        run.cohort = _Cohort(seqs, bs)
 
     def _progress_decode_steps(self, run: _Run, num_steps: int) -> None:
         """Apply `num_steps` steps of a decode run that does not end with them, in sum: the
@@ -696,24 +750,16 @@ class Engine:
         themselves catch up when the run ends, or when an abort or an arrival at a queue that
         counts tokens looks at them: nothing reads them before, and this is the step a policy
         reading every worker's load pays on each engine."""
+        cohort = run.cohort
+        assert cohort is not None, "steps in sum need a cohort"
         run.applied += num_steps
-        run.pending += num_steps
         self.event_time = run.ends[run.applied - 1]
-        seqs, residues, bs = run.seqs, run.residues, self.config.block_size
-        # Steps in sum always count from the run's start: a catch-up before its end (an abort,
-        # an arrival at a queue that counts tokens) cuts the run to end at the next step.
-        assert seqs is not None and residues is not None
-        # Sequence i, at c = q * bs + r tokens when planned, holds q + 1 blocks (step 1's
-        # allocated) and after `pending` steps needs q + ceil((r + pending) / bs): floor((r +
-        # pending - 1) / bs) more, which counting residues against the step gives for all.
-        t = run.pending - 1
-        crossed = len(seqs) - bisect.bisect_left(residues, bs - t % bs)
-        run.pending_blocks = len(seqs) * (t // bs) + crossed
-        tokens = num_steps * len(seqs)
+        cohort.advance(num_steps)
+        tokens = num_steps * len(cohort.seqs)
         self._tokens_computed += tokens
         self.tokens_processed += tokens
         self.num_steps += num_steps
-        used = self.kv_used_blocks
+        used = self.blocks.num_used + cohort.owed_blocks
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         self._on_progress(self, tokens, used, run.ends[run.applied])
@@ -722,30 +768,25 @@ class Engine:
     def kv_used_blocks(self) -> int:
         """KV blocks in use, those of decode steps applied in sum included."""
         run = self._run
-        return self.blocks.num_used + (run.pending_blocks if run is not None else 0)
+        cohort = run.cohort if run is not None else None
+        return self.blocks.num_used + (cohort.owed_blocks if cohort is not None else 0)
 
     def _settle(self) -> None:
         """Bring each sequence up to the steps applied in sum (before anything reads one)."""
         run = self._run
-        if run is not None and run.pending:
+        if run is not None and run.lag:
             self._apply_decode_steps(run, 0)
 
     def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
         """`num_steps` more steps of the run, and the ones applied in sum, sequence by
         sequence."""
         now = self.event_time = run.ends[run.applied + num_steps - 1]
-        blocks, bs = self.blocks, self.config.block_size
-        seqs = run.seqs if run.seqs is not None else [seq for seq, _ in run.batch]
-        settled, run.pending, run.pending_blocks = run.pending, 0, 0
-        run.residues = None  # counted from the run's start: not once sequences caught up
-        steps = settled + num_steps
-        for seq in seqs:
-            table = seq.table
-            seq.num_computed = computed = seq.num_computed + steps
-            seq.num_output += steps
-            need = (computed + bs - 1) // bs - len(table.hashed) - table.num_anonymous
-            if need > 0:
-                blocks.allocate(table, need)
+        blocks = self.blocks
+        cohort = run.cohort
+        if cohort is None:  # step 1 prefilled, and nothing was applied in sum since
+            cohort = _Cohort([seq for seq, _ in run.batch], self.config.block_size)
+        seqs, settled = cohort.seqs, cohort.lag
+        steps = cohort.catch_up(blocks, num_steps)
         if self._local_counts_tokens:
             self.local.on_tokens([seq.req for seq in seqs], steps)
         if settled:
@@ -796,8 +837,9 @@ class Engine:
         assert self.blocks.num_used <= self.blocks.num_blocks, "over KV capacity"
         assert len(self.local) == len(self.waiting), "local queue and waiting set disagree"
         run = self._run
-        in_sum = set(run.seqs or ()) if run is not None and run.pending else set()
-        pending, pending_blocks = (run.pending, run.pending_blocks) if run is not None else (0, 0)
+        cohort = run.cohort if run is not None else None
+        in_sum = set(cohort.seqs) if cohort is not None and cohort.lag else set()
+        pending, pending_blocks = (cohort.lag, cohort.owed_blocks) if cohort is not None else (0, 0)
         owed = 0
         for seq in self.running:
             need = self.blocks.blocks_for(seq.num_computed)
