@@ -398,6 +398,7 @@ class SimCluster:
         self._predicted_ttft: dict[int, float | None] = {}
         self._next_turns: dict[str, deque[Request]] = {}
         self._progress: tqdm | None = None
+        self._shown = 0  # requests done that the progress bar counts
         self.scaler: Scaler | None = None
         if config.autoscale is not None:
             planner = Planner(config.autoscale, cost, config.engine.max_num_seqs)
@@ -622,8 +623,7 @@ class SimCluster:
     def _refused(self, req: Request, reason: str) -> None:
         self.refusals.append(Refusal(req.id, req.client, req.priority, reason, self.env.now))
         self._predicted_ttft.pop(req.id, None)
-        if self._progress is not None:
-            self._progress.update()
+        self._count_done()
         self._next_turn(req)
 
     def _submit_all(self, worker: int, requests: list[Request]) -> None:
@@ -775,9 +775,19 @@ class SimCluster:
         self._submit_all(seq.worker, router.finish(req, now))
         if self.scaler is not None:
             self.scaler.finished(seq.worker)
-        if self._progress is not None:
-            self._progress.update()
+        self._count_done()
         self._next_turn(req)
+
+    def _count_done(self) -> None:
+        """One more request done (finished or refused): the progress bar, with the simulated
+        clock beside it, written every 256 requests (tqdm redraws at most twice a second)."""
+        progress = self._progress
+        if progress is None or progress.disable:
+            return
+        self._shown += 1
+        if self._shown % 256 == 0:
+            progress.set_postfix_str(f"simulated {self.env.now:,.0f} s", refresh=False)
+        progress.update()
 
     def _next_turn(self, req: Request) -> None:
         """Closed loop: the session's next turn, after its think time (a refused turn too:

@@ -183,6 +183,8 @@ def fleet_scaling(
     tile_seconds: float = 120.0,
     rounds: int = 3,
     min_round_cpu: float = 1.0,
+    policies: tuple[str, ...] = ("round_robin", "least_load", "vtc", "lpm", "d2lpm", "preble"),
+    ratio: tuple[int, int] | None = None,
 ) -> list[dict[str, object]]:
     """Simulated requests per CPU second as the fleet grows, the request rate scaled with it
     so that each worker's load stays the same (the Mooncake conversation trace).
@@ -198,7 +200,9 @@ def fleet_scaling(
     steps per request: the steps column says how much of a slowdown is the engines' own work.
     "tile": the trace's first `tile_seconds`, W / 8 copies side by side (traces.transform.tile):
     each worker sees the same load and history at every size, the steps per request stay
-    flat, and what is left of a slowdown is the cost of the fleet itself."""
+    flat, and what is left of a slowdown is the cost of the fleet itself.
+
+    `ratio` (small, large): the sizes whose speeds are compared (default: the first and last)."""
     from traces.transform import scale_rate, tile, window
 
     def trace_for(workers: int):  # both rewrite the trace in place: a fresh load each
@@ -221,9 +225,9 @@ def fleet_scaling(
         return done / spent, sum(w.steps for w in result.workers) / len(trace)
 
     cost = roofline("llama-3-8b", "a100-80g")
-    first, last = sizes[0], sizes[-1]
+    first, last = ratio or (sizes[0], sizes[-1])
     rows = []
-    for policy in ("round_robin", "least_load", "vtc", "lpm", "d2lpm", "preble"):
+    for policy in policies:
         rates: dict[int, list[float]] = {w: [] for w in sizes}
         steps: dict[int, float] = {}
         for _ in range(rounds):
@@ -239,6 +243,39 @@ def fleet_scaling(
         row[f"steps per request, {first} -> {last}"] = f"{steps[first]:.0f} -> {steps[last]:.0f}"
         rows.append(row)
     return rows
+
+
+def tiled_replay(workers: int, policy: str, path: Path, seconds: float = 120.0) -> dict:
+    """One replay of the trace's first `seconds` tiled to `workers` (llama-3-8b on H100), run
+    where this process is: requests, CPU seconds, requests per CPU second, and the process's
+    peak resident memory (MB) once it is done."""
+    import resource
+
+    from traces.transform import tile, window
+
+    trace = tile(window(load_trace(path), 0.0, seconds), workers // 8)
+    config = SimConfig(num_workers=workers, policy=policy)
+    started = time.process_time()
+    result = simulate(trace, roofline("llama-3-8b", "h100"), config)
+    cpu = time.process_time() - started
+    done = result.summary["completed"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"workers": workers, "policy": policy, "requests": done, "CPU s": cpu,
+            "req / CPU s": done / cpu, "peak RSS MB": peak}  # fmt: skip
+
+
+def large_replays(path: Path, runs: tuple[tuple[int, str], ...]) -> list[dict[str, object]]:
+    """`tiled_replay` of each (workers, policy), each in a fresh interpreter (so that its
+    peak memory is its own), compiled if a compiled build is in use."""
+    pure = native.native_root() is None
+    rows = []
+    for workers, policy in runs:
+        code = (
+            "import json; from pathlib import Path; from simulator.bench import speed\n"
+            f"print(json.dumps(speed.tiled_replay({workers}, {policy!r}, Path({str(path)!r}))))"
+        )
+        rows.append(_in_subprocess(code, pure))
+    return rows  # type: ignore[return-value]
 
 
 def decision_tail(num_requests: int = 20_000) -> list[dict[str, object]]:
@@ -613,7 +650,15 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
         )
     )
     print(f"tiled: its first {seconds:.0f} s, workers / 8 copies side by side (--tile):")
-    print(format_table(fleet_scaling(path, method="tile", tile_seconds=seconds, rounds=rounds)))
+    sizes = (8, 64, 512) if quick else (8, 64, 512, 1024)
+    tiled = fleet_scaling(path, sizes, method="tile", tile_seconds=seconds, rounds=rounds,
+                          policies=("round_robin", "least_load", "lpm", "vtc"),
+                          ratio=(8, 512))  # fmt: skip
+    print(format_table(tiled))
+    print("\nOne large replay each, in a fresh process: the first 120 s tiled to the fleet,")
+    print("llama-3-8b on H100 (`fairway simulate --window 0:120 --tile W/8 --workers W`):")
+    runs = ((512, "least_load"),) if quick else ((1024, "least_load"), (1024, "round_robin"))
+    print(format_table(large_replays(path, runs)))
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")
     print(format_table(decision_times(500 if quick else 2000)))
