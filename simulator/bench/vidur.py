@@ -7,8 +7,11 @@ replicas, round robin, chunked prefill with the same token budget and batch cap:
 - Vidur's synthetic generator (Poisson arrivals, Zipf lengths) makes the requests; they are
   exported to Fairway's native trace and fed back to Vidur through its trace-replay generator, so
   both read the very same table;
-- the whole Mooncake conversation trace, its lengths and arrivals handed to Vidur the same way
-  (Vidur has no prefix cache, so Fairway replays it without the block hashes too).
+- the whole Mooncake conversation trace, its lengths and arrivals handed to Vidur the same way.
+  Vidur has no prefix cache, so Fairway replays it twice: lengths only, as Vidur sees it, and
+  with its block hashes, as `fairway bench` does. Without the cache, 8 A100s fall behind that
+  trace (KV runs out, sequences are preempted and recomputed): the simulated spans differ,
+  and the preemptions column says how much of Fairway's work is recomputation.
 
 Vidur's step times come from prediction tables it would download; here they are written from
 Fairway's roofline (`prediction_tables`), so the two price a step alike. Each side is timed in
@@ -31,6 +34,7 @@ from pathlib import Path
 from dashboards.tables import format_table
 from router.cost_model import RooflineCost, StepShape, prefill_pairs, roofline
 from router.request import Request
+from router.runtime import native
 from traces.loaders import load_trace
 from traces.schema import Trace, write_native
 
@@ -150,21 +154,23 @@ config = SimConfig(num_workers=8, policy="round_robin")
 cost = roofline("llama-3-8b", "a100-80g")
 setup = time.process_time() - started
 started = time.process_time()
-result = simulate(trace, cost, config)
+s = simulate(trace, cost, config).summary
 loop = time.process_time() - started
-s = result.summary
 print(json.dumps({"requests": s["completed"], "loop_cpu": loop, "setup_cpu": setup,
-                  "simulated_s": s["simulated_seconds"]}))
+                  "simulated_s": s["simulated_seconds"], "preemptions": s["preemptions"]}))
 """
 
 
-def _side_by_side(name: str, trace: Trace, table: Path, work: Path) -> dict[str, object]:
-    native = work / f"{name}.jsonl"
-    write_native(trace, native)
-    max_tokens = max(r.prompt_len + r.output_len for r in trace.requests)
+def _fairway(trace: Trace, path: Path) -> tuple[dict, float]:
+    """The simulator replaying `trace`, in a fresh process, from its native file."""
+    write_native(trace, path)
+    return _timed([sys.executable, "-c", FAIRWAY_RUN, str(path)])
+
+
+def _vidur(table: Path, work: Path, max_tokens: int) -> tuple[dict, float]:
+    """Vidur replaying `table` through its trace-replay generator, lengths and times as given."""
     predictions = work / "predictions"
     prediction_tables(roofline("llama-3-8b", "a100-80g"), predictions, max_tokens)
-    fairway, fairway_cpu = _timed([sys.executable, "-c", FAIRWAY_RUN, str(native)])
     replay = [
         "--request_generator_config_type", "trace_replay",
         "--trace_request_generator_config_trace_file", str(table),
@@ -175,18 +181,21 @@ def _side_by_side(name: str, trace: Trace, table: Path, work: Path) -> dict[str,
         "--trace_request_generator_config_time_scale_factor", "1",
     ]  # fmt: skip
     command = [str(VIDUR_VENV / "bin" / "python"), "-P", str(SIDE), "run", str(predictions),
-               "--", *vidur_args(work / name, max_tokens), *replay]  # fmt: skip
-    vidur, vidur_cpu = _timed(command, env={**os.environ, "WANDB_MODE": "disabled"})
+               "--", *vidur_args(work / table.stem, max_tokens), *replay]  # fmt: skip
+    return _timed(command, env={**os.environ, "WANDB_MODE": "disabled"})
+
+
+def _row(name: str, fairway: tuple[dict, float], vidur: tuple[dict, float]) -> dict[str, object]:
+    (f, f_cpu), (v, v_cpu) = fairway, vidur
     return {
         "workload": name,
-        "requests": fairway["requests"],
-        "Fairway loop CPU s": fairway["loop_cpu"],
-        "Vidur loop CPU s": vidur["loop_cpu"],
-        "loop x Vidur": vidur["loop_cpu"] / fairway["loop_cpu"],
-        "Fairway process CPU s": fairway_cpu,
-        "Vidur process CPU s": vidur_cpu,
-        "process x Vidur": vidur_cpu / fairway_cpu,
-        "simulated s Fairway / Vidur": f"{fairway['simulated_s']:.0f} / {vidur['simulated_s']:.0f}",
+        "requests": f"{f['requests']} / {v['requests']}",
+        "loop CPU s": f"{f['loop_cpu']:.2f} / {v['loop_cpu']:.1f}",
+        "loop x Vidur": v["loop_cpu"] / f["loop_cpu"],
+        "process CPU s": f"{f_cpu:.2f} / {v_cpu:.1f}",
+        "process x Vidur": v_cpu / f_cpu,
+        "simulated s": f"{f['simulated_s']:.0f} / {v['simulated_s']:.0f}",
+        "Fairway preemptions": f["preemptions"],
     }
 
 
@@ -221,7 +230,10 @@ def run_vidur_bench(trace: str | None = None, quick: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="fairway-vidur-") as folder:
         work = Path(folder)
         table = _synthetic(work, 2000 if quick else 10_000)
-        rows.append(_side_by_side("Vidur synthetic", read_vidur_requests(table), table, work))
+        requests = read_vidur_requests(table)
+        longest = max(r.prompt_len + r.output_len for r in requests.requests)
+        vidur = _vidur(table, work, longest)
+        rows.append(_row("Vidur synthetic", _fairway(requests, work / "synthetic.jsonl"), vidur))
         if path.exists():
             mooncake = load_trace(path)
             if quick:
@@ -230,10 +242,18 @@ def run_vidur_bench(trace: str | None = None, quick: bool = False) -> int:
                            for r in mooncake.requests], source=str(path))  # fmt: skip
             table = work / "mooncake.csv"
             write_vidur_requests(plain, table)
-            rows.append(_side_by_side("Mooncake conversation", plain, table, work))
+            longest = max(r.prompt_len + r.output_len for r in plain.requests)
+            vidur = _vidur(table, work, longest)
+            lengths = _fairway(plain, work / "mooncake-lengths.jsonl")
+            rows.append(_row("Mooncake, lengths only", lengths, vidur))
+            cached = _fairway(mooncake, work / "mooncake.jsonl")
+            rows.append(_row("Mooncake, Fairway with prefix cache", cached, vidur))
         else:
-            print(f"bench-vidur: no trace at {path}; the Mooncake row is left out")
-    print("Fairway against Vidur 0.0.26, same requests, llama-3-8b on 8 A100-80G, round robin")
-    print("(CPU seconds from one run each; x Vidur: Vidur's seconds over Fairway's):")
+            print(f"bench-vidur: no trace at {path}; the Mooncake rows are left out")
+    built = "compiled" if native.native_root() is not None else "plain Python"
+    print("Fairway / Vidur 0.0.26 on the same requests: llama-3-8b on 8 A100-80G, round robin,")
+    print(f"step times from one roofline; CPU seconds from one run each (Fairway {built});")
+    print("x Vidur: Vidur's CPU seconds over Fairway's. Vidur has no prefix cache, so its")
+    print("Mooncake run is the lengths-only one in both rows.")
     print(format_table(rows))
     return 0
