@@ -107,8 +107,8 @@ def prediction_tables(cost: RooflineCost, folder: Path, max_context: int) -> Non
 
 def vidur_args(out: Path, max_tokens: int) -> list[str]:
     """Vidur's command line for the comparison's fleet: 8 replicas of one A100 each, round robin,
-    Sarathi's chunked prefill with Fairway's token budget and batch cap. Its metrics are off:
-    they cost its loop about a tenth and its process the writing, so Vidur runs its leanest."""
+    Sarathi's chunked prefill with Fairway's token budget and batch cap. Its metrics are off
+    (on the Mooncake replay they doubled its loop's time): Vidur runs its leanest."""
     predictor = "random_forrest_execution_time_predictor_config"
     return [
         "--replica_config_model_name", VIDUR_MODEL,
