@@ -134,10 +134,16 @@ class LiveScaler:
         while True:
             await asyncio.sleep(max(0.0, min(REAP_EVERY, next_at - self.clock())))
             now = self.clock()
-            if now < next_at:
-                self.reap()
+            deciding = now >= next_at
+            try:
+                if deciding:
+                    self.decide(now)
+                else:
+                    self.reap()
+            except Exception:  # the proxy serves on with the fleet it has; the next look retries
+                log.exception("autoscale: a %s failed", "decision" if deciding else "reap")
+            if not deciding:
                 continue
-            self.decide(now)
             next_at += interval
             if next_at <= now:  # a decision late by an interval or more: none bunched after it
                 next_at = now + interval

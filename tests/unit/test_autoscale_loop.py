@@ -210,6 +210,33 @@ class TestLiveScaler:
 
         asyncio.run(go())
 
+    def test_a_decision_that_fails_is_logged_and_the_loop_goes_on(self, caplog) -> None:
+        class Flaky(Script):
+            def decide(self, window: Window, fleet: Fleet) -> Plan:
+                self.calls = getattr(self, "calls", 0) + 1
+                if self.calls == 1:
+                    raise RuntimeError("a planner bug")
+                return super().decide(window, fleet)
+
+        async def go() -> None:
+            policy = policies.global_policies.build("least_load", {})
+            cluster = LiveCluster(
+                policy,
+                lambda: policies.local_policies.build("fcfs", {}),
+                RouterConfig(block_size=16, cost=COST),
+            )
+            first = cluster.add_worker("http://127.0.0.1:9000")
+            config = PlannerConfig(min_workers=1, max_workers=3, interval=0.05)
+            scaler = LiveScaler(cluster, Flaky(config, [1] * 100), Launcher(), {0: first.id})
+            task = asyncio.create_task(scaler.run())
+            await asyncio.sleep(0.3)
+            assert not task.done(), "the loop died with the decision"
+            task.cancel()
+            assert len(scaler.loop.plans) >= 2, "decisions after the failed one"
+
+        asyncio.run(go())
+        assert "autoscale: a decision failed" in caplog.text
+
     def test_a_worker_removed_by_hand_leaves_its_slot(self) -> None:
         async def go() -> None:
             cluster, scaler, launcher = fleet([2, 2])
