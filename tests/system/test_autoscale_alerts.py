@@ -5,19 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from dashboards import grafana
-from tests.system.test_class_alerts import check, promtool  # noqa: F401 (a fixture)
+from tests.system.test_class_alerts import (  # noqa: F401 (promtool: a fixture)
+    alert_case,
+    alert_rule,
+    check_alert_cases,
+    check_panels_parse,
+    promtool,
+)
 
 
 def test_every_autoscale_panel_query_parses(promtool: str, tmp_path: Path) -> None:  # noqa: F811
-    exprs = [expr for panel in grafana.AUTOSCALE_PANELS for expr, _ in panel.exprs]
-    rules = [{"record": f"fairway:autoscale_panel_{i}", "expr": e} for i, e in enumerate(exprs)]
-    (tmp_path / "panels.yml").write_text(
-        yaml.safe_dump({"groups": [{"name": "p", "rules": rules}]})
-    )
-    check(promtool, "check", "rules", "panels.yml", cwd=tmp_path)
+    check_panels_parse(promtool, tmp_path, grafana.AUTOSCALE_PANELS)
 
 
 def fleet(target: str, serving: str) -> list[dict[str, str]]:
@@ -34,10 +33,7 @@ def test_the_alert_fires_when_the_target_outstays_the_fleet(
     promtool: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    rules = grafana.alert_rules()
-    (tmp_path / "fairway-alerts.yml").write_text(yaml.safe_dump(rules))
-    rule = next(r for g in rules["groups"] for r in g["rules"]
-                if r["alert"] == "FairwayAutoscaleBehind")  # fmt: skip
+    rule = alert_rule(tmp_path, "FairwayAutoscaleBehind")
     firing = {
         "exp_labels": {"severity": "warning", "instance": "proxy:8001", "pool": "mixed"},
         "exp_annotations": {
@@ -49,13 +45,7 @@ def test_the_alert_fires_when_the_target_outstays_the_fleet(
     }
 
     def case(series: list[dict[str, str]], at: str, expected: list[dict]) -> dict:
-        return {
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {"eval_time": at, "alertname": rule["alert"], "exp_alerts": expected}
-            ],
-        }
+        return alert_case(rule["alert"], series, at, expected)
 
     tests = [
         # Target 4, 2 serving from the start: fires once the hold has passed, not before.
@@ -66,6 +56,4 @@ def test_the_alert_fires_when_the_target_outstays_the_fleet(
         # More serving than the target (draining down): no alert.
         case(fleet("2x40", "4x40"), "30m", []),
     ]
-    spec = {"rule_files": ["fairway-alerts.yml"], "evaluation_interval": "1m", "tests": tests}
-    (tmp_path / "test.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    check(promtool, "test", "rules", "test.yml", cwd=tmp_path)
+    check_alert_cases(promtool, tmp_path, tests)

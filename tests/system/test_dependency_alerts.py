@@ -6,20 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from dashboards import grafana
-from tests.system.test_class_alerts import check, promtool  # noqa: F401 (a fixture)
+from tests.system.test_class_alerts import (  # noqa: F401 (promtool: a fixture)
+    alert_case,
+    alert_rule,
+    check_alert_cases,
+    promtool,
+)
 
 
 def test_the_lost_gcs_alert_fires_while_the_proxy_says_so(
     promtool: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    rules = grafana.alert_rules()
-    (tmp_path / "fairway-alerts.yml").write_text(yaml.safe_dump(rules))
-    rule = next(r for g in rules["groups"] for r in g["rules"]
-                if r["alert"] == "FairwayRayGcsLost")  # fmt: skip
+    rule = alert_rule(tmp_path, "FairwayRayGcsLost")
     firing = {
         "exp_labels": {"severity": "critical", "cause": "ray_gcs", "instance": "proxy"},
         "exp_annotations": {
@@ -34,13 +33,7 @@ def test_the_lost_gcs_alert_fires_while_the_proxy_says_so(
         return {"series": f'fairway_degraded{{cause="{cause}",instance="proxy"}}', "values": values}
 
     def case(series: list[dict[str, str]], at: str, expected: list[dict]) -> dict:
-        return {
-            "interval": "15s",
-            "input_series": series,
-            "alert_rule_test": [
-                {"eval_time": at, "alertname": rule["alert"], "exp_alerts": expected}
-            ],
-        }
+        return alert_case(rule["alert"], series, at, expected, interval="15s")
 
     tests = [
         # Answering, then lost at 1 m, through a grace, then stopped (no more series).
@@ -51,6 +44,4 @@ def test_the_lost_gcs_alert_fires_while_the_proxy_says_so(
         # A replica out of sync is another alert's.
         case([degraded("shared_state", "1x8")], "1m", []),
     ]
-    spec = {"rule_files": ["fairway-alerts.yml"], "evaluation_interval": "15s", "tests": tests}
-    (tmp_path / "test.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    check(promtool, "test", "rules", "test.yml", cwd=tmp_path)
+    check_alert_cases(promtool, tmp_path, tests, evaluation_interval="15s")
