@@ -6,6 +6,7 @@ fails frees its slot; the gauges follow. And the moves router/scaling.py picks."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -71,18 +72,24 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def fleet(targets: list[int], window: int = 1) -> tuple[LiveCluster, LiveScaler, Launcher]:
+def fleet(
+    targets: list[int], window: int = 1, interval: float | None = None, script: type = Script
+) -> tuple[LiveCluster, LiveScaler, Launcher]:
+    """One worker serving, up to three, the planner's targets `targets` in turn. `interval`:
+    decided every `interval` s on the real clock (None: a clock stopped at 0, decided by hand)."""
+    clock = time.monotonic if interval is not None else lambda: 0.0
     policy = policies.global_policies.build("least_load", {})
     cluster = LiveCluster(
         policy,
         lambda: policies.local_policies.build("fcfs", {}),
         RouterConfig(block_size=16, cost=COST, window=window),
-        clock=lambda: 0.0,
+        clock=clock,
     )
     first = cluster.add_worker("http://127.0.0.1:9000")
     launcher = Launcher()
-    config = PlannerConfig(min_workers=1, max_workers=3)
-    scaler = LiveScaler(cluster, Script(config, targets), launcher, {0: first.id}, lambda: 0.0)
+    timing = {"interval": interval} if interval is not None else {}
+    config = PlannerConfig(min_workers=1, max_workers=3, **timing)  # type: ignore[arg-type]
+    scaler = LiveScaler(cluster, script(config, targets), launcher, {0: first.id}, clock)
     return cluster, scaler, launcher
 
 
@@ -189,15 +196,7 @@ class TestLiveScaler:
 
     def test_the_loop_decides_every_interval_until_the_app_stops(self) -> None:
         async def go() -> None:
-            policy = policies.global_policies.build("least_load", {})
-            cluster = LiveCluster(
-                policy,
-                lambda: policies.local_policies.build("fcfs", {}),
-                RouterConfig(block_size=16, cost=COST),
-            )
-            first = cluster.add_worker("http://127.0.0.1:9000")
-            config = PlannerConfig(min_workers=1, max_workers=3, interval=0.05)
-            scaler = LiveScaler(cluster, Script(config, [1] * 100), Launcher(), {0: first.id})
+            _, scaler, _ = fleet([1] * 100, interval=0.05)
             running = scaler.running(None)  # type: ignore[arg-type]
             await running.__anext__()
             await asyncio.sleep(0.3)
@@ -219,15 +218,7 @@ class TestLiveScaler:
                 return super().decide(window, fleet)
 
         async def go() -> None:
-            policy = policies.global_policies.build("least_load", {})
-            cluster = LiveCluster(
-                policy,
-                lambda: policies.local_policies.build("fcfs", {}),
-                RouterConfig(block_size=16, cost=COST),
-            )
-            first = cluster.add_worker("http://127.0.0.1:9000")
-            config = PlannerConfig(min_workers=1, max_workers=3, interval=0.05)
-            scaler = LiveScaler(cluster, Flaky(config, [1] * 100), Launcher(), {0: first.id})
+            _, scaler, _ = fleet([1] * 100, interval=0.05, script=Flaky)
             task = asyncio.create_task(scaler.run())
             await asyncio.sleep(0.3)
             assert not task.done(), "the loop died with the decision"
