@@ -24,7 +24,7 @@ from router.registry import call_with_params
 def cmd_simulate(args: argparse.Namespace) -> int:
     from simulator.results import write_results
 
-    autoscale = _autoscale(args.autoscale)  # a bad setting stops the run before it starts
+    autoscale = parse_autoscale(args.autoscale)  # a bad setting stops the run before it starts
     trace = load_workload(args)
     if args.print_config:
         from simulator.driver import SimCluster
@@ -62,7 +62,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _autoscale(spec: str | None):  # -> PlannerConfig | None
+def parse_autoscale(spec: str | None):  # -> PlannerConfig | None
     """`--autoscale min=N,max=N,startup=S[,...]`; an error names the field."""
     if spec is None:
         return None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dashboards.tables import format_table, summary_row
 from router.cli.args import add_trace_args, load_workload
-from router.cli.offline import _autoscale
+from router.cli.offline import parse_autoscale
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -25,7 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from workers.launch import model_dir_of, running_workers
     from workers.pool import outlast_gcs
 
-    autoscale = _autoscale(args.autoscale)  # a bad setting stops the command before any work
+    autoscale = parse_autoscale(args.autoscale)  # a bad setting stops the command before any work
     config: ClusterConfig = serve_config(args).with_salt()  # one salt, shared by replicas
     if autoscale is not None:
         from workers.scaled import check_scalable
