@@ -116,3 +116,14 @@ def _descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def memory_mib(field: str, pid: int | str = "self") -> float | None:
+    """A process's memory figure from Linux's /proc status, in MiB: `VmRSS` (resident now) or
+    `VmHWM` (its address space's peak: unlike the rusage peak, not carried over exec from the
+    process that started it). None where there is no such file or field."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024  # kB
+    return None

@@ -26,6 +26,7 @@ from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
 from router.runtime import native
+from router.runtime.processes import memory_mib
 from router.view import ClusterView, WorkerState
 from simulator.driver import SimConfig, SimResult, simulate
 from simulator.engine import EngineConfig
@@ -262,13 +263,11 @@ def tiled_replay(workers: int, policy: str, path: Path, seconds: float = 120.0) 
 
 
 def _peak_rss_mb() -> float:
-    """This process's peak resident memory, MB. Linux's VmHWM is its own address space's: the
-    rusage peak keeps the high-water mark from before exec, which for a child of a large
-    process is the parent's."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
+    """This process's peak resident memory, MB: its own address space's (VmHWM), since the
+    rusage peak of a child of a large process keeps the parent's from before exec."""
+    peak = memory_mib("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -32,6 +32,7 @@ import yaml
 
 from dashboards.tables import format_table
 from router.proxy.ports import free_ports
+from router.runtime.processes import memory_mib
 from traces.load import LoadSpec, Outcome, run_load
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,14 +89,6 @@ class LagHistogram:
                 worst = bound if bound != float("inf") else self.bounds[-2]
             previous = count
         return worst
-
-
-def rss_mib(pid: int) -> float | None:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return None
 
 
 async def scrape_lag(session: aiohttp.ClientSession, base: str) -> LagHistogram:
@@ -178,7 +171,7 @@ async def soak(
                     "ok": counts["ok"],
                     "errors": counts["error"],
                     "lost": counts["lost"] + counts["refused"],
-                    "RSS MiB": rss_mib(pid),
+                    "RSS MiB": memory_mib("VmRSS", pid),
                     "lag p99 ms": None if p99 is None else p99 * 1e3,
                     "lag max ms": None if worst is None else worst * 1e3,
                 }
@@ -230,7 +223,7 @@ def run_soak_bench(
     )
     with serving(config, scratch) as proc:
         asyncio.run(wait_up(base, proc, 180, scratch / "serve.log"))
-        rss_start = rss_mib(proc.pid)
+        rss_start = memory_mib("VmRSS", proc.pid)
         rows, counts, p99, wall = asyncio.run(soak(base, admin, proc.pid, spec, sample))
     total = sum(counts.values())
     lost = counts["lost"] + counts["refused"]
