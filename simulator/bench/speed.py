@@ -12,11 +12,13 @@ import json
 import os
 import pstats
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,15 +59,23 @@ def _replay(
     return simulate(trace, roofline("llama-3-8b", "a100-80g"), config)
 
 
+def run_json(command: list[str], env: dict[str, str] | None = None) -> tuple[Any, float]:
+    """What `command` prints last (JSON), and the CPU seconds its process took in all."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        raise RuntimeError(f"{command[:3]} failed:\n{done.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(done.stdout.strip().splitlines()[-1]), cpu
+
+
 def _in_subprocess(code: str, pure: bool) -> object:
     """What `code` prints (JSON), run in a fresh interpreter: compiled, or plain Python."""
     env = {k: v for k, v in os.environ.items() if k != "FAIRWAY_PURE"}
     if pure:
         env["FAIRWAY_PURE"] = "1"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-2000:])
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_json([sys.executable, "-c", code], env)[0]
 
 
 def compiled_vs_pure(path: Path, rounds: int) -> list[dict[str, object]]:
@@ -268,8 +278,6 @@ def _peak_rss_mb() -> float:
     peak = memory_mib("VmHWM")
     if peak is not None:
         return peak
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 

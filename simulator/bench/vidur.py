@@ -22,10 +22,8 @@ setup, writing), figures from one run, printed, never asserted.
 from __future__ import annotations
 
 import csv
-import json
 import lzma
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ from dashboards.tables import format_table
 from router.cost_model import RooflineCost, StepShape, prefill_pairs, roofline
 from router.request import Request
 from router.runtime import native
+from simulator.bench.speed import run_json
 from traces.loaders import load_trace
 from traces.schema import Trace, write_native
 
@@ -134,17 +133,6 @@ def vidur_args(out: Path, max_tokens: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _timed(command: list[str], env: dict[str, str] | None = None) -> tuple[dict, float]:
-    """What `command` prints last (JSON), and the CPU seconds its process took in all."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
-        raise RuntimeError(f"{command[:3]} failed:\n{done.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return json.loads(done.stdout.strip().splitlines()[-1]), cpu
-
-
 FAIRWAY_RUN = """\
 import json, sys, time
 started = time.process_time()
@@ -166,7 +154,7 @@ print(json.dumps({"requests": s["completed"], "loop_cpu": loop, "setup_cpu": set
 def _fairway(trace: Trace, path: Path) -> tuple[dict, float]:
     """The simulator replaying `trace`, in a fresh process, from its native file."""
     write_native(trace, path)
-    return _timed([sys.executable, "-c", FAIRWAY_RUN, str(path)])
+    return run_json([sys.executable, "-c", FAIRWAY_RUN, str(path)])
 
 
 def _vidur(table: Path, work: Path, max_tokens: int) -> tuple[dict, float]:
@@ -184,7 +172,7 @@ def _vidur(table: Path, work: Path, max_tokens: int) -> tuple[dict, float]:
     ]  # fmt: skip
     command = [str(VIDUR_VENV / "bin" / "python"), "-P", str(SIDE), "run", str(predictions),
                "--", *vidur_args(work / table.stem, max_tokens), *replay]  # fmt: skip
-    return _timed(command, env={**os.environ, "WANDB_MODE": "disabled"})
+    return run_json(command, env={**os.environ, "WANDB_MODE": "disabled"})
 
 
 def _row(name: str, fairway: tuple[dict, float], vidur: tuple[dict, float]) -> dict[str, object]:
