@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import random
 
-from router.policy import Decision, GlobalPolicy
+from router.policy import Decision, GlobalPolicy, LeastLoaded
 from router.registry import global_policies
 from router.request import Request
 from router.traits import PolicyTraits
@@ -67,6 +67,9 @@ class LeastLoad(GlobalPolicy):
 
     default_local = "fcfs"
     traits = PolicyTraits(counts_tokens=False)
+
+    def progress_read(self, request: Request, view: ClusterView) -> LeastLoaded:
+        return LeastLoaded(least_tokens)  # only who has the fewest tokens in flight
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         return Decision(view.least(least_tokens).id, "least tokens in flight")

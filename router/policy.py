@@ -25,8 +25,9 @@ Speed hints. Nothing below changes a decision, and a new policy may ignore all o
   delivered one by one, decode steps that cannot reorder a queue. The defaults skip nothing.
 - `on_tokens` is `on_token` for a batch (a simulated engine's step or run); override it to write
   each account once.
-- `GlobalPolicy.progress_read` names the workers whose decode progress a decision reads, so a
-  simulator brings only those up to date before routing.
+- `GlobalPolicy.progress_read` names the workers whose decode progress a decision reads, or
+  says it reads only which worker comes first in a load order (`LeastLoaded`), so a simulator
+  brings only those up to date before routing.
 """
 
 from __future__ import annotations
@@ -38,7 +39,18 @@ from typing import ClassVar
 from router.prefix_index import WorkerId
 from router.request import Request
 from router.traits import DisciplineTraits, PolicyTraits
-from router.view import ClusterView
+from router.view import ClusterView, OrderKey
+
+
+@dataclass(slots=True, frozen=True)
+class LeastLoaded:
+    """What `progress_read` answers for a decision that reads one thing of the fleet's load:
+    the worker that comes first under `key`, a key that starts with the worker's
+    `tokens_in_flight` and whose other terms do not move while requests decode. Decode
+    progress only lowers that first term, so a simulator can bound every worker's key from
+    below and bring up to date only those whose bound could beat the least exact key."""
+
+    key: OrderKey
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,9 +102,12 @@ class GlobalPolicy:
         for request in requests:
             self.on_token(request, worker, num_tokens, now)
 
-    def progress_read(self, request: Request, view: ClusterView) -> Collection[WorkerId] | None:
+    def progress_read(
+        self, request: Request, view: ClusterView
+    ) -> Collection[WorkerId] | LeastLoaded | None:
         """The workers whose decode progress `route` and `on_dispatch` may read for `request`
-        (`tokens_in_flight`, `kv_used_blocks`, counters kept by `on_token`); None: any worker.
+        (`tokens_in_flight`, `kv_used_blocks`, counters kept by `on_token`), or `LeastLoaded`
+        when that is only which worker comes first in a load order; None: any worker.
         A simulator applies those workers' finished decode steps before routing and leaves the
         others' for their run's end, so naming few keeps a decision's cost flat in the fleet."""
         return None

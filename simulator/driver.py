@@ -43,13 +43,14 @@ from router.cost_model import CostModel
 from router.kv_events import KVEventIndexer
 from router.ledger import LedgerStore
 from router.planner import Planner, PlannerConfig
-from router.policy import GlobalPolicy, LocalPolicy
+from router.policy import GlobalPolicy, LeastLoaded, LocalPolicy
 from router.records import Refusal, RequestRecord
 from router.request import BlockHash, Request
 from router.runtime.collector import paced_for_throughput
 from router.traits import IndexMode, Placement, Role
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import ModelGroup, check_requests, parse_fleet
+from simulator.load_floors import LoadFloors
 from simulator.results import WorkerRecord, summarize
 from simulator.scaling import Scaler
 from simulator.topology import KVTransfers, Topology, Transfer, kv_bytes
@@ -391,6 +392,15 @@ class SimCluster:
         # (a finish or an admission): then an arrival costs the same on any fleet.
         names_workers = type(self.policy).progress_read is not GlobalPolicy.progress_read
         self._lazy = names_workers and not (self.precise or counting_queues)
+        # A policy reading only who comes first in a load order: the engines whose load could
+        # come first now are found from floors (simulator.load_floors), the rest wait for
+        # their next change. One router over one pool of workers.
+        self._floors: LoadFloors | None = None
+        reads = self._read_of_any_request()
+        if self._lazy and isinstance(reads, LeastLoaded) and self._one_pool():
+            self._floors = LoadFloors(self.engines, self.view, reads.key)
+            for engine in self.engines:
+                self._floors.changed(engine.id, 0.0)
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self.refusals: list[Refusal] = []
@@ -403,6 +413,16 @@ class SimCluster:
         if config.autoscale is not None:
             planner = Planner(config.autoscale, cost, config.engine.max_num_seqs)
             self.scaler = Scaler(self.env, planner, self.routers, self.engines, self._sync_all)
+
+    def _read_of_any_request(self) -> object:
+        """What the policy's decisions read of decode progress, if it says without a request."""
+        if not self.trace.requests:
+            return None
+        return self.policy.progress_read(self.trace.requests[0], self.view)
+
+    def _one_pool(self) -> bool:
+        c = self.config
+        return len(self.routers) == 1 and not (c.groups or c.split or c.autoscale)
 
     def _global_policy(self) -> GlobalPolicy:
         c = self.config
@@ -533,6 +553,8 @@ class SimCluster:
         yield self.env.timeout(end - start)
         for router in self.routers:
             router.worker_up(worker)
+        if self._floors is not None:  # its load moved while the floors skipped it
+            self._floors.changed(worker, self.env.now)
 
     def _sync(self, now: float) -> None:
         """Apply the engine steps that have ended by `now`: only engines with one due (see
@@ -544,9 +566,10 @@ class SimCluster:
             while due and due[0][0] <= now:
                 engines[heapq.heappop(due)[1]].sync(now)
             return
+        due_at = self._due_at
         while due and due[0][0] <= now:
             end, wid = heapq.heappop(due)
-            if engines[wid].run_end == end:  # else stale: syncing would apply steps mid-run
+            if due_at(engines[wid]) == end:  # else stale: syncing would apply steps mid-run
                 engines[wid].sync(now)
 
     def _sync_all(self, now: float) -> None:
@@ -556,7 +579,9 @@ class SimCluster:
             engine.sync(now)
 
     def _due_at(self, engine: Engine) -> float | None:
-        return engine.run_end if self._lazy else engine.next_step_end
+        if not self._lazy:
+            return engine.next_step_end
+        return engine.next_change if self._floors is not None else engine.run_end
 
     def dispatch(self, req: Request, rerouted: bool = False) -> None:
         now = self.env.now
@@ -578,6 +603,10 @@ class SimCluster:
                 if partial or router.banded
                 else router.policy.progress_read(req, router.pools.routing_pool(req))
             )
+            if isinstance(read, LeastLoaded) and self._floors is not None:
+                read = () if (least := self._floors.least(now)) is None else (least,)
+            elif isinstance(read, LeastLoaded):
+                read = None
             for wid in range(len(self.engines)) if read is None else read:
                 self.engines[wid].sync(now)
         budgets = self.budgets if not rerouted else None  # its tenant paid on arrival
@@ -704,6 +733,8 @@ class SimCluster:
         if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
             self._last_due[engine.id] = end
             heapq.heappush(self._due, (end, engine.id))
+        if self._floors is not None:
+            self._floors.changed(engine.id, self.env.now)
 
     def on_first_token(self, seq: Seq, now: float) -> None:
         if self._prefills[seq.worker]:
@@ -726,6 +757,8 @@ class SimCluster:
     ) -> None:
         """Decode steps applied in sum mid-run (one router): its load and KV use moved."""
         self.router.work_done_on(engine.id, num_tokens, kv_used_blocks)
+        if self._floors is not None:
+            self._floors.changed(engine.id, self.env.now)
         if not self._lazy:  # lazily synced, an engine is due at its run's end, noted already
             self._last_due[engine.id] = next_step_end
             heapq.heappush(self._due, (next_step_end, engine.id))

@@ -405,6 +405,37 @@ class Engine:
             return None
         return run.ends[-1]
 
+    @property
+    def next_change(self) -> float | None:
+        """When this engine next moves by more than decode steps in sum: the end of a run's
+        step 1 if it prefills (first tokens, prompts done), else of the run (None: nothing
+        planned). Until then what it has left to do falls only as `decode_credit` says."""
+        run = self._run
+        if run is None or run.applied == len(run.ends):
+            return None
+        if run.applied == 0 and run.cohort is None:
+            return run.ends[0]
+        return run.ends[-1]
+
+    def decode_credit(self, now: float, horizon: int) -> tuple[int, int, float]:
+        """What the run's decode steps short of its last, not yet applied, take off the
+        engine's outstanding tokens, before `next_change`: (through `now`, through `horizon`
+        steps after those, the end of the first step past that). A listener hears exactly
+        these tokens (`on_progress`) once the steps are applied, so the second figure bounds
+        the tokens left from below until the end the third names (inf: until `next_change`)."""
+        run = self._run
+        inf = float("inf")
+        if run is None or (run.applied == 0 and run.cohort is None):
+            return 0, 0, inf
+        last = len(run.ends) - 1  # the run's last step ends it: the listener hears it then
+        if run.applied >= last:
+            return 0, 0, inf
+        done = bisect.bisect_right(run.ends, now, run.applied, last)
+        ahead = min(done + horizon, last)
+        batch = len(run.batch)
+        until = run.ends[ahead] if ahead < last else inf
+        return (done - run.applied) * batch, (ahead - run.applied) * batch, until
+
     def _tell(self) -> None:
         self._on_changed(self)
 

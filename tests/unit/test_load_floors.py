@@ -1,0 +1,114 @@
+"""Least-load routing from load floors against bringing every engine up to date per arrival.
+
+With floors (simulator.load_floors) an arrival brings up to date only the engine it routes to;
+the reference here applies every engine's ended steps before each decision, as the policy's
+view would be read live. Every record must match, request by request, and the floors must have
+spared most of the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from router.cost_model import roofline
+from simulator.driver import SimCluster, SimConfig, SimResult
+from simulator.engine import Engine, EngineConfig
+from traces.generators import chat_sessions, shared_prefix
+from traces.schema import Trace
+
+COST = roofline("llama-3-8b", "a100-80g")
+
+
+class EveryEngine(SimCluster):
+    """The reference: no floors, every engine brought up to date before each decision."""
+
+    def _read_of_any_request(self) -> object:
+        return None
+
+
+def run(kind: type[SimCluster], trace: Trace, config: SimConfig) -> tuple[SimResult, int]:
+    """The records of a run, and how many times an engine applied steps on a read."""
+    copy = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
+    cluster = kind(copy, COST, config)
+    syncs = 0
+    for engine in cluster.engines:
+        sync = engine.sync
+
+        def counted(now: float, sync=sync, engine: Engine = engine) -> None:
+            nonlocal syncs
+            before = engine.num_steps
+            sync(now)
+            syncs += engine.num_steps != before
+
+        engine.sync = counted  # type: ignore[method-assign]
+    return cluster.run(), syncs
+
+
+def many_short() -> Trace:
+    return shared_prefix(
+        num_requests=400, num_tenants=6, prefix_tokens=600, output_tokens=150, rate=60
+    )
+
+
+CASES = [
+    ("least_load, 16 workers", many_short, {"num_workers": 16, "policy": "least_load"}, {}),
+    ("vtc counts tokens in each engine", many_short, {"num_workers": 12, "policy": "vtc"}, {}),
+    (
+        "preemptions: small KV",
+        many_short,
+        {"num_workers": 6, "policy": "least_load"},
+        {"num_kv_blocks": 160},
+    ),
+    (
+        "router queues",
+        many_short,
+        {"num_workers": 8, "policy": "least_load", "placement": "router", "window": 3},
+        {},
+    ),
+    (
+        "a worker down and back",
+        many_short,
+        {"num_workers": 8, "policy": "least_load", "outages": ((2.0, 4.0, 3), (1.0, 5.5, 0))},
+        {},
+    ),
+    (
+        "closed-loop sessions",
+        lambda: chat_sessions(num_sessions=40, mean_turns=4, think_time=2.0, rate=8.0, seed=3),
+        {"num_workers": 10, "policy": "least_load", "closed_loop": True},
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("trace", "sim", "engine"),
+    [pytest.param(t, s, e, id=name) for name, t, s, e in CASES],
+)
+def test_floors_route_as_reading_every_engine(trace, sim, engine) -> None:
+    workload = trace()
+    config = SimConfig(engine=EngineConfig(check_invariants=True, **engine), **sim)
+    floors, spared = run(SimCluster, workload, config)
+    reference, synced = run(EveryEngine, workload, config)
+    assert len(floors.records) == len(reference.records) == len(workload)
+    expected = {r.id: r for r in reference.records}
+    for record in floors.records:
+        assert record == expected[record.id], f"request {record.id}"
+    assert [w.steps for w in floors.workers] == [w.steps for w in reference.workers]
+    assert floors.summary["decisions"] == reference.summary["decisions"]
+    assert spared < synced, "floors brought no fewer engines up to date"
+
+
+def test_floors_are_used_only_where_they_hold() -> None:
+    """Floors route one router over one pool of mixed workers; anything else reads every
+    engine as before."""
+    workload = many_short()
+    assert SimCluster(workload, COST, SimConfig(num_workers=4))._floors is not None
+    for config in (
+        SimConfig(num_workers=4, prefill_workers=2, decode_workers=2),
+        SimConfig(num_workers=4, routers=2),
+        SimConfig(num_workers=4, policy="round_robin"),
+        SimConfig(num_workers=4, index="precise"),
+    ):
+        assert SimCluster(workload, COST, config)._floors is None, config
