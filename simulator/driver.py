@@ -24,7 +24,6 @@ from enum import Enum
 from typing import TypeVar
 
 import simpy
-from tqdm import tqdm
 
 import policies
 from router.bands import Banded
@@ -51,6 +50,7 @@ from router.traits import IndexMode, Placement, Role
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import ModelGroup, check_requests, parse_fleet
 from simulator.load_floors import LoadFloors
+from simulator.progress import RunProgress
 from simulator.results import WorkerRecord, summarize
 from simulator.scaling import Scaler
 from simulator.topology import KVTransfers, Topology, Transfer, kv_bytes
@@ -407,8 +407,7 @@ class SimCluster:
         self.budgets = Budgets(config.rate_limits) if config.rate_limits else None
         self._predicted_ttft: dict[int, float | None] = {}
         self._next_turns: dict[str, deque[Request]] = {}
-        self._progress: tqdm | None = None
-        self._shown = 0  # requests done that the progress bar counts
+        self._progress: RunProgress | None = None
         self.scaler: Scaler | None = None
         if config.autoscale is not None:
             planner = Planner(config.autoscale, cost, config.engine.max_num_seqs)
@@ -472,12 +471,8 @@ class SimCluster:
 
     def run(self) -> SimResult:
         started = time.perf_counter()
-        self._progress = tqdm(
-            total=len(self.trace),
-            disable=not self.config.show_progress,
-            unit="req",
-            mininterval=0.5,
-            desc=f"{self.config.policy}",
+        self._progress = RunProgress(
+            self.config.policy, len(self.trace), show=self.config.show_progress
         )
         self.env.process(self._arrivals())
         for outage in self.config.outages:
@@ -488,7 +483,7 @@ class SimCluster:
             self.env.process(self.scaler.run(self._done))
         with paced_for_throughput():  # a run's total time is what counts, not its pauses
             self.env.run()
-        self._progress.close()
+        self._progress.close(self.env.now)
         wall = time.perf_counter() - started
         workers = [self._worker_record(e) for e in self.engines]
         self.records.sort(key=lambda r: r.id)
@@ -812,15 +807,11 @@ class SimCluster:
         self._next_turn(req)
 
     def _count_done(self) -> None:
-        """One more request done (finished or refused): the progress bar, with the simulated
-        clock beside it, written every 256 requests (tqdm redraws at most twice a second)."""
+        """One more request done (finished or refused), on the progress bar (simulator.progress:
+        this run's own, or the command's over all its runs)."""
         progress = self._progress
-        if progress is None or progress.disable:
-            return
-        self._shown += 1
-        if self._shown % 256 == 0:
-            progress.set_postfix_str(f"simulated {self.env.now:,.0f} s", refresh=False)
-        progress.update()
+        if progress is not None and progress.enabled:
+            progress.request_done(self.env.now)
 
     def _next_turn(self, req: Request) -> None:
         """Closed loop: the session's next turn, after its think time (a refused turn too:

@@ -24,6 +24,7 @@ from router.classes import ClassTable, TrafficClass
 from router.cost_model import CostModel
 from router.records import Refusal, RequestRecord
 from simulator.driver import SimCluster, SimConfig
+from simulator.progress import map_runs
 from simulator.results import class_summary, fleet_goodput
 from traces.schema import Trace
 
@@ -161,6 +162,11 @@ class Candidates:
     gpus_per_worker: int = 1
 
     def run(self, policy: str, fleet: Fleet) -> Outcome:
+        return self.run_counted(policy, fleet)[0]
+
+    def run_counted(self, policy: str, fleet: Fleet) -> tuple[Outcome, tuple[int, float]]:
+        """The candidate's outcome, and the requests and simulated seconds behind it (what a
+        progress bar counts)."""
         config = replace(
             self.base,
             num_workers=fleet.workers,
@@ -174,13 +180,14 @@ class Candidates:
         goodput = goal_goodput(result.records, cluster.refusals, self.goal)
         gpus = fleet.workers * self.gpus_per_worker
         arrivals = [r.arrival for r in self.trace.requests]
-        return Outcome(
+        outcome = Outcome(
             policy=policy,
             fleet=fleet,
             attainment=float(goodput["attainment"] or 0.0),  # type: ignore[arg-type]
             goodput_per_gpu=float(goodput["requests_per_s"] or 0.0) / gpus,  # type: ignore[arg-type]
             gpu_hours=gpus * (max(arrivals) - min(arrivals)) / 3600 if arrivals else 0.0,
         )
+        return outcome, (len(self.trace), float(result.summary["simulated_seconds"]))  # type: ignore[arg-type]
 
 
 _shared: Candidates | None = None  # a pool process's copy, sent once when it starts
@@ -191,9 +198,13 @@ def _start(candidates: Candidates) -> None:
     _shared = candidates
 
 
-def _run(policy: str, fleet: Fleet) -> Outcome:
+def _run(policy: str, fleet: Fleet) -> tuple[Outcome, tuple[int, float]]:
     assert _shared is not None, "a pool process runs candidates only after _start"
-    return _shared.run(policy, fleet)
+    return _shared.run_counted(policy, fleet)
+
+
+def _counts(done: tuple[Outcome, tuple[int, float]]) -> tuple[int, float]:
+    return done[1]
 
 
 class Evaluator:
@@ -216,7 +227,9 @@ class Evaluator:
         if self._pool is None:
             done = [self.candidates.run(policy, f) for f in todo]
         else:
-            done = list(self._pool.map(_run, [policy] * len(todo), todo))
+            # The command's progress bar, if any, moves as each candidate returns.
+            counted = map_runs(self._pool, _run, [policy] * len(todo), todo, counts=_counts)
+            done = [outcome for outcome, _ in counted]
         for outcome in done:
             self.outcomes[(policy, outcome.fleet)] = outcome
         return [self.outcomes[(policy, f)] for f in fleets]

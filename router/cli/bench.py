@@ -9,14 +9,18 @@ from pathlib import Path
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from simulator.bench.speed import run_bench
+    from simulator.progress import command_bar
 
-    return run_bench(args.trace, quick=args.quick)
+    with command_bar("bench"):
+        return run_bench(args.trace, quick=args.quick)
 
 
 def cmd_bench_vidur(args: argparse.Namespace) -> int:
     from simulator.bench.vidur import run_vidur_bench
+    from simulator.progress import command_bar
 
-    return run_vidur_bench(args.trace, quick=args.quick)
+    with command_bar("bench-vidur"):
+        return run_vidur_bench(args.trace, quick=args.quick)
 
 
 def cmd_bench_sim2real(args: argparse.Namespace) -> int:

@@ -97,13 +97,18 @@ def group_rows(summary: dict) -> list[dict[str, object]]:
     ]
 
 
-def _simulate_one(args: argparse.Namespace, policy: str, out: str) -> str:
-    """One policy of `fairway compare` (runs in a worker process or a Ray task)."""
+def _simulate_one(args: argparse.Namespace, policy: str, out: str) -> tuple[str, dict]:
+    """One policy of `fairway compare` (runs in a worker process or a Ray task): its folder,
+    and its summary (for the command's progress bar)."""
+    from simulator.driver import simulate
     from simulator.results import write_results
 
-    result = run_simulation(args, load_workload(args), policy=policy)
+    trace = load_workload(args)
+    cost, config = sim_setup(args, trace, policy)
+    # The command's one bar counts this run as it returns; a worker draws none of its own.
+    result = simulate(trace, cost, replace(config, show_progress=False))
     write_results(Path(out), result.summary, result.records)
-    return out
+    return out, result.summary
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -111,6 +116,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     import policies
     from dashboards.report import load_run, write_report
+    from simulator.progress import command_bar, map_runs, summary_counts
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in policies.global_policies]
@@ -121,12 +127,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     dirs = [str(out / name) for name in names]
     ray = _ray_if_wanted(args.ray_address)
-    if ray is not None:
-        task = ray.remote(_simulate_one)
-        ray.get([task.remote(args, n, d) for n, d in zip(names, dirs, strict=True)])
-    else:
-        with ProcessPoolExecutor(max_workers=min(len(names), args.jobs)) as pool:
-            list(pool.map(_simulate_one, [args] * len(names), names, dirs))
+    with command_bar("compare", num_runs=len(names)) as bar:
+        if ray is not None:
+            task = ray.remote(_simulate_one)
+            pending = [task.remote(args, n, d) for n, d in zip(names, dirs, strict=True)]
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                bar.run_done(*summary_counts(ray.get(done[0])))
+        else:
+            with ProcessPoolExecutor(max_workers=min(len(names), args.jobs)) as pool:
+                map_runs(
+                    pool, _simulate_one, [args] * len(names), names, dirs, counts=summary_counts
+                )
     runs = [load_run(d) for d in dirs]
     recording = Path(args.trace)
     if (recording / "trace.jsonl").exists() and (recording / "requests.csv").exists():
@@ -253,14 +265,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_experiment(args: argparse.Namespace) -> int:
     from simulator.bench.experiments import NAMES, experiment_tables
+    from simulator.progress import command_bar
 
     names = NAMES if args.name == "all" else [args.name]
     out = Path(args.out) if args.out else None
-    for name in names:
-        for title, rows in experiment_tables(name, seed=args.seed, out=out, quick=args.quick):
-            print(f"## {name}: {title}\n")
-            print(format_table(rows))
-            print()
+    with command_bar(f"experiment {args.name}"):
+        for name in names:
+            for title, rows in experiment_tables(name, seed=args.seed, out=out, quick=args.quick):
+                print(f"## {name}: {title}\n")
+                print(format_table(rows))
+                print()
     return 0
 
 

@@ -146,6 +146,7 @@ def search_lines(plan) -> list[str]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from simulator.plan import Candidates, Goal, plan
+    from simulator.progress import command_bar
 
     for name, unset in FLEET_OPTIONS:
         if getattr(args, name) != unset:
@@ -159,13 +160,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     tp = args.tp or (1 if args.cost else MODELS[args.model].default_tp)
     policies = args.policies or [args.policy]
-    found = plan(
-        Candidates(trace, cost, base, goal, tp),
-        policies,
-        args.max_workers,
-        split=args.split,
-        jobs=args.jobs,
-    )
+    with command_bar("plan"):
+        found = plan(
+            Candidates(trace, cost, base, goal, tp),
+            policies,
+            args.max_workers,
+            split=args.split,
+            jobs=args.jobs,
+        )
     print(format_table(candidate_rows(found)))
     print("\n".join(search_lines(found)))
     if args.json:

@@ -28,6 +28,7 @@ from dashboards.tables import format_table
 from router.cost_model import roofline
 from router.records import RequestRecord
 from simulator.driver import SimConfig, simulate
+from simulator.progress import map_runs, summary_counts
 from traces.generators import agent_sessions
 
 MODEL, GPU = "llama-3-8b", "h100"
@@ -190,7 +191,7 @@ def run(
     runs = [Run(f, p) for f in fleets for p in POLICIES]
     jobs = jobs or min(len(runs), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(_run_one, runs, [seed] * len(runs)))
+        results = map_runs(pool, _run_one, runs, [seed] * len(runs), counts=summary_counts)
     sections: list[Section] = []
     verdicts = []
     for f in fleets:

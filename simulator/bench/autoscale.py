@@ -37,6 +37,7 @@ from router.classes import TrafficClass
 from router.cost_model import CostModel, roofline
 from router.planner import Fleet, Plan, Planner, PlannerConfig, ReactivePlanner, Window
 from simulator.driver import SimCluster, SimConfig
+from simulator.progress import map_runs, summary_counts
 from traces.loaders import SERVEGEN_WINDOW, load_servegen
 from traces.schema import Trace
 
@@ -300,7 +301,7 @@ def run(
     ]
     jobs = jobs or min(len(runs), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(_run_one, [day] * len(runs), runs))
+        results = map_runs(pool, _run_one, [day] * len(runs), runs, counts=summary_counts)
     rows = [row(day, r, s) for r, s in results]
     summaries = {r.label: s for r, s in results}
     hours = day.duration / HOUR

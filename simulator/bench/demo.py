@@ -21,6 +21,7 @@ from dashboards.report import load_run, write_report
 from dashboards.tables import format_table
 from router.cost_model import roofline
 from simulator.driver import SimConfig, simulate
+from simulator.progress import command_bar
 from simulator.results import write_results
 from traces.generators import shared_prefix
 from traces.loaders import load_trace
@@ -261,16 +262,17 @@ def demo(
         f"over the tenants waiting together (higher is fairer)."
     )
     done = []
-    for workload in workloads:
-        print()
-        say(f"== {workload.title} ({workload.about}); {_demand(workload.build())}.")
-        comparison = compare_workload(workload, workers, out, names)
-        bound = 100 * max(s["prefix_cache"]["bound"] for s in comparison.summaries.values())
-        print()
-        print(format_table(comparison.rows))
-        print(f"(cache-hit bound: {_n(bound)} % of prompt tokens)\n")
-        say(comparison.verdict)
-        done.append(comparison)
+    with command_bar("demo", num_runs=len(names) * len(workloads)):
+        for workload in workloads:
+            print()
+            say(f"== {workload.title} ({workload.about}); {_demand(workload.build())}.")
+            comparison = compare_workload(workload, workers, out, names)
+            bound = 100 * max(s["prefix_cache"]["bound"] for s in comparison.summaries.values())
+            print()
+            print(format_table(comparison.rows))
+            print(f"(cache-hit bound: {_n(bound)} % of prompt tokens)\n")
+            say(comparison.verdict)
+            done.append(comparison)
     print("\nReports (latency CDFs, per-tenant service and TTFT, per-worker load):")
     for comparison in done:
         print(f"  {comparison.workload.title}: {comparison.report.resolve()}")

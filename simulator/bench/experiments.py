@@ -20,6 +20,7 @@ from router.cost_model import roofline
 from simulator.bench import agents, autoscale, pd, priority
 from simulator.driver import SimConfig, simulate
 from simulator.fleet import ModelGroup
+from simulator.progress import map_runs, summary_counts
 from traces.generators import agent_loops, flood, late_joiner, lora_tenants, shared_prefix
 from traces.loaders import load_trace
 from traces.schema import Trace
@@ -394,7 +395,7 @@ def run_experiment(name: str, seed: int = 0, out: Path | None = None, jobs: int 
         raise ValueError(f"experiment {name} needs {MOONCAKE}")
     jobs = jobs or min(len(runs), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(_run_one, runs, [seed] * len(runs)))
+        results = map_runs(pool, _run_one, runs, [seed] * len(runs), counts=summary_counts)
     rows = [experiment_row(run.label, summary) for run, summary in results]
     if name == "replicas":
         rows = _beside_one_router(rows)

@@ -31,6 +31,7 @@ from dashboards.tables import format_table
 from router.cost_model import roofline
 from router.records import RequestRecord
 from simulator.driver import SimConfig, simulate
+from simulator.progress import map_runs, summary_counts
 from traces import transform
 from traces.loaders import load_trace
 from traces.schema import Trace
@@ -180,7 +181,7 @@ def run(
     runs += [Run(local, p, d, "least_load") for p, d in ((0, 0), (4, 4))]
     jobs = jobs or min(len(runs), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(_run_one, runs, [seed] * len(runs)))
+        results = map_runs(pool, _run_one, runs, [seed] * len(runs), counts=summary_counts)
     targets = ", ".join(f"{n}: TTFT {t:g} s, TPOT {1e3 * p:g} ms" for n, (t, p) in SLOS.items())
     sections: list[Section] = []
     for w in workloads:

@@ -42,6 +42,7 @@ from router.classes import ClassTable, TrafficClass
 from router.cost_model import roofline
 from simulator.driver import SimConfig, simulate
 from simulator.engine import EngineConfig
+from simulator.progress import map_runs, summary_counts
 from simulator.results import class_summary, fleet_goodput
 from traces.generators import priority_mix
 from traces.loaders import load_trace
@@ -224,8 +225,9 @@ def run(seed: int = 0, out: Path | None = None, jobs: int | None = None,
     order = sorted(range(len(runs)), key=lambda i: -(runs[i].batch_rate or 0.0))
     jobs = jobs or min(len(runs), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        done = dict(zip(order, pool.map(_run_one, [runs[i] for i in order],
-                                        [seed] * len(runs)), strict=True))  # fmt: skip
+        ordered = map_runs(pool, _run_one, [runs[i] for i in order], [seed] * len(runs),
+                           counts=summary_counts)  # fmt: skip
+        done = dict(zip(order, ordered, strict=True))
     results = [done[i] for i in range(len(runs))]
     sections: list[Section] = [
         (

@@ -34,6 +34,7 @@ from router.cost_model import RooflineCost, StepShape, prefill_pairs, roofline
 from router.request import Request
 from router.runtime import native
 from simulator.bench.speed import run_json
+from simulator.progress import current
 from traces.loaders import load_trace
 from traces.schema import Trace, write_native
 
@@ -154,7 +155,11 @@ print(json.dumps({"requests": s["completed"], "loop_cpu": loop, "setup_cpu": set
 def _fairway(trace: Trace, path: Path) -> tuple[dict, float]:
     """The simulator replaying `trace`, in a fresh process, from its native file."""
     write_native(trace, path)
-    return run_json([sys.executable, "-c", FAIRWAY_RUN, str(path)])
+    summary, cpu = run_json([sys.executable, "-c", FAIRWAY_RUN, str(path)])
+    bar = current()
+    if bar is not None:
+        bar.run_done(summary["requests"], summary["simulated_s"])
+    return summary, cpu
 
 
 def _vidur(table: Path, work: Path, max_tokens: int) -> tuple[dict, float]:
