@@ -400,7 +400,7 @@ class SimCluster:
         if self._lazy and isinstance(reads, LeastLoaded) and self._one_pool():
             self._floors = LoadFloors(self.engines, self.view, reads.key)
             for engine in self.engines:
-                self._floors.changed(engine.id, 0.0)
+                self._floors.changed(engine.id)
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self.refusals: list[Refusal] = []
@@ -540,7 +540,10 @@ class SimCluster:
         yield self.env.timeout(start)
         self._sync(self.env.now)
         for router in self.routers:  # each replica's health checks see it fail
-            for req in router.worker_down(worker, self.env.now):
+            requeued = router.worker_down(worker, self.env.now)
+            if self._floors is not None:
+                self._floors.changed(worker)  # not routable from now
+            for req in requeued:
                 prefilled = self._prefilled.pop(req.id, None)
                 if prefilled is not None and self._stage_counts:  # prefilled again elsewhere
                     self.engines[prefilled.worker].local.on_finish(req)
@@ -548,8 +551,8 @@ class SimCluster:
         yield self.env.timeout(end - start)
         for router in self.routers:
             router.worker_up(worker)
-        if self._floors is not None:  # its load moved while the floors skipped it
-            self._floors.changed(worker, self.env.now)
+        if self._floors is not None:
+            self._floors.changed(worker)
 
     def _sync(self, now: float) -> None:
         """Apply the engine steps that have ended by `now`: only engines with one due (see
@@ -729,7 +732,7 @@ class SimCluster:
             self._last_due[engine.id] = end
             heapq.heappush(self._due, (end, engine.id))
         if self._floors is not None:
-            self._floors.changed(engine.id, self.env.now)
+            self._floors.changed(engine.id)
 
     def on_first_token(self, seq: Seq, now: float) -> None:
         if self._prefills[seq.worker]:
@@ -753,7 +756,7 @@ class SimCluster:
         """Decode steps applied in sum mid-run (one router): its load and KV use moved."""
         self.router.work_done_on(engine.id, num_tokens, kv_used_blocks)
         if self._floors is not None:
-            self._floors.changed(engine.id, self.env.now)
+            self._floors.changed(engine.id)
         if not self._lazy:  # lazily synced, an engine is due at its run's end, noted already
             self._last_due[engine.id] = next_step_end
             heapq.heappush(self._due, (next_step_end, engine.id))

@@ -220,6 +220,7 @@ class _Run:
     cohort: _Cohort | None = None
     applied: int = 0
     end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
+    shortest_step: float = 0.0  # no step of the run takes less
 
     @property
     def is_multi_step(self) -> bool:
@@ -229,6 +230,9 @@ class _Run:
     def lag(self) -> int:
         """Steps applied to the engine in sum, not yet to each sequence."""
         return self.cohort.lag if self.cohort is not None else 0
+
+
+_INF = float("inf")
 
 
 def _lowest_priority(seq: Seq) -> tuple[int, float]:
@@ -417,24 +421,31 @@ class Engine:
             return run.ends[0]
         return run.ends[-1]
 
-    def decode_credit(self, now: float, horizon: int) -> tuple[int, int, float]:
-        """What the run's decode steps short of its last, not yet applied, take off the
-        engine's outstanding tokens, before `next_change`: (through `now`, through `horizon`
-        steps after those, the end of the first step past that). A listener hears exactly
-        these tokens (`on_progress`) once the steps are applied, so the second figure bounds
-        the tokens left from below until the end the third names (inf: until `next_change`)."""
+    def decode_bound(self) -> tuple[float, float, int, int]:
+        """How the run's decode steps short of its last, not yet applied, will lower what the
+        engine has left to do before `next_change`: (when the first of them ends, a duration
+        no step of the run falls below, how many there are, the tokens each makes). A listener
+        hears exactly those tokens (`on_progress`) once the steps are applied. (inf, 1, 0, 0)
+        when there are none."""
         run = self._run
-        inf = float("inf")
         if run is None or (run.applied == 0 and run.cohort is None):
-            return 0, 0, inf
-        last = len(run.ends) - 1  # the run's last step ends it: the listener hears it then
+            return _INF, 1.0, 0, 0
+        left = len(run.ends) - 1 - run.applied  # the last step ends the run: heard then
+        if left <= 0:
+            return _INF, 1.0, 0, 0
+        return run.ends[run.applied], run.shortest_step, left, len(run.batch)
+
+    def decode_credit(self, now: float) -> int:
+        """The tokens `decode_bound`'s steps ended by `now` make: what applying them would
+        take off the engine's outstanding tokens."""
+        run = self._run
+        if run is None or (run.applied == 0 and run.cohort is None):
+            return 0
+        last = len(run.ends) - 1
         if run.applied >= last:
-            return 0, 0, inf
+            return 0
         done = bisect.bisect_right(run.ends, now, run.applied, last)
-        ahead = min(done + horizon, last)
-        batch = len(run.batch)
-        until = run.ends[ahead] if ahead < last else inf
-        return (done - run.applied) * batch, (ahead - run.applied) * batch, until
+        return (done - run.applied) * len(run.batch)
 
     def _tell(self) -> None:
         self._on_changed(self)
@@ -560,7 +571,7 @@ class Engine:
             self._load_due = 0.0
         ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
         cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
-        return _Run(batch, ends, cohort)
+        return _Run(batch, ends, cohort, shortest_step=min(durations))
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.

@@ -2,97 +2,90 @@
 
 A policy routing to the least loaded worker (`router.policy.LeastLoaded`) reads each worker's
 tokens in flight, which a decoding engine lowers at every step. Applying every engine's ended
-steps before each arrival makes an arrival cost a pass over the fleet: at 1,024 workers about a
-hundred engines have a step ended between two arrivals. Between its changes of state an engine's
-load falls only by its decode steps, each taking the run's batch size off, at times the run
-already knows. So each worker keeps a floor: its key with the first term lowered by the steps due
-over the next `horizon` of them, which holds until the end of the step past those.
+steps before each arrival makes an arrival cost a pass over the fleet in Python: at 1,024 workers
+about a hundred engines have a step ended between two arrivals.
 
-At an arrival the floors are read smallest first, each worker's exact key at that instant worked
-out from its run (no step applied), until the next floor is no lower than the least exact key
-found: no worker left can beat it. Only that worker is brought up to date, so the view the policy
-reads ranks it first: every other worker's key there is its key as of its last update, never
-below its exact key now.
+Between its changes of state an engine's load falls only by its run's decode steps, each taking
+the batch size off, and no step of a run is shorter than its shortest. So each worker's tokens in
+flight now are bounded from below by its count at its last change less the batch size for every
+step that could have ended since: one vector expression over the fleet. The view's least worker
+(keys as of each worker's last update) and every worker with steps ended whose bound does not
+exceed that worker's exact count are worked out exactly from their runs (no step applied), and
+only the least of those is brought up to date. The view the policy reads then ranks it first:
+every other worker's key there is its key as of its last update, never below its exact key now.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
+
+import numpy as np
 
 from router.view import ClusterView, OrderKey
 from simulator.engine import Engine
 
-INF = float("inf")
+# Step ends are sums of durations, rounded: a bound that shortens each step by this fraction
+# still holds after thousands of steps.
+SLACK = 1e-9
 
 
 class LoadFloors:
-    __slots__ = ("_engines", "_view", "_key", "_horizon", "_floor", "_heap", "_until", "_expiry")
-
-    def __init__(
-        self, engines: Sequence[Engine], view: ClusterView, key: OrderKey, horizon: int = 8
-    ) -> None:
+    def __init__(self, engines: Sequence[Engine], view: ClusterView, key: OrderKey) -> None:
         self._engines, self._view, self._key = engines, view, key
-        # Steps ahead a floor covers: fewer keep floors tight (fewer workers read per
-        # arrival), more renew them less often (fewer renewals per arrival).
-        self._horizon = horizon
-        self._floor: dict[int, tuple] = {}  # each worker's floor key, as in the heap
-        self._heap: list[tuple] = []  # floor keys, stale ones dropped as they surface
-        self._until: dict[int, float] = {}  # when each worker's floor stops holding
-        self._expiry: list[tuple[float, int]] = []  # (until, worker), stale ones skipped
+        n = len(engines)  # workers 0 .. n-1, engine i serving worker i
+        # Each worker as of its last change: tokens in flight (inf: not routable), and its
+        # run's decode steps still to come (first end, shortest step, how many, tokens each).
+        self._tokens = np.full(n, np.inf)
+        self._first_end = np.full(n, np.inf)
+        self._shortest = np.ones(n)
+        self._left = np.zeros(n)
+        self._batch = np.zeros(n)
+        self._bound = np.empty(n)  # scratch: the bound at the time asked
 
-    def changed(self, wid: int, now: float) -> None:
-        """The worker's state moved (its engine applied steps, or took a request): a new floor."""
+    def changed(self, wid: int) -> None:
+        """The worker's state moved (its engine applied steps or took a request, or its
+        health changed)."""
         state = self._view.workers.get(wid)
-        if state is None:
-            self._floor.pop(wid, None)
+        if state is None or not state.healthy:
+            self._tokens[wid] = np.inf
             return
-        _, ahead, until = self._engines[wid].decode_credit(now, self._horizon)
-        key = self._key(self._view, state)
-        floor = (key[0] - ahead, *key[1:])
-        self._floor[wid] = floor
-        heapq.heappush(self._heap, floor)
-        self._until[wid] = until
-        if until != INF:
-            heapq.heappush(self._expiry, (until, wid))
+        first, shortest, left, batch = self._engines[wid].decode_bound()
+        self._tokens[wid] = state.tokens_in_flight
+        self._first_end[wid] = first
+        self._shortest[wid] = shortest * (1 - SLACK)
+        self._left[wid] = left
+        self._batch[wid] = batch
 
     def least(self, now: float) -> int | None:
         """The healthy worker whose exact key is least at `now` (None: no healthy worker).
-        Every engine's steps that change more than its decode progress must be applied."""
-        self._renew(now)
-        heap, floors, view, key = self._heap, self._floor, self._view, self._key
-        workers, engines, horizon = view.workers, self._engines, self._horizon
-        best: tuple | None = None
-        read: list[tuple] = []
-        while heap:
-            floor = heap[0]
-            wid = floor[-1]
-            if floors.get(wid) is not floor:
-                heapq.heappop(heap)
-                continue
-            if best is not None and floor >= best:
-                break
-            read.append(heapq.heappop(heap))
-            state = workers[wid]
-            if not state.healthy:
-                continue
-            credit = engines[wid].decode_credit(now, horizon)[0]
-            exact = key(view, state)
-            if credit:
-                exact = (exact[0] - credit, *exact[1:])
-            if best is None or exact < best:
-                best = exact
-        for floor in read:
-            heapq.heappush(heap, floor)
-        if len(heap) > 4 * len(floors) + 64:  # mostly stale entries: start afresh
-            heap[:] = floors.values()
-            heapq.heapify(heap)
-        return None if best is None else best[-1]
+        Every engine's steps that move more than its decode progress must have been applied."""
+        if not np.isfinite(self._tokens).any():
+            return None
+        # The view's least: keys as of each worker's last update. Only a worker with decode
+        # steps ended since can beat it, its key being lower now than the view's.
+        best = self._exact(self._view.least(self._key).id, now)
+        bound = self._bound
+        # Steps ended by now, at most: the first at its end, then one per shortest step.
+        np.subtract(now, self._first_end, out=bound)
+        np.divide(bound, self._shortest, out=bound)
+        np.floor(bound, out=bound)
+        bound += 1
+        np.clip(bound, 0, self._left, out=bound)
+        bound *= self._batch
+        np.subtract(self._tokens, bound, out=bound)
+        maybe = np.flatnonzero((bound <= best[0]) & (bound < self._tokens))
+        if len(maybe):
+            # Lowest bound first: the first exact keys found usually rule out the rest.
+            order = maybe[np.argsort(bound[maybe], kind="stable")]
+            for wid, floor in zip(order.tolist(), bound[order].tolist(), strict=True):
+                if floor > best[0]:
+                    break
+                exact = self._exact(wid, now)
+                if exact < best:
+                    best = exact
+        return best[-1]
 
-    def _renew(self, now: float) -> None:
-        """New floors for the workers whose floors have run out by `now`."""
-        expiry, until = self._expiry, self._until
-        while expiry and expiry[0][0] <= now:
-            end, wid = heapq.heappop(expiry)
-            if until.get(wid) == end:
-                self.changed(wid, now)
+    def _exact(self, wid: int, now: float) -> tuple:
+        key = self._key(self._view, self._view.workers[wid])
+        credit = self._engines[wid].decode_credit(now)
+        return (key[0] - credit, *key[1:]) if credit else key

@@ -112,3 +112,28 @@ def test_floors_are_used_only_where_they_hold() -> None:
         SimConfig(num_workers=4, index="precise"),
     ):
         assert SimCluster(workload, COST, config)._floors is None, config
+
+
+def test_every_floor_is_below_the_load_it_bounds() -> None:
+    """At every arrival, each routable worker's floor is at most its tokens in flight as they
+    would be with every step ended applied: the floors may only ever read too many workers."""
+    checked = 0
+
+    class Audited(SimCluster):
+        def dispatch(self, req, rerouted: bool = False) -> None:
+            nonlocal checked
+            floors = self._floors
+            assert floors is not None
+            now = self.env.now
+            self._sync(now)
+            floors.least(now)
+            for wid, state in self.view.workers.items():
+                if state.healthy:
+                    exact = state.tokens_in_flight - self.engines[wid].decode_credit(now)
+                    assert floors._bound[wid] <= exact, (wid, now)
+                    checked += 1
+            super().dispatch(req, rerouted)
+
+    config = SimConfig(num_workers=12, policy="least_load", outages=((1.0, 3.0, 5),))
+    result, _ = run(Audited, many_short(), config)
+    assert len(result.records) == 400 and checked > 4000
