@@ -392,15 +392,19 @@ class SimCluster:
         # (a finish or an admission): then an arrival costs the same on any fleet.
         names_workers = type(self.policy).progress_read is not GlobalPolicy.progress_read
         self._lazy = names_workers and not (self.precise or counting_queues)
-        # A policy reading only who comes first in a load order: the engines whose load could
-        # come first now are found from floors (simulator.load_floors), the rest wait for
-        # their next change. One router over one pool of workers.
+        # A policy reading only who comes first in a load order: on a large fleet the engines
+        # whose load could come first now are found from floors (simulator.load_floors), the
+        # rest wait for their next change; on a small one, or several pools or routers, every
+        # engine with a step ended is brought up to date.
         self._floors: LoadFloors | None = None
         reads = self._read_of_any_request()
-        if self._lazy and isinstance(reads, LeastLoaded) and self._one_pool():
-            self._floors = LoadFloors(self.engines, self.view, reads.key)
-            for engine in self.engines:
-                self._floors.changed(engine.id)
+        if isinstance(reads, LeastLoaded):
+            if self._lazy and self._one_pool() and config.num_workers >= LoadFloors.MIN_WORKERS:
+                self._floors = LoadFloors(self.engines, self.view, reads.key)
+                for engine in self.engines:
+                    self._floors.changed(engine.id)
+            else:
+                self._lazy = False
         self.bound = InfiniteCache(trace.block_size)
         self.records: list[RequestRecord] = []
         self.refusals: list[Refusal] = []

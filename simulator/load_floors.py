@@ -30,13 +30,18 @@ SLACK = 1e-9
 
 
 class LoadFloors:
+    # Below this many workers a pass over the fleet costs more than the engines it spares
+    # (compiled, tiled Mooncake: 0.77x at 8 workers, 1.04x at 256, 1.4x at 1,024).
+    MIN_WORKERS = 256
+
     def __init__(self, engines: Sequence[Engine], view: ClusterView, key: OrderKey) -> None:
         self._engines, self._view, self._key = engines, view, key
         n = len(engines)  # workers 0 .. n-1, engine i serving worker i
         # Each worker as of its last change: tokens in flight (inf: not routable), and its
-        # run's decode steps still to come (first end, shortest step, how many, tokens each).
+        # run's decode steps still to come: when the one before the first ended (so that the
+        # time since, in shortest steps, counts them), the shortest step, how many, tokens each.
         self._tokens = np.full(n, np.inf)
-        self._first_end = np.full(n, np.inf)
+        self._before_first = np.full(n, np.inf)
         self._shortest = np.ones(n)
         self._left = np.zeros(n)
         self._batch = np.zeros(n)
@@ -51,7 +56,7 @@ class LoadFloors:
             return
         first, shortest, left, batch = self._engines[wid].decode_bound()
         self._tokens[wid] = state.tokens_in_flight
-        self._first_end[wid] = first
+        self._before_first[wid] = first - shortest
         self._shortest[wid] = shortest * (1 - SLACK)
         self._left[wid] = left
         self._batch[wid] = batch
@@ -59,18 +64,19 @@ class LoadFloors:
     def least(self, now: float) -> int | None:
         """The healthy worker whose exact key is least at `now` (None: no healthy worker).
         Every engine's steps that move more than its decode progress must have been applied."""
-        if not np.isfinite(self._tokens).any():
-            return None
         # The view's least: keys as of each worker's last update. Only a worker with decode
         # steps ended since can beat it, its key being lower now than the view's.
-        best = self._exact(self._view.least(self._key).id, now)
+        try:
+            best = self._exact(self._view.least(self._key).id, now)
+        except RuntimeError:  # no healthy worker
+            return None
         bound = self._bound
-        # Steps ended by now, at most: the first at its end, then one per shortest step.
-        np.subtract(now, self._first_end, out=bound)
+        # Steps ended by now, at most: one per shortest step since the one before the first.
+        np.subtract(now, self._before_first, out=bound)
         np.divide(bound, self._shortest, out=bound)
         np.floor(bound, out=bound)
-        bound += 1
-        np.clip(bound, 0, self._left, out=bound)
+        np.minimum(bound, self._left, out=bound)
+        np.maximum(bound, 0, out=bound)
         bound *= self._batch
         np.subtract(self._tokens, bound, out=bound)
         maybe = np.flatnonzero((bound <= best[0]) & (bound < self._tokens))

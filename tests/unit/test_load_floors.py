@@ -15,10 +15,17 @@ import pytest
 from router.cost_model import roofline
 from simulator.driver import SimCluster, SimConfig, SimResult
 from simulator.engine import Engine, EngineConfig
+from simulator.load_floors import LoadFloors
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace
 
 COST = roofline("llama-3-8b", "a100-80g")
+
+
+@pytest.fixture(autouse=True)
+def floors_on_small_fleets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Floors on the small fleets below (by default only fleets of MIN_WORKERS or more)."""
+    monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 1)
 
 
 class EveryEngine(SimCluster):
@@ -100,11 +107,14 @@ def test_floors_route_as_reading_every_engine(trace, sim, engine) -> None:
     assert spared < synced, "floors brought no fewer engines up to date"
 
 
-def test_floors_are_used_only_where_they_hold() -> None:
+def test_floors_are_used_only_where_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """Floors route one router over one pool of mixed workers; anything else reads every
-    engine as before."""
+    engine with a step ended, as a fleet smaller than MIN_WORKERS does."""
     workload = many_short()
     assert SimCluster(workload, COST, SimConfig(num_workers=4))._floors is not None
+    monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 5)
+    small = SimCluster(workload, COST, SimConfig(num_workers=4))
+    assert small._floors is None and not small._lazy
     for config in (
         SimConfig(num_workers=4, prefill_workers=2, decode_workers=2),
         SimConfig(num_workers=4, routers=2),
