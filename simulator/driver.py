@@ -120,6 +120,11 @@ class SimConfig:
     # A fleet that grows and shrinks (simulator.scaling): `autoscale.max_workers` engines,
     # of which the planner keeps its target serving; `num_workers` is set to the maximum.
     autoscale: PlannerConfig | None = None
+    # Least-load decisions (router.policy.LeastLoaded) on a fleet of LoadFloors.MIN_WORKERS or
+    # more read only the engines whose load could be least (simulator.load_floors). Off: every
+    # engine with a step ended is brought up to date before each decision (the same records,
+    # slower; for checking).
+    load_floors: bool = True
     seed: int = 0
     show_progress: bool = False
 
@@ -399,7 +404,8 @@ class SimCluster:
         self._floors: LoadFloors | None = None
         reads = self._read_of_any_request()
         if isinstance(reads, LeastLoaded):
-            if self._lazy and self._one_pool() and config.num_workers >= LoadFloors.MIN_WORKERS:
+            large = config.num_workers >= LoadFloors.MIN_WORKERS
+            if config.load_floors and large and self._lazy and self._one_pool():
                 self._floors = LoadFloors(self.engines, self.view, reads.key)
                 for engine in self.engines:
                     self._floors.changed(engine.id)

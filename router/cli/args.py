@@ -189,6 +189,12 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="simulate every decode step as its own event (slow; for checking)",
     )
+    g.add_argument(
+        "--no-load-floors",
+        action="store_true",
+        help="bring every engine up to date before each least-load decision, not only those "
+        "that could be least (slower on large fleets; for checking)",
+    )
     g.add_argument("--seed", type=int, default=0)
 
     c = p.add_argument_group("traffic classes")
@@ -351,6 +357,7 @@ def sim_setup(args: argparse.Namespace, trace, policy: str | None = None):
         admission=args.admission,
         priority_scheduling=not args.no_priority_scheduling,
         rate_limits=rate_limits(args.rate_limit),
+        load_floors=not args.no_load_floors,
         seed=args.seed,
         show_progress=sys.stderr.isatty() and len(trace) > 5000,
     )

@@ -255,20 +255,23 @@ def fleet_scaling(
     return rows
 
 
-def tiled_replay(workers: int, policy: str, path: Path, seconds: float = 120.0) -> dict:
+def tiled_replay(
+    workers: int, policy: str, path: Path, seconds: float = 120.0, floors: bool = True
+) -> dict:
     """One replay of the trace's first `seconds` tiled to `workers` (llama-3-8b on H100), run
     where this process is: requests, CPU seconds, requests per CPU second, and the process's
-    peak resident memory (MB) once it is done."""
+    peak resident memory (MB) once it is done. `floors`: SimConfig.load_floors."""
     from traces.transform import tile, window
 
     trace = tile(window(load_trace(path), 0.0, seconds), workers // 8)
-    config = SimConfig(num_workers=workers, policy=policy)
+    config = SimConfig(num_workers=workers, policy=policy, load_floors=floors)
     started = time.process_time()
     result = simulate(trace, roofline("llama-3-8b", "h100"), config)
     cpu = time.process_time() - started
     done = result.summary["completed"]
     peak = _peak_rss_mb()
-    return {"workers": workers, "policy": policy, "requests": done, "CPU s": cpu,
+    name = policy if floors else f"{policy}, every engine per decision"
+    return {"workers": workers, "policy": name, "requests": done, "CPU s": cpu,
             "req / CPU s": done / cpu, "peak RSS MB": peak}  # fmt: skip
 
 
@@ -281,15 +284,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def large_replays(path: Path, runs: tuple[tuple[int, str], ...]) -> list[dict[str, object]]:
-    """`tiled_replay` of each (workers, policy), each in a fresh interpreter (so that its
-    peak memory is its own), compiled if a compiled build is in use."""
+def large_replays(
+    path: Path, runs: tuple[tuple[int, str, bool], ...]
+) -> list[dict[str, object]]:
+    """`tiled_replay` of each (workers, policy, load floors), each in a fresh interpreter (so
+    that its peak memory is its own), compiled if a compiled build is in use."""
     pure = native.native_root() is None
     rows = []
-    for workers, policy in runs:
+    for workers, policy, floors in runs:
         code = (
             "import json; from pathlib import Path; from simulator.bench import speed\n"
-            f"print(json.dumps(speed.tiled_replay({workers}, {policy!r}, Path({str(path)!r}))))"
+            f"print(json.dumps(speed.tiled_replay({workers}, {policy!r}, "
+            f"Path({str(path)!r}), floors={floors})))"
         )
         rows.append(_in_subprocess(code, pure))
     return rows  # type: ignore[return-value]
@@ -672,8 +678,10 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
                           ratio=(8, 512))  # fmt: skip
     print(format_table(tiled))
     print("\nOne large replay each, in a fresh process: the first 120 s tiled to the fleet,")
-    print("llama-3-8b on H100 (`fairway simulate --window 0:120 --tile W/8 --workers W`):")
-    runs = ((512, "least_load"),) if quick else ((1024, "least_load"), (1024, "round_robin"))
+    print("llama-3-8b on H100 (`fairway simulate --window 0:120 --tile W/8 --workers W`);")
+    print("least_load again with every engine brought up to date per decision (--no-load-floors):")
+    size = 512 if quick else 1024
+    runs = ((size, "least_load", True), (size, "least_load", False), (size, "round_robin", True))
     print(format_table(large_replays(path, runs)))
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")

@@ -1,9 +1,9 @@
 """Least-load routing from load floors against bringing every engine up to date per arrival.
 
 With floors (simulator.load_floors) an arrival brings up to date only the engine it routes to;
-the reference here applies every engine's ended steps before each decision, as the policy's
-view would be read live. Every record must match, request by request, and the floors must have
-spared most of the work.
+the reference (`load_floors=False`) applies every engine's ended steps before each decision, as
+the policy's view would be read live. Every record must match, request by request, and the
+floors must have spared most of the work.
 """
 
 from __future__ import annotations
@@ -26,13 +26,6 @@ COST = roofline("llama-3-8b", "a100-80g")
 def floors_on_small_fleets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Floors on the small fleets below (by default only fleets of MIN_WORKERS or more)."""
     monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 1)
-
-
-class EveryEngine(SimCluster):
-    """The reference: no floors, every engine brought up to date before each decision."""
-
-    def _read_of_any_request(self) -> object:
-        return None
 
 
 def run(kind: type[SimCluster], trace: Trace, config: SimConfig) -> tuple[SimResult, int]:
@@ -97,7 +90,7 @@ def test_floors_route_as_reading_every_engine(trace, sim, engine) -> None:
     workload = trace()
     config = SimConfig(engine=EngineConfig(check_invariants=True, **engine), **sim)
     floors, spared = run(SimCluster, workload, config)
-    reference, synced = run(EveryEngine, workload, config)
+    reference, synced = run(SimCluster, workload, dataclasses.replace(config, load_floors=False))
     assert len(floors.records) == len(reference.records) == len(workload)
     expected = {r.id: r for r in reference.records}
     for record in floors.records:
@@ -112,6 +105,8 @@ def test_floors_are_used_only_where_they_hold(monkeypatch: pytest.MonkeyPatch) -
     engine with a step ended, as a fleet smaller than MIN_WORKERS does."""
     workload = many_short()
     assert SimCluster(workload, COST, SimConfig(num_workers=4))._floors is not None
+    off = SimCluster(workload, COST, SimConfig(num_workers=4, load_floors=False))
+    assert off._floors is None and not off._lazy
     monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 5)
     small = SimCluster(workload, COST, SimConfig(num_workers=4))
     assert small._floors is None and not small._lazy
