@@ -284,9 +284,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def large_replays(
-    path: Path, runs: tuple[tuple[int, str, bool], ...]
-) -> list[dict[str, object]]:
+def large_replays(path: Path, runs: tuple[tuple[int, str, bool], ...]) -> list[dict[str, object]]:
     """`tiled_replay` of each (workers, policy, load floors), each in a fresh interpreter (so
     that its peak memory is its own), compiled if a compiled build is in use."""
     pure = native.native_root() is None
