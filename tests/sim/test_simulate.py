@@ -77,6 +77,19 @@ class TestSimulateCommand:
         assert len(rows) == 201 and rows[0].startswith("id,client")
         assert "round_robin" in capsys.readouterr().out
 
+    def test_load_floors_leave_every_row_as_it_was(self, tmp_path: Path, capsys) -> None:
+        """On a fleet large enough for load floors, bringing every engine up to date before
+        each decision instead (--no-load-floors) writes the very same rows."""
+        rows = []
+        for flags in ([], ["--no-load-floors"]):
+            out = tmp_path / ("every-engine" if flags else "floors")
+            fleet = ["--window", "0:20", "--tile", "32", "--workers", "256"]
+            argv = ["simulate", "--trace", str(SAMPLE), "--policy", "least_load", *fleet]
+            argv += ["--out", str(out), *flags]
+            assert main(argv) == 0
+            rows.append((out / "requests.csv").read_text())
+        assert rows[0] == rows[1] and rows[0].count("\n") > 1000
+
     def test_generator_as_trace(self, capsys) -> None:
         assert (
             main(
