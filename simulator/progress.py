@@ -21,6 +21,14 @@ from typing import TextIO, TypeVar
 
 from tqdm import tqdm
 
+
+class _Tqdm(tqdm):
+    """tqdm without its monitor thread: a thread waking in a simulation's process for a bar
+    that redraws by itself anyway."""
+
+    monitor_interval = 0
+
+
 T = TypeVar("T")
 
 # Requests a run counts before it moves the bar: a call per request costs the run's speed, and
@@ -42,7 +50,7 @@ class Bar:
         enabled: bool | None = None,
     ) -> None:
         shown = sys.stderr.isatty() if enabled is None else enabled
-        self._tqdm = tqdm(
+        self._tqdm = _Tqdm(
             desc=desc, total=total, unit="req", mininterval=0.5, disable=not shown, file=sys.stderr
         )
         self.num_runs = num_runs

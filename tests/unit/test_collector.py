@@ -22,7 +22,8 @@ class TestCollectorPacing:
             frozen = gc.get_freeze_count()
             survivors = [[i] for i in range(1000)]
             pacing.tick(5.0)
-            assert gc.get_freeze_count() == frozen, "nothing frozen before `every` elapsed"
+            # Not an equality: a frozen object an earlier test left leaves the count as it dies.
+            assert gc.get_freeze_count() <= frozen, "nothing frozen before `every` elapsed"
             pacing.tick(10.0)
             assert gc.get_freeze_count() >= frozen + len(survivors), "survivors frozen"
         finally:

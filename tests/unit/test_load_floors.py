@@ -14,7 +14,7 @@ import pytest
 
 from router.cost_model import roofline
 from simulator.driver import SimCluster, SimConfig, SimResult
-from simulator.engine import Engine, EngineConfig
+from simulator.engine import EngineConfig
 from simulator.load_floors import LoadFloors
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace
@@ -28,22 +28,21 @@ def floors_on_small_fleets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 1)
 
 
-def run(kind: type[SimCluster], trace: Trace, config: SimConfig) -> tuple[SimResult, int]:
-    """The records of a run, and how many times an engine applied steps on a read."""
+class Counted(SimCluster):
+    """Counts the times an engine applied decode steps mid-run, on a read."""
+
+    mid_run = 0
+
+    def on_progress(self, engine, num_tokens: int, kv_used_blocks: int, next_step_end: float):
+        self.mid_run += 1
+        super().on_progress(engine, num_tokens, kv_used_blocks, next_step_end)
+
+
+def run(kind: type[Counted], trace: Trace, config: SimConfig) -> tuple[SimResult, int]:
+    """The records of a run, and how many times an engine applied steps mid-run on a read."""
     copy = Trace([dataclasses.replace(r) for r in trace.requests], trace.block_size)
     cluster = kind(copy, COST, config)
-    syncs = 0
-    for engine in cluster.engines:
-        sync = engine.sync
-
-        def counted(now: float, sync=sync, engine: Engine = engine) -> None:
-            nonlocal syncs
-            before = engine.num_steps
-            sync(now)
-            syncs += engine.num_steps != before
-
-        engine.sync = counted  # type: ignore[method-assign]
-    return cluster.run(), syncs
+    return cluster.run(), cluster.mid_run
 
 
 def many_short() -> Trace:
@@ -89,8 +88,8 @@ CASES = [
 def test_floors_route_as_reading_every_engine(trace, sim, engine) -> None:
     workload = trace()
     config = SimConfig(engine=EngineConfig(check_invariants=True, **engine), **sim)
-    floors, spared = run(SimCluster, workload, config)
-    reference, synced = run(SimCluster, workload, dataclasses.replace(config, load_floors=False))
+    floors, spared = run(Counted, workload, config)
+    reference, synced = run(Counted, workload, dataclasses.replace(config, load_floors=False))
     assert len(floors.records) == len(reference.records) == len(workload)
     expected = {r.id: r for r in reference.records}
     for record in floors.records:
@@ -124,7 +123,7 @@ def test_every_floor_is_below_the_load_it_bounds() -> None:
     would be with every step ended applied: the floors may only ever read too many workers."""
     checked = 0
 
-    class Audited(SimCluster):
+    class Audited(Counted):
         def dispatch(self, req, rerouted: bool = False) -> None:
             nonlocal checked
             floors = self._floors
