@@ -22,7 +22,7 @@ from aiohttp import web
 from router.proxy.conversations import RESPONSES, RedisResponses, Stored, StoreUnavailable
 from router.proxy.service.config import validate_config
 from router.proxy.service.replicas import ReplicaSpec, build_replica_app
-from router.proxy.service.store import OwnRedis, Store
+from router.proxy.service.store import OwnRedis, Store, redis_server
 from tests.live_helpers import emulated_workers, free_port, run, tokenizer_dir
 from tests.system.test_budget_replicas import kill, own_redis
 from tests.system.test_live_replicas import fairway_serve
@@ -104,6 +104,36 @@ def test_responses_in_redis(tmp_path: Path) -> None:
             finally:
                 with contextlib.suppress(redis.RedisError, OSError):
                     await client.aclose()
+
+    run(go, timeout=60)
+
+
+def test_a_bounded_store_drops_its_oldest_responses_and_keeps_the_rest(tmp_path) -> None:
+    """`fairway serve`'s own Redis is bounded in bytes, as one router's store is: past the
+    bound the least recently used responses go, every put is taken, and what has no expiry
+    (membership, shared counters) stays."""
+    bound = 8 * 1024 * 1024
+    text = "x" * 32 * 1024  # a response of about 32 KiB: 400 of them are 1.6x the bound
+
+    async def go() -> None:
+        with redis_server(tmp_path / "redis", max_bytes=bound) as url:
+            client = Store(url).client()
+            try:
+                await client.hset(f"{PREFIX}:members", mapping={"w0": "1", "w1": "1"})
+                store = RedisResponses(client, PREFIX, retention=600.0)
+                for i in range(400):
+                    await store.put(f"resp_{i}", stored("team-a", f"{i}-{text}"))
+                info = await client.info("memory")
+                assert info["used_memory"] <= bound, info["used_memory"]
+                assert info["maxmemory_policy"] == "volatile-lru"
+                assert await store.get("team-a", "resp_0") is None, "the oldest went first"
+                newest = await store.get("team-a", "resp_399")
+                assert newest == stored("team-a", f"399-{text}")
+                kept = sum([await client.exists(store.key(f"resp_{i}")) for i in range(400)])
+                assert 40 < kept < 400, f"{kept} of 400 kept"
+                assert await client.hgetall(f"{PREFIX}:members") == {b"w0": b"1", b"w1": b"1"}
+            finally:
+                await client.aclose()
 
     run(go, timeout=60)
 

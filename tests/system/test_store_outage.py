@@ -22,10 +22,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 import yaml
 
 from dashboards import grafana
 from router.proxy.ports import free_port
+from router.proxy.service.store import memory_bound
+from router.proxy.settings import RESPONSES_MAX_BYTES
 from tests.live_helpers import run
 from tests.metrics_page import samples
 from tests.system.test_dashboards import wait_until_scraping
@@ -154,6 +157,12 @@ def test_a_store_killed_then_stopped_under_load(tmp_path) -> None:
                     assert time.monotonic() < deadline, log_path.read_text()[-3000:]
                     await asyncio.sleep(0.1)
                 await wait_in_sync(session, own, 10, resets=1)  # each re-published
+                restarted = redis.Redis.from_url(redis_url_of(log_path.read_text()))
+                try:  # bounded as it was first started
+                    maxmemory = int(restarted.config_get("maxmemory")["maxmemory"])
+                    assert maxmemory == memory_bound(RESPONSES_MAX_BYTES), maxmemory
+                finally:
+                    restarted.close()
                 states = [await replica_state(session, u) for u in own]
                 charged_after = total(states[0]["ledgers"])
                 assert charged_after >= charged_before, (

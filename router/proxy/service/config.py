@@ -381,7 +381,7 @@ class ResponsesConfig(Strict):
         RESPONSES_MAX_BYTES,
         gt=0,
         description="one router's in-memory store, oldest out first; replicas keep theirs in "
-        "their Redis",
+        "their Redis, which `fairway serve`'s own bounds to this plus 64 MiB",
     )
 
 

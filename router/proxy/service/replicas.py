@@ -75,7 +75,7 @@ def run_replicas(
 ) -> int:
     """Start Redis and keep it (unless the user's is configured: then check it answers), then
     keep `config.routers` replicas until stopped."""
-    from router.proxy.service.store import OwnRedis, Store, forget
+    from router.proxy.service.store import OwnRedis, Store, forget, memory_bound
 
     with contextlib.ExitStack() as stack:
         own: OwnRedis | None = None
@@ -83,7 +83,7 @@ def run_replicas(
             store = Store.of_config(config.with_secrets(), config.redis_url)
             store.check()  # unreachable: an error naming the URL, before any replica starts
         else:
-            own = OwnRedis(scratch / "redis")
+            own = OwnRedis(scratch / "redis", max_bytes=memory_bound(config.responses.max_bytes))
             store = Store(own.start())
             stack.callback(own.stop)
         prefix = f"fairway:{uuid.uuid4().hex[:12]}"

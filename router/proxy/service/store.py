@@ -2,7 +2,8 @@
 
     own (no redis_url) ..... OwnRedis: redis-server on a loopback port, no persistence, dying
                              with `fairway serve`; restarted on the same port when it dies
-                             (backing off), and the replicas re-publish into it (shared_state)
+                             (backing off), and the replicas re-publish into it (shared_state);
+                             bounded in memory (`memory_bound`), as one router's store is
     the user's (redis_url) . Store.connect: redis_password, redis_tls; checked at start-up,
                              unreachable is an error naming the URL
 
@@ -31,6 +32,15 @@ from router.runtime.processes import stop as stop_process
 log = logging.getLogger("fairway.store")
 
 RESTART_BACKOFF = (0.2, 10.0)  # the first delay, the longest; doubled per quick death
+# What the store holds beside stored responses (budgets, shared counters, membership): small,
+# one entry per tenant or worker, but kept within the bound too.
+HEADROOM_BYTES = 64 * 1024 * 1024
+
+
+def memory_bound(responses_max_bytes: int) -> int:
+    """The memory `fairway serve`'s own Redis may use: the responses' bound (what one router's
+    store keeps at most) and room for the rest."""
+    return responses_max_bytes + HEADROOM_BYTES
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,19 @@ class OwnRedis:
     """The redis-server `fairway serve` starts for its replicas, on one loopback port for its
     whole run: `poll()` (from the supervisor's loop) restarts it there when it has died,
     waiting longer after each death that comes soon after a start. The replicas see the store
-    come back empty and re-publish what they hold (shared_state.py)."""
+    come back empty and re-publish what they hold (shared_state.py).
 
-    def __init__(self, scratch: Path, ready_timeout: float = 10.0) -> None:
+    `max_bytes` (None: unbounded) caps its memory. Past it Redis evicts the least recently
+    used key among those set to expire (stored responses, idle tenants' budgets), as one
+    router's store drops its oldest responses: nothing without an expiry (membership, shared
+    counters) is evicted, and a write that would need it is refused, which the replicas see
+    as the store not answering."""
+
+    def __init__(
+        self, scratch: Path, ready_timeout: float = 10.0, max_bytes: int | None = None
+    ) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         exe = shutil.which("redis-server")
         if exe is None:
             raise ValueError(
@@ -109,6 +129,7 @@ class OwnRedis:
                 "redis-server; or point redis_url at one)"
             )
         self.exe, self.scratch, self.ready_timeout = exe, scratch, ready_timeout
+        self.max_bytes = max_bytes
         scratch.mkdir(parents=True, exist_ok=True)
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -191,6 +212,8 @@ class OwnRedis:
             "--logfile",
             str(self.scratch / "redis.log"),
         ]
+        if self.max_bytes is not None:
+            argv += ["--maxmemory", str(self.max_bytes), "--maxmemory-policy", "volatile-lru"]
         self.proc = subprocess.Popen(
             guarded(argv), stdin=subprocess.DEVNULL, start_new_session=True
         )
@@ -202,10 +225,10 @@ class OwnRedis:
 
 
 @contextlib.contextmanager
-def redis_server(scratch: Path, timeout: float = 10.0):
+def redis_server(scratch: Path, timeout: float = 10.0, max_bytes: int | None = None):
     """A redis-server of our own (not restarted), for tests and benches; yields its URL and
     stops exactly it."""
-    server = OwnRedis(scratch, timeout)
+    server = OwnRedis(scratch, timeout, max_bytes)
     try:
         yield server.start()
     finally:
