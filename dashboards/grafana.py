@@ -53,6 +53,11 @@ PANELS: tuple[Panel, ...] = (
         (("sum by (decision) (rate(fairway_requests_total[1m]))", "{{decision}}"),),
         "reqps",
     ),
+    Panel(
+        "Request rate by API",
+        (("sum by (api) (rate(fairway_requests_total[1m]))", "{{api}}"),),
+        "reqps",
+    ),
     Panel("TTFT by client", _quantiles("fairway_ttft_seconds"), "s"),
     Panel("End-to-end latency by client", _quantiles("fairway_e2e_seconds"), "s"),
     Panel("Inter-token latency by client", _quantiles("fairway_inter_token_seconds"), "s"),

@@ -82,7 +82,7 @@ async def generate(request: web.Request, api: API) -> web.StreamResponse:
         await ratelimit.check(request, req)  # the tenant's budget: 429, or charged
     except APIError as e:  # rejected before routing: no worker was involved
         app[CLUSTER].metrics.requests.labels(
-            settings.policy_name, "rejected", "none", f"http_{e.status}"
+            settings.policy_name, "rejected", "none", f"http_{e.status}", api.name
         ).inc()
         return e.response(api.errors)
     forward = Forward(app, request, body, req, api)
@@ -122,14 +122,18 @@ async def _forwarded(forward: Forward) -> web.StreamResponse:
         return e.response(api.errors)
     except TimeoutError:  # the proxy is stopping and the grace is up (drain.py)
         if not forward.counted:
-            forward.metrics.requests.labels(settings.policy_name, "none", "none", "cancelled").inc()
+            forward.metrics.requests.labels(
+                settings.policy_name, "none", "none", "cancelled", api.name
+            ).inc()
         if forward.response is not None:  # a stream: it ended with an error event
             return forward.response
         return drain.stopping().response(api.errors)
     except asyncio.CancelledError:  # the client hung up (aiohttp cancels its handler), or shutdown
         if not forward.counted:
             status = "client_gone" if client_left(request) else "cancelled"
-            forward.metrics.requests.labels(settings.policy_name, "none", "none", status).inc()
+            forward.metrics.requests.labels(
+                settings.policy_name, "none", "none", status, api.name
+            ).inc()
         raise
     finally:  # however it ended, what it produced is charged to its tenant's budget
         ratelimit.charge_output(request, forward.output_tokens)

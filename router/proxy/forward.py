@@ -150,7 +150,7 @@ class Forward:
             except Refused as e:  # admission control: no worker would serve it in time
                 self.counted = True
                 self.metrics.requests.labels(
-                    self.settings.policy_name, "refused", "none", e.reason
+                    self.settings.policy_name, "refused", "none", e.reason, self.api.name
                 ).inc()
                 raise admission.refused(e) from None
             except Exception as e:
@@ -170,8 +170,9 @@ class Forward:
                 last_error = sent
                 continue
             return await self._deliver(sent, worker, reason, scored=True)
+        status = f"http_{last_error.status}"
         self.metrics.requests.labels(
-            self.settings.policy_name, "exhausted", "none", f"http_{last_error.status}"
+            self.settings.policy_name, "exhausted", "none", status, self.api.name
         ).inc()
         raise last_error
 
@@ -617,7 +618,9 @@ class Forward:
 
     def _count(self, reason: str, worker: LiveWorker, status: str) -> None:
         self.counted = True
-        self.metrics.requests.labels(self.settings.policy_name, reason, worker.label, status).inc()
+        self.metrics.requests.labels(
+            self.settings.policy_name, reason, worker.label, status, self.api.name
+        ).inc()
 
 
 def _bad_gateway(message: str, code: str = "worker_error") -> APIError:

@@ -117,8 +117,9 @@ class RouterMetrics:
         self.requests = Labelled(
             Counter(
                 "fairway_requests",
-                "Requests by routing policy, decision, worker and outcome",
-                ["policy", "decision", "worker", "status"],
+                "Requests by routing policy, decision, worker, outcome and API (the client's: "
+                "completions, chat, responses, messages; or the endpoint passed through)",
+                ["policy", "decision", "worker", "status", "api"],
                 registry=r,
             )
         )

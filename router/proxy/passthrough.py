@@ -54,6 +54,18 @@ JSON_PATHS = (
     "/generative_scoring",
 )
 MULTIPART_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+
+
+def endpoint_label(path: str) -> str:
+    """The `api` label of a passed-through request: its endpoint without the version prefix
+    (`/v1/rerank` and `/rerank` are one endpoint), one of a fixed few since only these paths
+    are routed here."""
+    for prefix in ("/v1/", "/v2/", "/"):
+        if path.startswith(prefix):
+            return path[len(prefix) :].replace("/", "_")
+    return path
+
+
 MAX_FORM_FIELD = 256  # the `model` form field: a name, not a payload
 
 
@@ -79,7 +91,7 @@ async def relay(request: web.Request) -> web.StreamResponse:
         return await _forward(request, cluster, s, served, raw)
     except APIError as e:
         cluster.metrics.requests.labels(
-            s.policy_name, "passthrough", "none", f"http_{e.status}"
+            s.policy_name, "passthrough", "none", f"http_{e.status}", endpoint_label(request.path)
         ).inc()
         return e.response(shape)
 
@@ -179,7 +191,7 @@ async def _forward(
             return web.Response(body=data, status=404, headers=headers)
         return await _relay_answer(request, cluster, s, worker, upstream)
     cluster.metrics.requests.labels(
-        s.policy_name, "passthrough", "none", f"http_{last.status}"
+        s.policy_name, "passthrough", "none", f"http_{last.status}", endpoint_label(request.path)
     ).inc()
     raise last
 
@@ -207,5 +219,7 @@ async def _relay_answer(
         status = "client_gone"
     finally:
         upstream.release()
-        cluster.metrics.requests.labels(s.policy_name, "passthrough", worker.label, status).inc()
+        cluster.metrics.requests.labels(
+            s.policy_name, "passthrough", worker.label, status, endpoint_label(request.path)
+        ).inc()
     return response

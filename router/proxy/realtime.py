@@ -74,7 +74,9 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     finally:
         await upstream.close()
         await client_ws.close()
-        cluster.metrics.requests.labels(s.policy_name, "passthrough", worker.label, status).inc()
+        cluster.metrics.requests.labels(
+            s.policy_name, "passthrough", worker.label, status, "realtime"
+        ).inc()
     return client_ws
 
 

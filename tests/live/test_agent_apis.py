@@ -302,11 +302,14 @@ def test_responses_and_messages_go_through_both_stages_of_a_split_fleet() -> Non
     run(go)
 
 
-def test_records_and_recordings_name_the_api(tmp_path) -> None:
+def test_records_recordings_and_metrics_name_the_api(tmp_path) -> None:
+    by_api: dict[str, dict[str, float]] = {}
+
     async def go() -> None:
         async with (
             emulated_workers(1, speed=20) as urls,
             proxy(urls, record_dir=str(tmp_path)) as (base, _),
+            aiohttp.ClientSession() as session,
         ):
             oa, ac = client(base), claude(base)
             await oa.completions.create(model="tiny", prompt="a b c", max_tokens=2)
@@ -317,8 +320,27 @@ def test_records_and_recordings_name_the_api(tmp_path) -> None:
             await ac.messages.create(
                 model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}]
             )
+            with pytest.raises(anthropic.BadRequestError):  # rejected before routing
+                await ac.messages.create(model="tiny", max_tokens=-1, messages=[])
+            body = {"model": "tiny", "prompt": "hi"}
+            async with session.post(f"{base}/v1/tokenize", json=body) as r:
+                assert r.status == 404, "not an endpoint: no series of its own"
+            for path in ("/tokenize", "/v1/messages/count_tokens"):
+                body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+                async with session.post(f"{base}{path}", json=body) as r:
+                    assert r.status == 200, await r.text()
+            counted = await samples(session, base.admin, "fairway_requests_total")
+            for labels, value in counted.items():
+                api = labels.split('api="')[1].split('"')[0]
+                status = labels.split('status="')[1].split('"')[0]
+                by_api.setdefault(api, {})[status] = by_api.get(api, {}).get(status, 0) + value
 
     run(go)
+    assert by_api == {
+        "completions": {"ok": 1}, "chat": {"ok": 1}, "responses": {"ok": 1},
+        "messages": {"ok": 1, "http_400": 1}, "tokenize": {"ok": 1},
+        "messages_count_tokens": {"ok": 1},
+    }, by_api  # fmt: skip
     with open(tmp_path / "requests.csv") as f:
         assert [row["api"] for row in csv.DictReader(f)] == [
             "completions", "chat", "responses", "messages",

@@ -275,7 +275,8 @@ class TestAdmission:
                 assert counted['{class="interactive",reason="unmeetable"}'] == 1
                 routed = await samples(s, base.admin, "fairway_requests_total")
                 refused = (
-                    '{decision="refused",policy="round_robin",status="unmeetable",worker="none"}'
+                    '{api="completions",decision="refused",policy="round_robin",'
+                    'status="unmeetable",worker="none"}'
                 )
                 assert routed[refused] == 1
 

@@ -93,7 +93,8 @@ class TestLimitedTenant:
                 refused = [k for k in routed if 'status="http_429"' in k]
                 assert ok == BURST, routed
                 assert refused == [
-                    '{decision="rejected",policy="round_robin",status="http_429",worker="none"}'
+                    '{api="completions",decision="rejected",policy="round_robin",'
+                    'status="http_429",worker="none"}'
                 ]
                 prompts = await samples(s, base.admin, "fairway_prompt_tokens_total")
                 limited = await samples(s, base.admin, "fairway_rate_limited_total")
