@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,6 +40,12 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from router.proxy.service.store import Store
+
+log = logging.getLogger(__name__)
+
+# A stop asked of whichever replica runs a background response: (owner, response id).
+OnCancel = Callable[[str, str], Awaitable[None]]
+RESUBSCRIBE_DELAY = 1.0  # seconds between tries while the store does not answer
 
 REDIS_TIMEOUT = 5.0  # seconds a call may take in all (the client's own: 2 s to connect, 2 s
 # to read), so that a store that stops answering fails a turn rather than holding it
@@ -96,6 +103,17 @@ class Responses(Protocol):
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Forget the response if `owner` made it; whether there was one to forget."""
+        ...
+
+    async def request_cancel(self, owner: str, response_id: str) -> int:
+        """Ask the other routers sharing the store to stop `response_id` if one of them is
+        generating it for `owner`; how many routers heard (0: none listens)."""
+        ...
+
+    async def listen_for_cancels(self, on_cancel: OnCancel, ready: asyncio.Event) -> None:
+        """Until cancelled: `on_cancel(owner, id)` for each stop another router asks for,
+        `ready` set once listening (again after an outage). Never raises for the store's
+        trouble: it says so and tries again."""
         ...
 
 
@@ -160,6 +178,13 @@ class MemoryResponses:
         self._drop(response_id)
         return True
 
+    async def request_cancel(self, owner: str, response_id: str) -> int:
+        return 0  # one router: nobody else runs anything
+
+    async def listen_for_cancels(self, on_cancel: OnCancel, ready: asyncio.Event) -> None:
+        ready.set()
+        await asyncio.Event().wait()
+
     def _expire(self) -> None:
         now = self.clock()
         while self._records:
@@ -216,6 +241,35 @@ class RedisResponses:
             return False
         async with self._answering():
             return bool(await self.client.delete(self.key(response_id)))
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    async def request_cancel(self, owner: str, response_id: str) -> int:
+        message = orjson.dumps({"owner": owner, "id": response_id})
+        async with self._answering():
+            return int(await self.client.publish(self.cancel_channel, message))
+
+    async def listen_for_cancels(self, on_cancel: OnCancel, ready: asyncio.Event) -> None:
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.cancel_channel)
+                ready.set()
+                while True:
+                    message = await pubsub.get_message(timeout=RESUBSCRIBE_DELAY)
+                    if message is not None:
+                        request = orjson.loads(message["data"])
+                        await on_cancel(str(request["owner"]), str(request["id"]))
+            except (redis.RedisError, OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
+                ready.clear()
+                log.warning("cancel requests: not listening (%s: %s); trying again in %.0f s",
+                            type(e).__name__, e, RESUBSCRIBE_DELAY)  # fmt: skip
+                await asyncio.sleep(RESUBSCRIBE_DELAY)
+            finally:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    await pubsub.aclose()
 
     @contextlib.asynccontextmanager
     async def _answering(self) -> AsyncIterator[None]:

@@ -7,7 +7,8 @@
     GET    /v1/responses/{id}/input_items   the input it answered, turns before it included
     DELETE /v1/responses/{id}
     POST   /v1/responses/{id}/cancel        a background response still generating: stopped at
-                                            its worker (the connection closes; vLLM aborts)
+                                            its worker (the connection closes; vLLM aborts),
+                                            by whichever replica runs it
 
 vLLM's own store is per server, in memory, unbounded and off by default, so a chain that relied
 on it would die with the worker that served its last turn. Here any worker can serve any turn:
@@ -41,6 +42,11 @@ log = logging.getLogger(__name__)
 MAX_ID = 128  # characters: the ids made here are 37
 # Background responses still generating at this router: id -> (owner, task).
 BACKGROUND = web.AppKey("background_responses", dict)
+# This router listening for stops the other replicas ask for, once it runs a background
+# response: "task", and "ready" (set while listening).
+CANCELS = web.AppKey("cancel_listener", dict)
+LISTEN_WAIT = 2.0  # seconds a background response waits for its router to listen for stops
+CANCEL_WAIT = 5.0  # seconds a stop asked of another replica may take to show in the store
 
 
 def owner_of(http: web.Request, tenant: object = None) -> str:
@@ -134,14 +140,18 @@ async def start_background(
         await app[RESPONSES].put(rid, Stored(owner, first, as_items(body.get("input"))))
     except StoreUnavailable:
         raise _store_down() from None
+    await _listening(app)
 
     async def generate() -> None:
-        answer = None
+        answer, status = None, "failed"
         try:
             answer = await run()
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
         finally:
             app[BACKGROUND].pop(rid, None)
-            final = answer or {**first, "status": "failed"}
+            final = answer or {**first, "status": status}
             final["background"] = True
             with contextlib.suppress(Exception):
                 await remember(app, owner, body, final, previous)
@@ -174,32 +184,71 @@ async def delete(http: web.Request) -> web.Response:
 
 
 async def cancel(http: web.Request) -> web.Response:
-    """Stop a background response still generating here: its task is cancelled, which closes
-    the connection to its worker (vLLM aborts the request)."""
-    rid, owner = http.match_info["id"], owner_of(http)
-    running = http.app[BACKGROUND].get(rid)
+    """Stop a background response still generating: its task is cancelled, which closes the
+    connection to its worker (vLLM aborts the request). Generating at another replica, that
+    replica is asked to (through the store they share) and its answer read back."""
+    app, rid, owner = http.app, http.match_info["id"], owner_of(http)
+    running = app[BACKGROUND].get(rid)
     if running is not None and running[0] == owner:
-        task: asyncio.Task = running[1]
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        stored = await _get(http.app[RESPONSES], owner, rid)
-        cancelled = {**stored.response, "status": "cancelled"}
-        with contextlib.suppress(StoreUnavailable):
-            await http.app[RESPONSES].put(rid, Stored(owner, cancelled, stored.input))
-        return web.json_response(cancelled)
-    stored = await _get(http.app[RESPONSES], owner, rid)
-    if stored.response.get("status") in ("queued", "in_progress"):
-        # Generating at another replica: only the one running it can stop it.
-        raise APIError(
-            409, f"response {rid} is running at another router replica", param="response_id"
-        )
-    raise bad_request("Cannot cancel a synchronous response.", "response_id")
+        return web.json_response(await _stop(app, owner, rid, running[1]))
+    stored = await _get(app[RESPONSES], owner, rid)
+    if stored.response.get("status") not in ("queued", "in_progress"):
+        raise bad_request("Cannot cancel a synchronous response.", "response_id")
+    try:
+        heard = await app[RESPONSES].request_cancel(owner, rid)
+    except StoreUnavailable:
+        raise _store_down() from None
+    deadline = time.monotonic() + CANCEL_WAIT
+    while heard and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        stored = await _get(app[RESPONSES], owner, rid)
+        if stored.response.get("status") not in ("queued", "in_progress"):
+            return web.json_response(stored.response)
+    raise APIError(
+        409,
+        f"response {rid} is generating at another router replica, which did not stop it "
+        f"within {CANCEL_WAIT:g} s",
+        param="response_id",
+    )
+
+
+async def _stop(app: web.Application, owner: str, rid: str, task: asyncio.Task) -> dict:
+    """Cancel a background response generating here, and store it as cancelled."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    stored = await _get(app[RESPONSES], owner, rid)
+    cancelled = {**stored.response, "status": "cancelled"}
+    with contextlib.suppress(StoreUnavailable):
+        await app[RESPONSES].put(rid, Stored(owner, cancelled, stored.input))
+    return cancelled
+
+
+async def _listening(app: web.Application) -> None:
+    """Make sure this router hears the stops other replicas ask for (from its first
+    background response on), waiting a little for it to start listening."""
+    listener = app[CANCELS]
+    if not listener:
+
+        async def on_cancel(owner: str, rid: str) -> None:
+            running = app[BACKGROUND].get(rid)
+            if running is not None and running[0] == owner:
+                with contextlib.suppress(APIError):  # expired meanwhile: nothing to mark
+                    await _stop(app, owner, rid, running[1])
+
+        listener["ready"] = ready = asyncio.Event()
+        listen = app[RESPONSES].listen_for_cancels(on_cancel, ready)
+        listener["task"] = asyncio.create_task(listen, name="fairway-cancel-listener")
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(listener["ready"].wait(), LISTEN_WAIT)
 
 
 async def cancel_all(app: web.Application) -> None:
-    """On the way out: background responses still generating are cancelled (and stored so)."""
+    """On the way out: background responses still generating are cancelled (and stored so),
+    and this router stops listening for stops."""
     tasks = [task for _, task in app[BACKGROUND].values()]
+    if app[CANCELS]:
+        tasks.append(app[CANCELS]["task"])
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -207,6 +256,7 @@ async def cancel_all(app: web.Application) -> None:
 
 def install(app: web.Application) -> None:
     app[BACKGROUND] = {}
+    app[CANCELS] = {}
     app.on_shutdown.append(cancel_all)
     app.router.add_get("/v1/responses/{id}", _answering(retrieve))
     app.router.add_get("/v1/responses/{id}/input_items", _answering(input_items))

@@ -24,6 +24,7 @@ from router.proxy.service.config import validate_config
 from router.proxy.service.replicas import ReplicaSpec, build_replica_app
 from router.proxy.service.store import OwnRedis, Store, redis_server
 from tests.live_helpers import emulated_workers, free_port, run, tokenizer_dir
+from tests.metrics_page import total
 from tests.system.test_budget_replicas import kill, own_redis
 from tests.system.test_live_replicas import fairway_serve
 
@@ -214,3 +215,53 @@ def test_chains_cross_replicas_and_a_dead_store_fails_only_them(tmp_path) -> Non
                 assert "Traceback" not in log_path.read_text()
 
     run(go, timeout=180)
+
+
+def test_a_background_response_is_cancelled_from_the_other_replica(tmp_path) -> None:
+    """A background response generating at one replica is stopped when the client asks the
+    other: that replica asks through the store, the one running it aborts it at its worker,
+    and both then read it as cancelled."""
+
+    async def running_at(session: aiohttp.ClientSession, urls: list[str]) -> float:
+        return sum([await total(session, url, "vllm:num_requests_running") for url in urls])
+
+    async def go() -> None:
+        with own_redis(tmp_path / "redis") as server:
+            async with (
+                emulated_workers(2, speed=0.05) as urls,
+                fairway_serve(tmp_path, urls, 2, redis_url=server.url) as (_, own, _, log_path),
+                aiohttp.ClientSession() as session,
+            ):
+                first, second = (
+                    openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+                    for url in own
+                )
+                started = await first.responses.create(
+                    model="tiny", input="write a long essay", background=True,
+                    max_output_tokens=500,
+                )  # fmt: skip
+                for _ in range(250):  # it reaches its worker
+                    if await running_at(session, urls):
+                        break
+                    await asyncio.sleep(0.02)
+                assert await running_at(session, urls) == 1
+                asked = time.monotonic()
+                cancelled = await second.responses.cancel(started.id)
+                assert cancelled.status == "cancelled"
+                assert time.monotonic() - asked < 3.0
+                for _ in range(100):  # the worker aborted it
+                    if not await running_at(session, urls):
+                        break
+                    await asyncio.sleep(0.02)
+                assert await running_at(session, urls) == 0
+                for replica in (first, second):
+                    assert (await replica.responses.retrieve(started.id)).status == "cancelled"
+                with pytest.raises(openai.NotFoundError):  # another owner's: not there at all
+                    other = openai.AsyncOpenAI(
+                        base_url=f"{own[1]}/v1", api_key="k", max_retries=0,
+                        default_headers={"X-Client-Id": "someone-else"},
+                    )  # fmt: skip
+                    await other.responses.cancel(started.id)
+                assert "Traceback" not in log_path.read_text()
+
+    run(go, timeout=120)
