@@ -47,6 +47,7 @@ BACKGROUND = web.AppKey("background_responses", dict)
 CANCELS = web.AppKey("cancel_listener", dict)
 LISTEN_WAIT = 2.0  # seconds a background response waits for its router to listen for stops
 CANCEL_WAIT = 5.0  # seconds a stop asked of another replica may take to show in the store
+GENERATING = ("queued", "in_progress")  # a background response's statuses until it ends
 
 
 def owner_of(http: web.Request, tenant: object = None) -> str:
@@ -192,7 +193,7 @@ async def cancel(http: web.Request) -> web.Response:
     if running is not None and running[0] == owner:
         return web.json_response(await _stop(app, owner, rid, running[1]))
     stored = await _get(app[RESPONSES], owner, rid)
-    if stored.response.get("status") not in ("queued", "in_progress"):
+    if stored.response.get("status") not in GENERATING:
         raise bad_request("Cannot cancel a synchronous response.", "response_id")
     try:
         heard = await app[RESPONSES].request_cancel(owner, rid)
@@ -202,13 +203,11 @@ async def cancel(http: web.Request) -> web.Response:
     while heard and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
         stored = await _get(app[RESPONSES], owner, rid)
-        if stored.response.get("status") not in ("queued", "in_progress"):
+        if stored.response.get("status") not in GENERATING:
             return web.json_response(stored.response)
+    why = f"did not stop it within {CANCEL_WAIT:g} s" if heard else "no replica heard the stop"
     raise APIError(
-        409,
-        f"response {rid} is generating at another router replica, which did not stop it "
-        f"within {CANCEL_WAIT:g} s",
-        param="response_id",
+        409, f"response {rid} is generating at another router replica: {why}", param="response_id"
     )
 
 
