@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from collections.abc import Callable, Mapping
@@ -68,6 +69,7 @@ def gather(factory: Callable[..., object], params: Mapping[str, object]) -> dict
     return out
 
 
+@functools.cache  # a fleet builds a local policy per worker: inspecting once is enough
 def _signature(factory: Callable[..., object]) -> Mapping[str, inspect.Parameter]:
     try:
         return inspect.signature(factory, eval_str=True).parameters
@@ -115,7 +117,7 @@ class Registry(Generic[T]):
         """Create from user-given parameters, naming any it does not take; a factory with a
         `seed` parameter gets `seed` unless the user set one."""
         factory = self.get(name)
-        if "seed" in inspect.signature(factory).parameters and "seed" not in params:
+        if "seed" in _signature(factory) and "seed" not in params:
             params = {**params, "seed": seed}
         return call_with_params(factory, params, f"{self.kind} {name!r}")
 

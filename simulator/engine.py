@@ -22,7 +22,6 @@ step-by-step simulation would show.
 from __future__ import annotations
 
 import bisect
-import itertools
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -534,7 +533,8 @@ class Engine:
         if cfg.check_invariants:
             self.check_integrity()
 
-        durations, decoding = None, None
+        first: float | None = None  # step 1's duration, when known before the rest
+        decode_context, decode_steps, decoding = 0, 0, None  # decode steps after step 1
         # Step 1 leaves every sequence decoding (each samples a token), and nothing waiting can
         # join step 2: the steps up to the first finish are known now. Step 1 may prefill if
         # nothing waits at all, or waits only for a sequence slot; one that waits for memory
@@ -551,27 +551,28 @@ class Engine:
                 context += computed + 1  # what step 2 reads
             else:
                 if decodes:
-                    num_steps = self._plan_decode_run(batch, free)
-                    durations = self.cost.decode_step_times(
-                        len(batch), context - len(batch), num_steps
-                    )
+                    decode_steps = self._plan_decode_run(batch, free) - 1
+                    first = self.cost.decode_time(len(batch), context - len(batch))
+                    decode_context = context
                     decoding = [seq for seq, _ in batch]
                 elif (
                     stopped_by != "memory"
                     and len(batch) == len(self.running)  # step 2 has budget for the rest
                     and len(batch) <= cfg.max_num_batched_tokens
                 ):
-                    num_steps = self._plan_decode_run(batch)
-                    durations = [self.cost.step_time(self._shape(batch))]
-                    durations += self.cost.decode_step_times(len(batch), context, num_steps - 1)
-        if durations is None:
-            durations = [self.cost.step_time(self._shape(batch))]
+                    decode_steps = self._plan_decode_run(batch) - 1
+                    decode_context = context
+        if first is None:
+            first = self.cost.step_time(self._shape(batch))
         if self._load_due:
-            durations[0] += self._load_due
+            first += self._load_due
             self._load_due = 0.0
-        ends = list(itertools.accumulate(durations, initial=self.clock))[1:]
+        ends = [self.clock + first]
+        shortest = self.cost.decode_step_ends(
+            ends[0], len(batch), decode_context, decode_steps, ends
+        )
         cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
-        return _Run(batch, ends, cohort, shortest_step=min(durations))
+        return _Run(batch, ends, cohort, shortest_step=min(first, shortest))
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.

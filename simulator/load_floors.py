@@ -30,10 +30,6 @@ SLACK = 1e-9
 
 
 class LoadFloors:
-    # Below this many workers a pass over the fleet costs more than the engines it spares
-    # (compiled, tiled Mooncake: 0.77x at 8 workers, 1.04x at 256, 1.4x at 1,024).
-    MIN_WORKERS = 256
-
     def __init__(self, engines: Sequence[Engine], view: ClusterView, key: OrderKey) -> None:
         self._engines, self._view, self._key = engines, view, key
         n = len(engines)  # workers 0 .. n-1, engine i serving worker i

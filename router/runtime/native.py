@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "build" / "native"
 MODULES = (
     "router/view.py",
+    "simulator/load_floors.py",
     "router/core.py",
     "router/flight.py",
     "router/indexes.py",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Callable
 
@@ -140,6 +141,15 @@ class TestFastForward:
                 cost.step_time(StepShape(7, 12_345 + 7 * j, 12_345 + 7 * j))
                 for j in range(num_steps)
             ]
+
+    @pytest.mark.parametrize("num_steps", [0, 1, 50, 500])
+    def test_run_decode_ends_are_the_step_times_summed_in_order(self, num_steps: int) -> None:
+        for cost in (COST, roofline("llama-3-70b", "h100")):
+            times = cost.decode_step_times(7, 12_345, num_steps)
+            ends = [1.5]  # what the run planned before: kept, and the first sum's start
+            shortest = cost.decode_step_ends(ends[0], 7, 12_345, num_steps, ends)
+            assert ends == list(itertools.accumulate(times, initial=1.5))
+            assert shortest == min(times, default=float("inf"))
 
 
 class TestPrefillThenDecodeRun:

@@ -4,6 +4,7 @@ measurements, old profile files, and the engine describing decode steps apart fr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 from pathlib import Path
@@ -58,6 +59,9 @@ class TestTerms:
         c = cost()
         times = c.decode_step_times(7, 12_345, 50)
         assert times == [c.step_time(StepShape.decode(7, 12_345 + 7 * j)) for j in range(50)]
+        ends: list[float] = []
+        assert c.decode_step_ends(2.0, 7, 12_345, 50, ends) == min(times)
+        assert ends == list(itertools.accumulate(times, initial=2.0))[1:]
 
     def test_a_shape_without_decodes_is_all_prefill(self) -> None:
         assert StepShape(16, 10.0, 20) == StepShape(16, 10.0, 20, 0)

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 
 from router.cost_model import roofline
+from simulator import driver
 from simulator.driver import SimCluster, SimConfig, SimResult
 from simulator.engine import EngineConfig
-from simulator.load_floors import LoadFloors
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace
 
@@ -24,8 +24,8 @@ COST = roofline("llama-3-8b", "a100-80g")
 
 @pytest.fixture(autouse=True)
 def floors_on_small_fleets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Floors on the small fleets below (by default only fleets of MIN_WORKERS or more)."""
-    monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 1)
+    """Floors on the small fleets below (by default only from LOAD_FLOORS_MIN_WORKERS)."""
+    monkeypatch.setattr(driver, "LOAD_FLOORS_MIN_WORKERS", 1)
 
 
 class Counted(SimCluster):
@@ -101,12 +101,12 @@ def test_floors_route_as_reading_every_engine(trace, sim, engine) -> None:
 
 def test_floors_are_used_only_where_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """Floors route one router over one pool of mixed workers; anything else reads every
-    engine with a step ended, as a fleet smaller than MIN_WORKERS does."""
+    engine with a step ended, as a fleet smaller than LOAD_FLOORS_MIN_WORKERS does."""
     workload = many_short()
     assert SimCluster(workload, COST, SimConfig(num_workers=4))._floors is not None
     off = SimCluster(workload, COST, SimConfig(num_workers=4, load_floors=False))
     assert off._floors is None and not off._lazy
-    monkeypatch.setattr(LoadFloors, "MIN_WORKERS", 5)
+    monkeypatch.setattr(driver, "LOAD_FLOORS_MIN_WORKERS", 5)
     small = SimCluster(workload, COST, SimConfig(num_workers=4))
     assert small._floors is None and not small._lazy
     for config in (
