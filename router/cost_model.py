@@ -14,6 +14,8 @@ predicts a real worker is the simulator's error against that worker.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -76,11 +78,11 @@ class CostModel(Protocol):
         `step_time` called step by step (the engine's fast-forward relies on it)."""
         ...
 
-    def decode_step_ends(
-        self, start: float, num_seqs: int, context_tokens: int, num_steps: int, ends: list[float]
-    ) -> float:
-        """Append to `ends` when each of those steps ends, run back to back from `start`: equal
-        to summing `decode_step_times` in order. Returns the shortest step (inf: none)."""
+    def run_ends(
+        self, start: float, first: float, num_seqs: int, context_tokens: int, num_decodes: int
+    ) -> StepEnds:
+        """When each step of an engine run from `start` ends: step 1 taking `first` seconds,
+        then `num_decodes` of those decode steps. Equal to summing the durations in order."""
         ...
 
     def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float: ...
@@ -137,7 +139,30 @@ GPUS: dict[str, GPUSpec] = {
 
 
 PREFILL_MEMO_SIZE = 1 << 16
-_INF = float("inf")
+
+
+class StepEnds:
+    """When each step of a planned engine run ends, step 0 first: what the engine looks up as
+    the run goes on, and cuts short when something arrives. `count` steps, the last ending at
+    `last`; none shorter than `shortest`."""
+
+    def __init__(self, ends: list[float], shortest: float) -> None:
+        self._ends = ends
+        self.count = len(ends)
+        self.last = ends[-1]
+        self.shortest = shortest
+
+    def end(self, i: int) -> float:
+        return self._ends[i]
+
+    def ended_by(self, now: float, lo: int, hi: int) -> int:
+        """`lo` plus how many of steps lo..hi-1 have ended by `now` (bisect_right)."""
+        return bisect.bisect_right(self._ends, now, lo, hi)
+
+    def cut(self, count: int) -> None:
+        """Only the first `count` steps run."""
+        del self._ends[count:]
+        self.count, self.last = count, self._ends[-1]
 
 
 class StepCost:
@@ -158,15 +183,11 @@ class StepCost:
             for ctx in range(context_tokens, end, num_seqs)
         ]
 
-    def decode_step_ends(
-        self, start: float, num_seqs: int, context_tokens: int, num_steps: int, ends: list[float]
-    ) -> float:
-        durations = self.decode_step_times(num_seqs, context_tokens, num_steps)
-        end = start
-        for step in durations:
-            end = end + step
-            ends.append(end)
-        return min(durations, default=_INF)
+    def run_ends(
+        self, start: float, first: float, num_seqs: int, context_tokens: int, num_decodes: int
+    ) -> StepEnds:
+        durations = [first, *self.decode_step_times(num_seqs, context_tokens, num_decodes)]
+        return StepEnds(list(itertools.accumulate(durations, initial=start))[1:], min(durations))
 
     def prefill_time(self, num_new_tokens: int, num_cached_tokens: int) -> float:
         # Policies price the same prefixes again and again (Preble: each LRU victim of each
@@ -430,24 +451,78 @@ class RooflineCost(StepCost):
         memories = self._weights_sec + contexts * self._sec_per_kv_token
         return (self._overhead + np.maximum(computes, memories) + comm).tolist()
 
-    def decode_step_ends(
-        self, start: float, num_seqs: int, context_tokens: int, num_steps: int, ends: list[float]
-    ) -> float:
-        # decode_step_times and the sum in one pass, no list of durations: a run plans ~100
-        # steps, and this is most of planning one (compiled: ~7 us for 100, from ~23). A step's
-        # context only grows, so no later step is shorter than the first.
-        flops, comm = num_seqs * self._sec_per_token_flop, num_seqs * self._comm_per_token
-        pair, kv = self._sec_per_pair, self._sec_per_kv_token
-        weights, overhead = self._weights_sec, self._overhead
-        end, first = start, _INF
-        for ctx in range(context_tokens, context_tokens + num_seqs * num_steps, num_seqs):
+    def run_ends(
+        self, start: float, first: float, num_seqs: int, context_tokens: int, num_decodes: int
+    ) -> StepEnds:
+        return _RooflineRunEnds(self, start, first, num_seqs, context_tokens, num_decodes)
+
+
+class _RooflineRunEnds(StepEnds):
+    """A roofline run's step ends, each worked out when first looked up. A run is planned up to
+    its first finish, a hundred steps or more, and most are cut short by an arrival long
+    before: boxing every step's end up front was most of planning one. Its last end is still
+    summed step by step (unboxed, compiled), so every end equals `decode_step_times` summed."""
+
+    def __init__(
+        self,
+        cost: RooflineCost,
+        start: float,
+        first: float,
+        num_seqs: int,
+        context_tokens: int,
+        num_decodes: int,
+    ) -> None:
+        self._flops = num_seqs * cost._sec_per_token_flop
+        self._comm = num_seqs * cost._comm_per_token
+        self._pair, self._kv = cost._sec_per_pair, cost._sec_per_kv_token
+        self._weights, self._overhead = cost._weights_sec, cost._overhead
+        self._num_seqs = num_seqs
+        self._next_context = context_tokens  # of the first step not yet in `_ends`
+        self._ends = [start + first]
+        self.count = 1 + num_decodes
+        self.shortest = first if num_decodes == 0 else min(first, self._step(context_tokens))
+        # `_step` inlined, on locals: compiled, this loop is unboxed C (~3 ns a step). Its
+        # range has a constant step for the same reason.
+        flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
+        weights, overhead = self._weights, self._overhead
+        end, ctx = self._ends[0], float(context_tokens)
+        for _ in range(num_decodes):
             compute, memory = flops + ctx * pair, weights + ctx * kv
-            step = overhead + (compute if compute > memory else memory) + comm
-            if first == _INF:
-                first = step
-            end = end + step
+            end = end + (overhead + (compute if compute > memory else memory) + comm)
+            ctx += num_seqs
+        self.last = end
+
+    def _step(self, context: int) -> float:
+        # RooflineCost.decode_step_times' arithmetic, operation for operation.
+        compute, memory = self._flops + context * self._pair, self._weights + context * self._kv
+        return self._overhead + (compute if compute > memory else memory) + self._comm
+
+    def _extend(self, count: int) -> None:
+        """`_ends` holds the first `count` steps' ends (at most `self.count`)."""
+        ends = self._ends
+        end, ctx = ends[-1], self._next_context
+        for _ in range(min(count, self.count) - len(ends)):
+            end = end + self._step(ctx)
             ends.append(end)
-        return first
+            ctx += self._num_seqs
+        self._next_context = ctx
+
+    def end(self, i: int) -> float:
+        if i < 0:
+            i += self.count
+        if i >= len(self._ends):
+            self._extend(i + 1)
+        return self._ends[i]
+
+    def ended_by(self, now: float, lo: int, hi: int) -> int:
+        ends = self._ends
+        while len(ends) < hi and ends[-1] <= now:  # those known all ended: look further
+            self._extend(min(hi, 2 * len(ends) + 8))
+        return bisect.bisect_right(ends, now, lo, min(hi, len(ends)))
+
+    def cut(self, count: int) -> None:
+        self._extend(count)
+        super().cut(count)
 
 
 def roofline(model: str, gpu: str, tp: int | None = None) -> RooflineCost:

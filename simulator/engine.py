@@ -27,7 +27,7 @@ from typing import Protocol
 
 import simpy
 
-from router.cost_model import CostModel, StepShape
+from router.cost_model import CostModel, StepEnds, StepShape
 from router.policy import LocalPolicy
 from router.request import Request
 from router.traits import ReordersOn
@@ -212,18 +212,17 @@ class _Run:
     """Steps planned as one event: `batch` is (seq, tokens) of step 1; later steps decode."""
 
     batch: list[tuple[Seq, int]]
-    ends: list[float]  # end time of each step
+    ends: StepEnds  # when each step ends
     # Every step of the run decodes one token per sequence, step 1 included (its blocks were
     # allocated while planning), or every step after the first, once that is applied and its
     # sequences hold the next step's blocks: one pass (or none, in sum) applies any number.
     cohort: _Cohort | None = None
     applied: int = 0
     end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
-    shortest_step: float = 0.0  # no step of the run takes less
 
     @property
     def is_multi_step(self) -> bool:
-        return len(self.ends) - self.applied > 1
+        return self.ends.count - self.applied > 1
 
     @property
     def lag(self) -> int:
@@ -371,12 +370,12 @@ class Engine:
         """Apply every planned step that has ended by `now`. True if the listener has yet to
         hear of it (progress in sum mid-run tells it itself)."""
         run = self._run
-        if run is None or run.applied == len(run.ends) or run.ends[run.applied] > now:
+        if run is None or run.applied == run.ends.count or run.ends.end(run.applied) > now:
             return False
-        done = bisect.bisect_right(run.ends, now, lo=run.applied)
+        done = run.ends.ended_by(now, run.applied, run.ends.count)
         if run.applied == 0 and run.cohort is None:
             self._apply_first_step(run)
-        if done > run.applied and done < len(run.ends) and self._defers_tokens:
+        if done > run.applied and done < run.ends.count and self._defers_tokens:
             # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
             if run.cohort is None:
                 self._decode_in_sum_from_here(run)
@@ -395,18 +394,18 @@ class Engine:
     def next_step_end(self) -> float | None:
         """When the next planned step that is not yet applied ends (None: nothing planned)."""
         run = self._run
-        if run is None or run.applied == len(run.ends):
+        if run is None or run.applied == run.ends.count:
             return None
-        return run.ends[run.applied]
+        return run.ends.end(run.applied)
 
     @property
     def run_end(self) -> float | None:
         """When the planned run ends, its last step applied (None: nothing planned). Requests
         start and finish only at run boundaries; within a run, decode steps only add tokens."""
         run = self._run
-        if run is None or run.applied == len(run.ends):
+        if run is None or run.applied == run.ends.count:
             return None
-        return run.ends[-1]
+        return run.ends.last
 
     @property
     def next_change(self) -> float | None:
@@ -414,11 +413,11 @@ class Engine:
         step 1 if it prefills (first tokens, prompts done), else of the run (None: nothing
         planned). Until then what it has left to do falls only as `decode_credit` says."""
         run = self._run
-        if run is None or run.applied == len(run.ends):
+        if run is None or run.applied == run.ends.count:
             return None
         if run.applied == 0 and run.cohort is None:
-            return run.ends[0]
-        return run.ends[-1]
+            return run.ends.end(0)
+        return run.ends.last
 
     def decode_bound(self) -> tuple[float, float, int, int]:
         """How the run's decode steps short of its last, not yet applied, will lower what the
@@ -429,10 +428,10 @@ class Engine:
         run = self._run
         if run is None or (run.applied == 0 and run.cohort is None):
             return _INF, 1.0, 0, 0
-        left = len(run.ends) - 1 - run.applied  # the last step ends the run: heard then
+        left = run.ends.count - 1 - run.applied  # the last step ends the run: heard then
         if left <= 0:
             return _INF, 1.0, 0, 0
-        return run.ends[run.applied], run.shortest_step, left, len(run.batch)
+        return run.ends.end(run.applied), run.ends.shortest, left, len(run.batch)
 
     def decode_credit(self, now: float) -> int:
         """The tokens `decode_bound`'s steps ended by `now` make: what applying them would
@@ -440,10 +439,10 @@ class Engine:
         run = self._run
         if run is None or (run.applied == 0 and run.cohort is None):
             return 0
-        last = len(run.ends) - 1
+        last = run.ends.count - 1
         if run.applied >= last:
             return 0
-        done = bisect.bisect_right(run.ends, now, run.applied, last)
+        done = run.ends.ended_by(now, run.applied, last)
         return (done - run.applied) * len(run.batch)
 
     def _tell(self) -> None:
@@ -479,15 +478,15 @@ class Engine:
 
     def _schedule_end(self, run: _Run) -> None:
         self.num_events += 1
-        run.end_event = self.env.timeout(run.ends[-1] - self.env.now)
+        run.end_event = self.env.timeout(run.ends.last - self.env.now)
         run.end_event.callbacks.append(self._on_run_end)
 
     def _on_run_end(self, event: simpy.Event) -> None:
         run = self._run
         if run is None or event is not run.end_event:
             return  # superseded by an earlier end
-        self._apply_ended(run.ends[-1])
-        self.clock = run.ends[-1]
+        self._apply_ended(run.ends.last)
+        self.clock = run.ends.last
         self._run = None
         if self.is_idle:
             self._tell()
@@ -497,11 +496,11 @@ class Engine:
     def _cut_run(self) -> None:
         """Something arrived or left mid-run: end the run after the step in progress."""
         run, now = self._run, self.env.now
-        if run is None or run.ends[-1] <= now:
+        if run is None or run.ends.last <= now:
             return
         self.sync(now)
-        if len(run.ends) > run.applied + 1:
-            del run.ends[run.applied + 1 :]
+        if run.ends.count > run.applied + 1:
+            run.ends.cut(run.applied + 1)
             self._schedule_end(run)
             self._tell()  # the run ends earlier
 
@@ -567,12 +566,9 @@ class Engine:
         if self._load_due:
             first += self._load_due
             self._load_due = 0.0
-        ends = [self.clock + first]
-        shortest = self.cost.decode_step_ends(
-            ends[0], len(batch), decode_context, decode_steps, ends
-        )
+        ends = self.cost.run_ends(self.clock, first, len(batch), decode_context, decode_steps)
         cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
-        return _Run(batch, ends, cohort, shortest_step=min(first, shortest))
+        return _Run(batch, ends, cohort)
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.
@@ -749,7 +745,7 @@ class Engine:
     # ---------------------------------------------------------------- applying
 
     def _apply_first_step(self, run: _Run) -> None:
-        now = self.event_time = run.ends[0]
+        now = self.event_time = run.ends.end(0)
         bs = self.config.block_size
         blocks, listener, local = self.blocks, self.listener, self.local
         computed_delta, sampled = 0, []
@@ -796,7 +792,7 @@ class Engine:
         cohort = run.cohort
         assert cohort is not None, "steps in sum need a cohort"
         run.applied += num_steps
-        self.event_time = run.ends[run.applied - 1]
+        self.event_time = run.ends.end(run.applied - 1)
         cohort.advance(num_steps)
         tokens = num_steps * len(cohort.seqs)
         self._tokens_computed += tokens
@@ -805,7 +801,7 @@ class Engine:
         used = self.blocks.num_used + cohort.owed_blocks
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
-        self._on_progress(self, tokens, used, run.ends[run.applied])
+        self._on_progress(self, tokens, used, run.ends.end(run.applied))
 
     @property
     def kv_used_blocks(self) -> int:
@@ -823,7 +819,7 @@ class Engine:
     def _apply_decode_steps(self, run: _Run, num_steps: int) -> None:
         """`num_steps` more steps of the run, and the ones applied in sum, sequence by
         sequence."""
-        now = self.event_time = run.ends[run.applied + num_steps - 1]
+        now = self.event_time = run.ends.end(run.applied + num_steps - 1)
         blocks = self.blocks
         cohort = run.cohort
         if cohort is None:  # step 1 prefilled, and nothing was applied in sum since
@@ -843,11 +839,11 @@ class Engine:
         self.num_steps += num_steps
 
     def _after_steps(self, run: _Run) -> None:
-        if run.applied < len(run.ends):  # runs are planned to end at the first finish
+        if run.applied < run.ends.count:  # runs are planned to end at the first finish
             if self.config.check_invariants:
                 assert all(s.num_output < s.output_len for s, _ in run.batch), "finish mid-run"
             return
-        now = run.ends[-1]
+        now = run.ends.last
         finished = [s for s, _ in run.batch if s.num_output >= s.output_len]
         if not finished:
             return

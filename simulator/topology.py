@@ -28,14 +28,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
-import networkx as nx
 import simpy
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.config_errors import validated
+
+if TYPE_CHECKING:  # imported where a graph is built: a third of a second, for split fleets only
+    import networkx as nx
 
 GBPS = 1e9 / 8  # bytes/s in 1 Gb/s
 HOP = 1e-12  # seconds added per hop when choosing a path: equal latencies go the fewest hops
@@ -124,6 +126,8 @@ class Topology:
     full-duplex link; a `nx.DiGraph` edge is one direction alone."""
 
     def __init__(self, graph: nx.Graph) -> None:
+        import networkx as nx
+
         self.graph = nx.DiGraph(graph)  # a copy: the caller's graph stays theirs
         gpus = sorted(n for n in self.graph if isinstance(n, int))
         if not gpus or gpus != list(range(len(gpus))):
@@ -147,6 +151,8 @@ class Topology:
         num_gpus = capacity if num_gpus is None else num_gpus
         if not 0 < num_gpus <= capacity:
             raise ValueError(f"{num_gpus} GPUs asked for; hosts.count x hosts.gpus = {capacity}")
+        import networkx as nx
+
         g = nx.Graph()
         gpu_bw, gpu_lat = hosts.gpu_link.bandwidth_gbps * GBPS, hosts.gpu_link.latency_us * 1e-6
         for gpu in range(num_gpus):
@@ -206,6 +212,8 @@ class Topology:
         if src == dst:
             return ()
         if src not in self._paths:
+            import networkx as nx
+
             self._paths[src] = nx.single_source_dijkstra_path(
                 self.graph, src, weight=lambda u, v, d: d["latency"] + HOP
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections import Counter
@@ -142,14 +143,22 @@ class TestFastForward:
                 for j in range(num_steps)
             ]
 
-    @pytest.mark.parametrize("num_steps", [0, 1, 50, 500])
-    def test_run_decode_ends_are_the_step_times_summed_in_order(self, num_steps: int) -> None:
+    @pytest.mark.parametrize("num_decodes", [0, 1, 50, 500])
+    def test_a_run_s_step_ends_are_its_step_times_summed_in_order(self, num_decodes: int) -> None:
         for cost in (COST, roofline("llama-3-70b", "h100")):
-            times = cost.decode_step_times(7, 12_345, num_steps)
-            ends = [1.5]  # what the run planned before: kept, and the first sum's start
-            shortest = cost.decode_step_ends(ends[0], 7, 12_345, num_steps, ends)
-            assert ends == list(itertools.accumulate(times, initial=1.5))
-            assert shortest == min(times, default=float("inf"))
+            times = [0.25, *cost.decode_step_times(7, 12_345, num_decodes)]
+            expected = list(itertools.accumulate(times, initial=1.5))[1:]
+            ends = cost.run_ends(1.5, 0.25, 7, 12_345, num_decodes)
+            assert (ends.count, ends.last, ends.shortest) == (len(times), expected[-1], min(times))
+            # Looked up out of order, as a run cut short and read mid-run is.
+            for now in (expected[-1] + 1, expected[len(times) // 2], 1.5, expected[0]):
+                assert ends.ended_by(now, 0, ends.count) == bisect.bisect_right(expected, now)
+            assert [ends.end(i) for i in reversed(range(ends.count))] == expected[::-1]
+            ends = cost.run_ends(1.5, 0.25, 7, 12_345, num_decodes)
+            keep = max(1, len(times) // 3)
+            assert ends.ended_by(expected[keep - 1], 1, keep) == keep
+            ends.cut(keep)
+            assert (ends.count, ends.last) == (keep, expected[keep - 1])
 
 
 class TestPrefillThenDecodeRun:

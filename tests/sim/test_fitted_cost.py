@@ -59,9 +59,10 @@ class TestTerms:
         c = cost()
         times = c.decode_step_times(7, 12_345, 50)
         assert times == [c.step_time(StepShape.decode(7, 12_345 + 7 * j)) for j in range(50)]
-        ends: list[float] = []
-        assert c.decode_step_ends(2.0, 7, 12_345, 50, ends) == min(times)
-        assert ends == list(itertools.accumulate(times, initial=2.0))[1:]
+        ends = c.run_ends(2.0, 0.5, 7, 12_345, 50)
+        expected = list(itertools.accumulate([0.5, *times], initial=2.0))[1:]
+        assert [ends.end(i) for i in range(ends.count)] == expected
+        assert (ends.last, ends.shortest) == (expected[-1], min(times))
 
     def test_a_shape_without_decodes_is_all_prefill(self) -> None:
         assert StepShape(16, 10.0, 20) == StepShape(16, 10.0, 20, 0)
