@@ -477,32 +477,33 @@ class _RooflineRunEnds(StepEnds):
         self._pair, self._kv = cost._sec_per_pair, cost._sec_per_kv_token
         self._weights, self._overhead = cost._weights_sec, cost._overhead
         self._num_seqs = num_seqs
-        self._next_context = context_tokens  # of the first step not yet in `_ends`
+        self._next_context = float(context_tokens)  # of the first step not yet in `_ends`
         self._ends = [start + first]
         self.count = 1 + num_decodes
-        self.shortest = first if num_decodes == 0 else min(first, self._step(context_tokens))
-        # `_step` inlined, on locals: compiled, this loop is unboxed C (~3 ns a step). Its
-        # range has a constant step for the same reason.
+        # RooflineCost.decode_step_times' arithmetic, operation for operation, on locals and
+        # with a range of constant step: compiled, an unboxed loop. A step's context only
+        # grows, so the first decode step is the shortest of them.
         flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
         weights, overhead = self._weights, self._overhead
-        end, ctx = self._ends[0], float(context_tokens)
-        for _ in range(num_decodes):
+        end, ctx, shortest = self._ends[0], float(context_tokens), first
+        for i in range(num_decodes):
             compute, memory = flops + ctx * pair, weights + ctx * kv
-            end = end + (overhead + (compute if compute > memory else memory) + comm)
+            step = overhead + (compute if compute > memory else memory) + comm
+            if i == 0 and step < shortest:
+                shortest = step
+            end = end + step
             ctx += num_seqs
-        self.last = end
-
-    def _step(self, context: int) -> float:
-        # RooflineCost.decode_step_times' arithmetic, operation for operation.
-        compute, memory = self._flops + context * self._pair, self._weights + context * self._kv
-        return self._overhead + (compute if compute > memory else memory) + self._comm
+        self.last, self.shortest = end, shortest
 
     def _extend(self, count: int) -> None:
         """`_ends` holds the first `count` steps' ends (at most `self.count`)."""
         ends = self._ends
+        flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
+        weights, overhead = self._weights, self._overhead
         end, ctx = ends[-1], self._next_context
         for _ in range(min(count, self.count) - len(ends)):
-            end = end + self._step(ctx)
+            compute, memory = flops + ctx * pair, weights + ctx * kv
+            end = end + (overhead + (compute if compute > memory else memory) + comm)
             ends.append(end)
             ctx += self._num_seqs
         self._next_context = ctx
