@@ -1,8 +1,8 @@
 """Compiled builds (mypyc) of the modules a simulation spends its time in.
 
 The same source, compiled to C by mypyc: the engine, its block manager, the cost model, the
-cluster view, the dispatch queues, the prefix index, the router core and the fairness
-policies' service meter. `make` builds them into build/native
+cluster view and the load floors read from it, the dispatch queues, the prefix index, the
+router core and the fairness policies' service meter. `make` builds them into build/native
 (`router.runtime.native.main`), and the `router`, `simulator` and `policies` packages put that
 folder first on their import path only while it was built from the very source on disk, for this
 Python: edit a module and it runs as plain Python until the next build, never stale. Set
