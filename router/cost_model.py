@@ -153,6 +153,7 @@ class StepEnds:
         self.shortest = shortest
 
     def end(self, i: int) -> float:
+        """When step `i` ends (0 <= i < count)."""
         return self._ends[i]
 
     def ended_by(self, now: float, lo: int, hi: int) -> int:
@@ -476,41 +477,35 @@ class _RooflineRunEnds(StepEnds):
         self._comm = num_seqs * cost._comm_per_token
         self._pair, self._kv = cost._sec_per_pair, cost._sec_per_kv_token
         self._weights, self._overhead = cost._weights_sec, cost._overhead
-        self._num_seqs = num_seqs
-        self._next_context = float(context_tokens)  # of the first step not yet in `_ends`
+        self._num_seqs, self._context = num_seqs, context_tokens  # of the first decode step
         self._ends = [start + first]
         self.count = 1 + num_decodes
-        # RooflineCost.decode_step_times' arithmetic, operation for operation, on locals and
-        # with a range of constant step: compiled, an unboxed loop. A step's context only
-        # grows, so the first decode step is the shortest of them.
+        self.last = self._sum(self._ends[0], context_tokens, num_decodes, None)
+        # A step's context only grows, so the first decode step is the shortest of them.
+        decode = self._sum(0.0, context_tokens, 1, None) if num_decodes else first
+        self.shortest = min(first, decode)
+
+    def _sum(self, end: float, context: float, num_steps: int, ends: list[float] | None) -> float:
+        """`end` plus `num_steps` decode steps from `context`, each end appended to `ends`.
+        RooflineCost.decode_step_times' arithmetic, operation for operation, on locals and with
+        a range of constant step and a named counter (mypyc boxes `_`): an unboxed loop."""
         flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
-        weights, overhead = self._weights, self._overhead
-        end, ctx, shortest = self._ends[0], float(context_tokens), first
-        for i in range(num_decodes):
-            compute, memory = flops + ctx * pair, weights + ctx * kv
-            step = overhead + (compute if compute > memory else memory) + comm
-            if i == 0 and step < shortest:
-                shortest = step
-            end = end + step
-            ctx += num_seqs
-        self.last, self.shortest = end, shortest
+        weights, overhead, num_seqs = self._weights, self._overhead, self._num_seqs
+        for _i in range(num_steps):
+            compute, memory = flops + context * pair, weights + context * kv
+            end = end + (overhead + (compute if compute > memory else memory) + comm)
+            if ends is not None:
+                ends.append(end)
+            context += num_seqs
+        return end
 
     def _extend(self, count: int) -> None:
         """`_ends` holds the first `count` steps' ends (at most `self.count`)."""
         ends = self._ends
-        flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
-        weights, overhead = self._weights, self._overhead
-        end, ctx = ends[-1], self._next_context
-        for _ in range(min(count, self.count) - len(ends)):
-            compute, memory = flops + ctx * pair, weights + ctx * kv
-            end = end + (overhead + (compute if compute > memory else memory) + comm)
-            ends.append(end)
-            ctx += self._num_seqs
-        self._next_context = ctx
+        context = self._context + self._num_seqs * (len(ends) - 1)
+        self._sum(ends[-1], context, min(count, self.count) - len(ends), ends)
 
     def end(self, i: int) -> float:
-        if i < 0:
-            i += self.count
         if i >= len(self._ends):
             self._extend(i + 1)
         return self._ends[i]
