@@ -61,6 +61,9 @@ class Random(GlobalPolicy):
         return Decision(self._rng.choice(view.routable_workers()).id, "random")
 
 
+_FEWEST_TOKENS = LeastLoaded(least_tokens)  # asked at every arrival: one answer, kept
+
+
 @global_policies.register("least_load")
 class LeastLoad(GlobalPolicy):
     """The worker with the fewest outstanding tokens (unprefilled prompt + ungenerated output)."""
@@ -69,7 +72,7 @@ class LeastLoad(GlobalPolicy):
     traits = PolicyTraits(counts_tokens=False)
 
     def progress_read(self, request: Request, view: ClusterView) -> LeastLoaded:
-        return LeastLoaded(least_tokens)  # only who has the fewest tokens in flight
+        return _FEWEST_TOKENS  # only who has the fewest tokens in flight
 
     def route(self, request: Request, view: ClusterView) -> Decision:
         return Decision(view.least(least_tokens).id, "least tokens in flight")

@@ -18,7 +18,7 @@ import bisect
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -30,9 +30,8 @@ def prefill_pairs(num_new: int, num_context: int) -> float:
     return num_new * num_context + num_new * (num_new + 1) / 2
 
 
-@dataclass(slots=True, frozen=True)
 class StepShape:
-    """What one step computes.
+    """What one step computes (a value: read, never changed).
 
     num_tokens: tokens run through the model (prefill chunk tokens + one per decoding sequence).
     attention_pairs: (query, key) pairs attended over, summed over sequences; a chunk of q tokens
@@ -41,12 +40,45 @@ class StepShape:
     num_decode_seqs: of `num_tokens`, the sequences that decode (one token after the last one
         they sampled); the rest are prefill tokens. 0, the default, counts every token as
         prefill: a cost model that prices all tokens alike (the roofline) need not tell them.
+
+    A plain class, not a dataclass: compiled, a dataclass's generated __init__ stays
+    interpreted, and the engine describes a step or two each time it plans a run.
     """
 
-    num_tokens: int
-    attention_pairs: float
-    kv_read_tokens: int
-    num_decode_seqs: int = 0
+    __slots__ = ("num_tokens", "attention_pairs", "kv_read_tokens", "num_decode_seqs")
+
+    def __init__(
+        self,
+        num_tokens: int,
+        attention_pairs: float,
+        kv_read_tokens: int,
+        num_decode_seqs: int = 0,
+    ) -> None:
+        self.num_tokens = num_tokens
+        self.attention_pairs = attention_pairs
+        self.kv_read_tokens = kv_read_tokens
+        self.num_decode_seqs = num_decode_seqs
+
+    def as_tuple(self) -> tuple[int, float, int, int]:
+        return self.num_tokens, self.attention_pairs, self.kv_read_tokens, self.num_decode_seqs
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "num_tokens": self.num_tokens,
+            "attention_pairs": self.attention_pairs,
+            "kv_read_tokens": self.kv_read_tokens,
+            "num_decode_seqs": self.num_decode_seqs,
+        }
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepShape) and self.as_tuple() == other.as_tuple()
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"StepShape({fields})"
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -329,7 +361,7 @@ class FittedCost(StepCost):
                     "kv_capacity_tokens": self.kv_capacity_tokens,
                     "coefficients": self.coefficients,
                     "measurements": [
-                        {**asdict(m.shape), "seconds": m.seconds, "request": m.request}
+                        {**m.shape.as_dict(), "seconds": m.seconds, "request": m.request}
                         for m in measurements
                     ],
                 },

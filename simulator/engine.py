@@ -207,18 +207,26 @@ class _Cohort:
         return steps
 
 
-@dataclass(slots=True)
 class _Run:
-    """Steps planned as one event: `batch` is (seq, tokens) of step 1; later steps decode."""
+    """Steps planned as one event: `batch` is (seq, tokens) of step 1; later steps decode.
+    (A plain class, not a dataclass: compiled, a dataclass's generated __init__ stays
+    interpreted, and a run is planned several times per request.)"""
 
-    batch: list[tuple[Seq, int]]
-    ends: StepEnds  # when each step ends
-    # Every step of the run decodes one token per sequence, step 1 included (its blocks were
-    # allocated while planning), or every step after the first, once that is applied and its
-    # sequences hold the next step's blocks: one pass (or none, in sum) applies any number.
-    cohort: _Cohort | None = None
-    applied: int = 0
-    end_event: simpy.Event | None = None  # the Timeout that ends the run; replaced if cut short
+    __slots__ = ("batch", "ends", "cohort", "applied", "end_event")
+
+    def __init__(
+        self, batch: list[tuple[Seq, int]], ends: StepEnds, cohort: _Cohort | None = None
+    ) -> None:
+        self.batch = batch
+        self.ends = ends  # when each step ends
+        # Every step of the run decodes one token per sequence, step 1 included (its blocks
+        # were allocated while planning), or every step after the first, once that is applied
+        # and its sequences hold the next step's blocks: one pass (or none, in sum) applies
+        # any number.
+        self.cohort = cohort
+        self.applied = 0
+        # The Timeout that ends the run; replaced if cut short.
+        self.end_event: simpy.Event | None = None
 
     @property
     def is_multi_step(self) -> bool:
