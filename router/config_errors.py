@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Sequence
-from typing import Annotated, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, cast, get_args, get_origin
 
 from pydantic import BaseModel, PydanticUserError, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
@@ -95,6 +95,6 @@ def _inside(kind: object, part: int | str) -> object:
 def _tag(kind: object) -> str | None:
     """The name pydantic gives a union's form in an error's path (`constrained-int`)."""
     try:
-        return TypeAdapter(kind).validator.title
+        return TypeAdapter(cast(Any, kind)).validator.title
     except PydanticUserError:  # a form pydantic cannot build alone
         return None

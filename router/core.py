@@ -56,6 +56,7 @@ class NoHealthyWorker(RuntimeError):
     """Nothing to route to: every worker (not excluded) is down."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a test records a driver's calls in one
 class Router:
     """Routing, indexes, per-worker dispatch queues, load accounting and policy hooks.
 

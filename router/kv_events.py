@@ -112,6 +112,7 @@ class KVEventIndexer:
         prefix = self._path(parent) if parent is not None else []
         if parent is not None and not prefix:
             return  # its parent was never seen (we joined late): nothing to chain it to
+        root: BlockHash | None
         if prefix:
             root = prefix[-1]
         else:
@@ -139,12 +140,13 @@ class KVEventIndexer:
     def _path(self, name: int) -> list[BlockHash]:
         """Our hashes from the root to vLLM block `name` ([] if unknown)."""
         path = []
-        while name is not None:
-            entry = self._blocks.get(name)
+        block: int | None = name
+        while block is not None:
+            entry = self._blocks.get(block)
             if entry is None:
                 return []
             path.append(entry[0])
-            name = entry[1]
+            block = entry[1]
         path.reverse()
         return path
 

@@ -15,15 +15,17 @@ arrival costs the same on 8 workers or 512.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import simpy
+from mypy_extensions import mypyc_attr
 
 import policies
 from router.bands import Banded
@@ -43,6 +45,7 @@ from router.kv_events import KVEventIndexer
 from router.ledger import LedgerStore
 from router.planner import Planner, PlannerConfig
 from router.policy import GlobalPolicy, LeastLoaded, LocalPolicy
+from router.prefix_index import WorkerId
 from router.records import Refusal, RequestRecord
 from router.request import BlockHash, Request
 from router.runtime.collector import paced_for_throughput
@@ -64,6 +67,9 @@ M = TypeVar("M", bound=Enum)
 LOAD_FLOORS_MIN_WORKERS = 256
 
 
+# Interpreted classes in the compiled module: configs and results cross to worker processes, and
+# a compiled frozen dataclass is not unpickled field by field.
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SimConfig:
     num_workers: int = 8
@@ -228,6 +234,7 @@ def _mode(kind: type[M], value: object, what: str) -> M:
         raise ValueError(f"{what}: {names}, got {value!r}") from None
 
 
+@mypyc_attr(native_class=False)
 @dataclass
 class SimResult:
     records: list[RequestRecord]
@@ -271,6 +278,7 @@ def _placements(config: SimConfig, block_size: int, cost: CostModel | None) -> l
     return out
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests and benches extend the driver
 class SimCluster:
     """The simulator's driver of the router core: SimPy time, engines as workers.
 
@@ -285,7 +293,8 @@ class SimCluster:
         self.trace, self.cost, self.config = trace, cost, config
         self.env = simpy.Environment()
         self.policy: GlobalPolicy = self._global_policy()
-        local_name = config.local_policy or getattr(self.policy, "default_local", "fcfs")
+        default_local: str = getattr(self.policy, "default_local", "fcfs")
+        local_name = config.local_policy or default_local
         self.local_name = local_name  # the discipline: in each engine, or in the router's queues
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
             local_name, config.local_params, config.seed
@@ -317,10 +326,9 @@ class SimCluster:
             step_tokens=config.engine.max_num_batched_tokens,
         )
         self.routers = [
-            Router(
+            self._new_router(
                 self.policy if r == 0 else self._global_policy(),
                 self.local_factory if in_router else fcfs,
-                self.router_config,
             )
             for r in range(config.routers)
         ]
@@ -437,6 +445,10 @@ class SimCluster:
         c = self.config
         return len(self.routers) == 1 and not (c.groups or c.split or c.autoscale)
 
+    def _new_router(self, policy: GlobalPolicy, local: Callable[[], LocalPolicy]) -> Router:
+        """One router replica (a subclass may make its own kind: a test records its calls)."""
+        return Router(policy, local, self.router_config)
+
     def _global_policy(self) -> GlobalPolicy:
         c = self.config
         return policies.global_policies.build(c.policy, c.policy_params, c.seed)
@@ -450,8 +462,9 @@ class SimCluster:
         shared = first.ledgers()
         for router in self.routers[1:]:
             for key in router.ledgers():
-                owner = router.policy if key[0] == "global" else router.queues[key[1]].discipline
-                setattr(owner, key[-1], shared[key])  # type: ignore[index]
+                queue = cast(WorkerId, key[1])
+                owner = router.policy if key[0] == "global" else router.queues[queue].discipline
+                setattr(owner, cast(str, key[-1]), shared[key])
             if not self.precise:
                 router.share_indexes(first)
 
@@ -893,6 +906,18 @@ class SimCluster:
         } | ({} if self.config.autoscale is None else {"autoscale": asdict(self.config.autoscale)})
 
 
+# What DelayedKVEvents applies at the delay: functions, where a lambda's default argument (the
+# indexer of each turn of a loop) is more than mypyc infers.
+def _stored(
+    indexer: KVEventIndexer, hashes: list[BlockHash], parent: BlockHash | None, now: float
+) -> None:
+    indexer.stored(hashes, parent, hashes, now)
+
+
+def _removed(indexer: KVEventIndexer, hashes: list[BlockHash], now: float) -> None:
+    indexer.removed(hashes)
+
+
 class DelayedKVEvents:
     """An engine's KV events reaching the router's index `kv_event_delay` seconds after the
     step that caused them, as vLLM's events reach a live router over ZMQ."""
@@ -903,11 +928,11 @@ class DelayedKVEvents:
     def stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
         hashes = list(hashes)  # the engine keeps appending to its list
         for indexer in self.indexers:
-            self._at_delay(lambda now, i=indexer: i.stored(hashes, parent, hashes, now))
+            self._at_delay(functools.partial(_stored, indexer, hashes, parent))
 
     def removed(self, hashes: list[BlockHash]) -> None:
         for indexer in self.indexers:
-            self._at_delay(lambda now, i=indexer: i.removed(hashes))
+            self._at_delay(functools.partial(_removed, indexer, hashes))
 
     def _at_delay(self, apply: Callable[[float], None]) -> None:
         env = self.cluster.env

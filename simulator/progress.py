@@ -138,7 +138,7 @@ def command_bar(
     outer, _command = _command, bar
     try:
         if bar.enabled and sys.stdout.isatty():
-            with redirect_stdout(_AboveBar(sys.stdout, bar)):  # type: ignore[arg-type]
+            with redirect_stdout(_AboveBar(sys.stdout, bar)):  # type: ignore[arg-type,type-var]
                 yield bar
         else:
             yield bar

@@ -64,15 +64,16 @@ class CollectorPacing:
 
     def tick(self, now: float) -> None:
         """Call often (each decision is fine: it is two comparisons)."""
-        if self._last_full is None:
+        last_full, last_freeze = self._last_full, self._last_freeze
+        if last_full is None or last_freeze is None:
             self._start()
             self._last_full = self._last_freeze = now
-        elif now - self._last_full >= self.full_every:
+        elif now - last_full >= self.full_every:
             gc.unfreeze()
             gc.collect()
             gc.freeze()
             self._last_full = self._last_freeze = now
-        elif now - self._last_freeze >= self.every:
+        elif now - last_freeze >= self.every:
             gc.collect(1)  # young garbage goes now, not frozen with the living (well under 1 ms)
             gc.freeze()
             self._last_freeze = now

@@ -1,16 +1,18 @@
 """Compiled builds (mypyc) of the modules a simulation spends its time in.
 
 The same source, compiled to C by mypyc: the engine, its block manager, the cost model, the
-cluster view and the load floors read from it, the dispatch queues, the prefix index, the
-router core and the fairness policies' service meter. `make` builds them into build/native
-(`router.runtime.native.main`), and the `router`, `simulator` and `policies` packages put that
-folder first on their import path only while it was built from the very source on disk, for this
-Python: edit a module and it runs as plain Python until the next build, never stale. Set
-FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no frames inside compiled code).
+simulator's driver, the cluster view and the load floors read from it, the dispatch queues, the
+prefix index, the router core and the fairness policies' service meter. `make` builds them into
+build/native (`router.runtime.native.main`), and the `router`, `simulator` and `policies`
+packages put that folder first on their import path only while it was built from the very
+source on disk, for this Python: edit a module and it runs as plain Python until the next build,
+never stale. Set FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no frames inside
+compiled code).
 
-A compiled class accepts no attribute it does not declare and no interpreted subclass, which
-is why the policies themselves and the simulator's driver (which tests and users extend) stay
-interpreted.
+A compiled class accepts no attribute it does not declare, and an interpreted subclass only if
+it says so (`mypyc_attr(allow_interpreted_subclasses=True)`: the driver's SimCluster and the
+router core's Router, which tests and benches extend). The policies themselves, which users
+write, stay interpreted.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ MODULES = (
     "simulator/block_manager.py",
     "router/cost_model.py",
     "simulator/engine.py",
+    "simulator/driver.py",
 )
 STAMP = "sources.json"
 # mypyc's shared library is a top-level module, so its folder goes on sys.path; a folder of its

@@ -12,7 +12,7 @@ import pytest
 from router.cli import main
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
-from simulator.driver import SimCluster, SimConfig, simulate
+from simulator.driver import SimCluster, SimConfig, SimResult, simulate
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.loaders import load_trace
@@ -187,31 +187,30 @@ class TestIndexModes:
     def held_blocks(index: PrefixIndex, worker: int) -> set[int]:
         return {h for node in index.nodes() if worker in node.workers for h in node.key}
 
-    def run(self, **kw: object) -> SimCluster:
+    def run(self, **kw: object) -> tuple[SimCluster, SimResult]:
         trace = shared_prefix(num_requests=300, num_tenants=6, rate=30.0, seed=3)
         # Room for a few prompts per worker only, so engines evict and the index must follow.
         engine = EngineConfig(num_kv_blocks=1500, check_invariants=True)
         cluster = SimCluster(
             trace, COST, SimConfig(num_workers=3, policy="lpm", engine=engine, **kw)
         )
-        cluster.result = cluster.run()  # type: ignore[attr-defined]
-        return cluster
+        return cluster, cluster.run()
 
     def test_precise_index_holds_exactly_what_each_engine_caches(self) -> None:
-        cluster = self.run(index="precise")
+        cluster, _ = self.run(index="precise")
         assert sum(e.blocks.num_evictions for e in cluster.engines) > 0, "no eviction tested"
         for engine in cluster.engines:
             cached = engine.blocks.cached_hashes()
             assert cached and self.held_blocks(cluster.view.index, engine.id) == cached
 
     def test_late_events_leave_the_router_blind(self) -> None:
-        on_time = self.run(index="precise").result.summary["prefix_cache"]
-        never = self.run(index="precise", kv_event_delay=1e9).result.summary["prefix_cache"]
+        on_time = self.run(index="precise")[1].summary["prefix_cache"]
+        never = self.run(index="precise", kv_event_delay=1e9)[1].summary["prefix_cache"]
         assert on_time["predicted_hit_rate"] > 0.2 and never["predicted_hit_rate"] == 0
         assert never["hit_rate"] > 0, "engines still hit their own caches"
 
     def test_approximate_index_promises_what_was_routed(self) -> None:
-        summary = self.run().result.summary
+        summary = self.run()[1].summary
         assert summary["config"]["index"] == "approximate"
         assert 0 < summary["prefix_cache"]["predicted_hit_rate"] <= 1
 

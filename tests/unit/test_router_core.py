@@ -204,12 +204,9 @@ class Recorder:
 
     calls: list[tuple] = field(default_factory=list)
 
-    def attach(self, driver: SimCluster | LiveCluster) -> None:
+    def attach(self, driver: LiveCluster) -> None:
         """Put a recording stand-in between `driver` and its router."""
-        recording = RecordingRouter(driver.router, self)
-        driver.router = recording
-        if isinstance(driver, SimCluster):
-            driver.routers[0] = recording
+        driver.router = RecordingRouter(driver.router, self)
 
 
 def _ids(requests) -> list[int]:
@@ -235,15 +232,11 @@ def _recorded(name: str, answer=None):
     return call
 
 
-class RecordingRouter:
-    """A Router's stand-in that records the calls a driver makes (the Router itself may be
-    compiled, and a compiled instance takes no wrappers in place of its methods)."""
+class _Records:
+    """The Router's calls a driver makes, each made on `self._router` and recorded."""
 
-    def __init__(self, router: Router, recorder: Recorder) -> None:
-        self._router, self._calls = router, recorder.calls
-
-    def __getattr__(self, name: str):
-        return getattr(self._router, name)
+    _router: Router
+    _calls: list[tuple]
 
     route = _recorded("route", lambda o: (o.decision, o.hit_blocks, _ids(o.released)))
     finish = _recorded("finish", _ids)
@@ -270,6 +263,35 @@ class RecordingRouter:
         self._calls.extend(("tokens", (q, num_tokens, now), kw, None) for q in requests)
 
 
+class RecordingRouter(_Records):
+    """A stand-in for the live driver's Router (the Router itself may be compiled, and a
+    compiled instance takes no wrappers in place of its methods)."""
+
+    def __init__(self, router: Router, recorder: Recorder) -> None:
+        self._router, self._calls = router, recorder.calls
+
+    def __getattr__(self, name: str):
+        return getattr(self._router, name)
+
+
+class RecordingSimRouter(_Records, Router):
+    """The simulated driver's Router itself, recording its calls (compiled, the driver takes
+    a Router subclass and no stand-in): each call goes on to Router's own method."""
+
+    def __init__(self, recorder: Recorder, *args) -> None:
+        Router.__init__(self, *args)
+        self._router, self._calls = super(_Records, self), recorder.calls  # type: ignore[assignment]
+
+
+class RecordedSimCluster(SimCluster):
+    def __init__(self, recorder: Recorder, *args) -> None:
+        self._recorder = recorder
+        super().__init__(*args)
+
+    def _new_router(self, policy, local) -> Router:
+        return RecordingSimRouter(self._recorder, policy, local, self.router_config)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -280,9 +302,8 @@ class FakeClock:
 
 def run_recorded(trace, cost, config: SimConfig) -> tuple[SimCluster, list[tuple]]:
     """A simulated run, and the calls its driver made on the router core."""
-    cluster = SimCluster(trace, cost, config)
     recorder = Recorder()
-    recorder.attach(cluster)
+    cluster = RecordedSimCluster(recorder, trace, cost, config)
     cluster.run()
     return cluster, recorder.calls
 
