@@ -462,8 +462,10 @@ class SimCluster:
         shared = first.ledgers()
         for router in self.routers[1:]:
             for key in router.ledgers():
-                queue = cast(WorkerId, key[1])
-                owner = router.policy if key[0] == "global" else router.queues[queue].discipline
+                # Compiled, a cast is checked: key[1] is a worker only in a queue's key.
+                owner: object = router.policy
+                if key[0] != "global":
+                    owner = router.queues[cast(WorkerId, key[1])].discipline
                 setattr(owner, cast(str, key[-1]), shared[key])
             if not self.precise:
                 router.share_indexes(first)

@@ -80,3 +80,16 @@ def test_the_store_holds_every_replicas_charges_once() -> None:
     total = sum(sum(v.values()) for v in cluster.ledger_store.values.values())
     charged = sum(r.prompt_len + 2 * r.output_len for r in cluster.trace.requests)
     assert total == pytest.approx(charged, rel=1e-9)
+
+
+def test_a_write_through_store_gives_every_replica_the_same_ledgers() -> None:
+    """Sync 0: the replicas' counters are one object, the global policy's (D²LPM's deficits)
+    and each worker's queue discipline's alike."""
+    cluster = run("d2lpm", "dlpm", sync=0.0)
+    first = cluster.routers[0].ledgers()
+    assert ("global", "deficits") in first and any(k[0] == "queue" for k in first)
+    for router in cluster.routers[1:]:
+        ledgers = router.ledgers()
+        assert ledgers.keys() == first.keys()
+        assert all(ledgers[key] is first[key] for key in first)
+    assert cluster.num_checked == 0, "no sync ran: one store, written through"
