@@ -20,7 +20,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar, Final, Protocol
 
 import numpy as np
 
@@ -171,6 +171,7 @@ GPUS: dict[str, GPUSpec] = {
 
 
 PREFILL_MEMO_SIZE = 1 << 16
+_INF: Final = float("inf")
 
 
 class StepEnds:
@@ -517,25 +518,38 @@ class _RooflineRunEnds(StepEnds):
         decode = self._sum(0.0, context_tokens, 1, None) if num_decodes else first
         self.shortest = min(first, decode)
 
-    def _sum(self, end: float, context: float, num_steps: int, ends: list[float] | None) -> float:
-        """`end` plus `num_steps` decode steps from `context`, each end appended to `ends`.
+    def _sum(
+        self,
+        end: float,
+        context: float,
+        num_steps: int,
+        ends: list[float] | None,
+        until: float = _INF,
+    ) -> float:
+        """`end` plus `num_steps` decode steps from `context`, each end appended to `ends`,
+        stopping early after the first end past `until`.
         RooflineCost.decode_step_times' arithmetic, operation for operation, on locals and with
         a range of constant step and a named counter (mypyc boxes `_`): an unboxed loop."""
         flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
-        weights, overhead, num_seqs = self._weights, self._overhead, self._num_seqs
+        # The context grows by the batch each step; as a float once, not converted each step
+        # (int to float is exact here, so every sum is as before).
+        weights, overhead, num_seqs = self._weights, self._overhead, float(self._num_seqs)
         for _i in range(num_steps):
             compute, memory = flops + context * pair, weights + context * kv
             end = end + (overhead + (compute if compute > memory else memory) + comm)
             if ends is not None:
                 ends.append(end)
+                if end > until:
+                    break
             context += num_seqs
         return end
 
-    def _extend(self, count: int) -> None:
-        """`_ends` holds the first `count` steps' ends (at most `self.count`)."""
+    def _extend(self, count: int, until: float = _INF) -> None:
+        """`_ends` holds the first `count` steps' ends (at most `self.count`), or those up to
+        the first one past `until`."""
         ends = self._ends
         context = self._context + self._num_seqs * (len(ends) - 1)
-        self._sum(ends[-1], context, min(count, self.count) - len(ends), ends)
+        self._sum(ends[-1], context, min(count, self.count) - len(ends), ends, until)
 
     def end(self, i: int) -> float:
         if i >= len(self._ends):
@@ -543,9 +557,11 @@ class _RooflineRunEnds(StepEnds):
         return self._ends[i]
 
     def ended_by(self, now: float, lo: int, hi: int) -> int:
+        # Only as far as asked: a run is planned up to its first finish, and most are cut
+        # short long before, so ends summed ahead of `now` are mostly never read.
         ends = self._ends
-        while len(ends) < hi and ends[-1] <= now:  # those known all ended: look further
-            self._extend(min(hi, 2 * len(ends) + 8))
+        if len(ends) < hi and ends[-1] <= now:
+            self._extend(hi, now)
         return bisect.bisect_right(ends, now, lo, min(hi, len(ends)))
 
     def cut(self, count: int) -> None:

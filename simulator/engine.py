@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Final, Protocol
 
 import simpy
 
@@ -238,7 +238,7 @@ class _Run:
         return self.cohort.lag if self.cohort is not None else 0
 
 
-_INF = float("inf")
+_INF: Final = float("inf")
 
 
 def _lowest_priority(seq: Seq) -> tuple[int, float]:

@@ -8,54 +8,115 @@ about a hundred engines have a step ended between two arrivals.
 Between its changes of state an engine's load falls only by its run's decode steps, each taking
 the batch size off, and no step of a run is shorter than its shortest. So each worker's tokens in
 flight now are bounded from below by its count at its last change less the batch size for every
-step that could have ended since: one vector expression over the fleet. The view's least worker
-(keys as of each worker's last update) and every worker with steps ended whose bound does not
-exceed that worker's exact count are worked out exactly from their runs (no step applied), and
-only the least of those is brought up to date. The view the policy reads then ranks it first:
-every other worker's key there is its key as of its last update, never below its exact key now.
+step that could have ended since. The view's least worker (keys as of each worker's last update)
+and every worker with steps ended whose floor does not exceed that worker's exact count are
+worked out exactly from their runs (no step applied), and only the least of those is brought up
+to date. The view the policy reads then ranks it first: every other worker's key there is its
+key as of its last update, never below its exact key now.
+
+Finding those workers must not cost a pass over the fleet either. A floor only falls with time,
+so for a level L each worker has a time at which its floor first reaches L (never, if its run
+ends first). Those times sit in a heap; a decision pops the ones passed and keeps the workers
+whose floor is at L or below (`_low`). While the least exact key is at most L, every worker
+that could beat it is among them. When the least key rises past L, or L has become much
+higher than needed, a new level is set and the heap rebuilt: the workers read are always a
+superset of those that could come first, so the answer is the same at any level, and only the
+work depends on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
+from heapq import heapify, heappop, heappush
+from typing import Final
 
 from router.view import ClusterView, OrderKey
 from simulator.engine import Engine
 
-# Step ends are sums of durations, rounded: a bound that shortens each step by this fraction
+# Step ends are sums of durations, rounded: a floor that shortens each step by this fraction
 # still holds after thousands of steps.
 SLACK = 1e-9
+# A crossing time is taken this fraction of a step early: time over step length, in floating
+# point, errs by far less.
+EARLY = 1e-6
+# The level is set this far above the least key it is set for, and reset once that key falls
+# below LOWER_BY of it with at least CROWD workers at or below it.
+HEADROOM, MIN_HEADROOM = 0.25, 16.0
+LOWER_BY, CROWD = 0.5, 64
+
+_INF: Final = float("inf")
+
+
+class _Falling:
+    """One worker as of its last change: its tokens in flight (inf: not routable), and how its
+    run's decode steps still to come may lower them: when the step before the first of them
+    ended (so that the time since, in shortest steps, counts them), the shortest step, how
+    many there are, the tokens each takes off. And when the floor reaches the level."""
+
+    __slots__ = ("tokens", "before_first", "shortest", "left", "batch", "crossing")
+
+    def __init__(self) -> None:
+        self.tokens = _INF
+        self.before_first = _INF
+        self.shortest = 1.0
+        self.left = 0
+        self.batch = 0
+        self.crossing = _INF
+
+    def floor(self, now: float) -> float:
+        """The tokens in flight at `now`, at the least."""
+        if not self.batch or now <= self.before_first:
+            return self.tokens
+        steps = int((now - self.before_first) / self.shortest)  # > 0: floored
+        return self.tokens - min(steps, self.left) * self.batch
+
+    def crossing_time(self, level: float) -> float:
+        """When the floor, falling a batch a step, first reaches `level` and is below the
+        tokens (inf: not in this run). Taken early, never late."""
+        tokens, batch = self.tokens, self.batch
+        if not batch or tokens - self.left * batch > level:
+            return _INF
+        # Truncated, not floored: the same once at least 1.
+        steps = max(1, int((tokens - level) / batch))
+        return self.before_first + (steps - EARLY) * self.shortest
 
 
 class LoadFloors:
     def __init__(self, engines: Sequence[Engine], view: ClusterView, key: OrderKey) -> None:
         self._engines, self._view, self._key = engines, view, key
-        n = len(engines)  # workers 0 .. n-1, engine i serving worker i
-        # Each worker as of its last change: tokens in flight (inf: not routable), and its
-        # run's decode steps still to come: when the one before the first ended (so that the
-        # time since, in shortest steps, counts them), the shortest step, how many, tokens each.
-        self._tokens = np.full(n, np.inf)
-        self._before_first = np.full(n, np.inf)
-        self._shortest = np.ones(n)
-        self._left = np.zeros(n)
-        self._batch = np.zeros(n)
-        self._bound = np.empty(n)  # scratch: the bound at the time asked
+        self._workers = [_Falling() for _ in engines]  # engine i serves worker i
+        # How the level follows the least key (module constants; tests push them to extremes).
+        self.headroom, self.min_headroom = HEADROOM, MIN_HEADROOM
+        self.lower_by, self.crowd = LOWER_BY, CROWD
+        self._level = 0.0
+        self._heap: list[tuple[float, int]] = []  # (crossing, worker), stale ones included
+        self._low: set[int] = set()  # workers whose floor reached the level
 
     def changed(self, wid: int) -> None:
         """The worker's state moved (its engine applied steps or took a request, or its
         health changed)."""
+        self._low.discard(wid)
+        worker = self._workers[wid]
         state = self._view.workers.get(wid)
         if state is None or not state.healthy:
-            self._tokens[wid] = np.inf
+            worker.tokens = worker.crossing = _INF
+            worker.batch = 0
             return
         first, shortest, left, batch = self._engines[wid].decode_bound()
-        self._tokens[wid] = state.tokens_in_flight
-        self._before_first[wid] = first - shortest
-        self._shortest[wid] = shortest * (1 - SLACK)
-        self._left[wid] = left
-        self._batch[wid] = batch
+        worker.tokens = float(state.tokens_in_flight)
+        worker.before_first = first - shortest
+        worker.shortest = shortest * (1 - SLACK)
+        worker.left = left
+        worker.batch = batch
+        at = worker.crossing = worker.crossing_time(self._level)
+        if at < _INF:
+            heappush(self._heap, (at, wid))
+            if len(self._heap) > 4 * len(self._workers) + 64:  # mostly stale entries
+                self._rebuild_heap()
+
+    def floor(self, wid: int, now: float) -> float:
+        """The worker's tokens in flight at `now`, at the least (inf: not routable)."""
+        return self._workers[wid].floor(now)
 
     def least(self, now: float) -> int | None:
         """The healthy worker whose exact key is least at `now` (None: no healthy worker).
@@ -66,26 +127,49 @@ class LoadFloors:
             best = self._exact(self._view.least(self._key).id, now)
         except RuntimeError:  # no healthy worker
             return None
-        bound = self._bound
-        # Steps ended by now, at most: one per shortest step since the one before the first.
-        np.subtract(now, self._before_first, out=bound)
-        np.divide(bound, self._shortest, out=bound)
-        np.floor(bound, out=bound)
-        np.minimum(bound, self._left, out=bound)
-        np.maximum(bound, 0, out=bound)
-        bound *= self._batch
-        np.subtract(self._tokens, bound, out=bound)
-        maybe = np.flatnonzero((bound <= best[0]) & (bound < self._tokens))
-        if len(maybe):
-            # Lowest bound first: the first exact keys found usually rule out the rest.
-            order = maybe[np.argsort(bound[maybe], kind="stable")]
-            for wid, floor in zip(order.tolist(), bound[order].tolist(), strict=True):
-                if floor > best[0]:
-                    break
-                exact = self._exact(wid, now)
-                if exact < best:
-                    best = exact
+        least = float(best[0])
+        low, workers = self._low, self._workers
+        if least > self._level or (least < self.lower_by * self._level and len(low) >= self.crowd):
+            self._relevel(least)
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            at, wid = heappop(heap)
+            if workers[wid].crossing == at:
+                low.add(wid)
+        maybe: list[tuple[float, int]] = []
+        for wid in low:
+            worker = workers[wid]
+            floor = worker.floor(now)
+            if floor <= least and floor < worker.tokens:
+                maybe.append((floor, wid))
+        # Lowest floor first: the first exact keys found usually rule out the rest.
+        maybe.sort()
+        for floor, wid in maybe:
+            if floor > least:
+                break
+            exact = self._exact(wid, now)
+            if exact < best:
+                best = exact
+                least = float(best[0])
         return best[-1]
+
+    def _relevel(self, least: float) -> None:
+        """A level above `least`, each worker's crossing of it anew."""
+        level = self._level = least + max(self.headroom * least, self.min_headroom)
+        self._low.clear()
+        for worker in self._workers:
+            worker.crossing = worker.crossing_time(level)
+        self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        low = self._low
+        heap = [
+            (worker.crossing, wid)
+            for wid, worker in enumerate(self._workers)
+            if worker.crossing < _INF and wid not in low
+        ]
+        heapify(heap)
+        self._heap = heap
 
     def _exact(self, wid: int, now: float) -> tuple:
         key = self._key(self._view, self._view.workers[wid])

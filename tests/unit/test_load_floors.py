@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from policies.baselines import least_tokens
 from router.cost_model import roofline
 from simulator import driver
 from simulator.driver import SimCluster, SimConfig, SimResult
@@ -118,9 +119,19 @@ def test_floors_are_used_only_where_they_hold(monkeypatch: pytest.MonkeyPatch) -
         assert SimCluster(workload, COST, config)._floors is None, config
 
 
-def test_every_floor_is_below_the_load_it_bounds() -> None:
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param({}, id="default level"),
+        pytest.param({"headroom": 0.0, "min_headroom": 0.0}, id="level at the least key"),
+        pytest.param({"lower_by": 1.0, "crowd": 0}, id="level reset at every decision"),
+        pytest.param({"headroom": 1e9, "min_headroom": 1e9}, id="level above every worker"),
+    ],
+)
+def test_every_floor_is_below_the_load_it_bounds(level: dict[str, float]) -> None:
     """At every arrival, each routable worker's floor is at most its tokens in flight as they
-    would be with every step ended applied: the floors may only ever read too many workers."""
+    would be with every step ended applied (the floors may only ever read too many workers),
+    and the worker found is the one whose exact key is least, wherever the level is."""
     checked = 0
 
     class Audited(Counted):
@@ -128,14 +139,20 @@ def test_every_floor_is_below_the_load_it_bounds() -> None:
             nonlocal checked
             floors = self._floors
             assert floors is not None
+            for name, value in level.items():
+                setattr(floors, name, value)
             now = self.env.now
             self._sync(now)
-            floors.least(now)
+            exact_keys = []
             for wid, state in self.view.workers.items():
                 if state.healthy:
-                    exact = state.tokens_in_flight - self.engines[wid].decode_credit(now)
-                    assert floors._bound[wid] <= exact, (wid, now)
+                    credit = self.engines[wid].decode_credit(now)
+                    exact = state.tokens_in_flight - credit
+                    assert floors.floor(wid, now) <= exact, (wid, now)
+                    key = least_tokens(self.view, state)
+                    exact_keys.append((key[0] - credit, *key[1:]))
                     checked += 1
+            assert floors.least(now) == min(exact_keys)[-1], now
             super().dispatch(req, rerouted)
 
     config = SimConfig(num_workers=12, policy="least_load", outages=((1.0, 3.0, 5),))
