@@ -5,20 +5,12 @@ from __future__ import annotations
 import bisect
 import random
 
+from router.load import least_tokens, worker_id
 from router.policy import Decision, GlobalPolicy, LeastLoaded
 from router.registry import global_policies
 from router.request import Request
 from router.traits import PolicyTraits
-from router.view import ClusterView, WorkerState
-
-
-def worker_id(view: ClusterView, worker: WorkerState) -> tuple[int]:
-    return (worker.id,)
-
-
-def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]:
-    # Outstanding tokens first; queue length and id break ties so the choice is deterministic.
-    return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
+from router.view import ClusterView
 
 
 @global_policies.register("round_robin")

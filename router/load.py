@@ -13,7 +13,19 @@ from __future__ import annotations
 
 from router.dispatch import DispatchQueue
 from router.prefix_index import WorkerId
-from router.view import ClusterView
+from router.view import ClusterView, WorkerState
+
+# Orders policies balance by (router.view.OrderKey): here, compiled, as a view re-keys every
+# worker that changed at each decision.
+
+
+def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]:
+    # Outstanding tokens first; queue length and id break ties so the choice is deterministic.
+    return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
+
+
+def worker_id(view: ClusterView, worker: WorkerState) -> tuple[int]:
+    return (worker.id,)
 
 
 class Load:

@@ -62,9 +62,10 @@ from traces.transform import InfiniteCache
 
 M = TypeVar("M", bound=Enum)
 
-# Below this many workers a pass over the fleet for load floors costs more than the engines it
-# spares (compiled, tiled Mooncake: 0.77x at 8 workers, 1.04x at 256, 1.4x at 1,024).
-LOAD_FLOORS_MIN_WORKERS = 256
+# Below this many workers the floors cost about what the engines they spare do (compiled,
+# tiled Mooncake, instructions of a run with floors against without: 1.00 at 64 workers, 0.91
+# at 128, 0.89 at 256).
+LOAD_FLOORS_MIN_WORKERS = 128
 
 
 # Interpreted classes in the compiled module: configs and results cross to worker processes, and
