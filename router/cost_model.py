@@ -14,9 +14,9 @@ predicts a real worker is the simulator's error against that worker.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,7 +191,7 @@ class StepEnds:
 
     def ended_by(self, now: float, lo: int, hi: int) -> int:
         """`lo` plus how many of steps lo..hi-1 have ended by `now` (bisect_right)."""
-        return bisect.bisect_right(self._ends, now, lo, hi)
+        return bisect_right(self._ends, now, lo, hi)
 
     def cut(self, count: int) -> None:
         """Only the first `count` steps run."""
@@ -552,17 +552,22 @@ class _RooflineRunEnds(StepEnds):
         self._sum(ends[-1], context, min(count, self.count) - len(ends), ends, until)
 
     def end(self, i: int) -> float:
-        if i >= len(self._ends):
+        ends = self._ends
+        if i >= len(ends):
+            if i == self.count - 1:
+                return self.last  # the same sum: a run applied at its end needs no other
             self._extend(i + 1)
-        return self._ends[i]
+        return ends[i]
 
     def ended_by(self, now: float, lo: int, hi: int) -> int:
+        if now >= self.last:
+            return hi  # every step has ended: none of the ends between need summing
         # Only as far as asked: a run is planned up to its first finish, and most are cut
         # short long before, so ends summed ahead of `now` are mostly never read.
         ends = self._ends
         if len(ends) < hi and ends[-1] <= now:
             self._extend(hi, now)
-        return bisect.bisect_right(ends, now, lo, min(hi, len(ends)))
+        return bisect_right(ends, now, lo, min(hi, len(ends)))
 
     def cut(self, count: int) -> None:
         self._extend(count)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 from typing import Protocol
 
 from sortedcontainers import SortedList
@@ -122,12 +122,12 @@ class LeastFirst(_KeyedWorkers):
         keys, heap = self._keys, self.heap
         for _, new in self._rekeyed(view):
             if new is not None:
-                heapq.heappush(heap, new)
+                heappush(heap, new)
         if len(heap) > 4 * len(keys) + 64:  # mostly stale entries below the top: start afresh
             heap[:] = keys.values()
-            heapq.heapify(heap)
+            heapify(heap)
         while heap and keys.get(heap[0][-1]) != heap[0]:
-            heapq.heappop(heap)
+            heappop(heap)
         return heap
 
 

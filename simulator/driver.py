@@ -16,12 +16,12 @@ arrival costs the same on 8 workers or 512.
 from __future__ import annotations
 
 import functools
-import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
+from heapq import heappop, heappush
 from typing import TypeVar, cast
 
 import simpy
@@ -592,11 +592,11 @@ class SimCluster:
             # Every engine with a step ended is due here, so a stale entry (its run replanned,
             # or a duplicate) syncs one with nothing left to apply: cheaper than spotting it.
             while due and due[0][0] <= now:
-                engines[heapq.heappop(due)[1]].sync(now)
+                engines[heappop(due)[1]].sync(now)
             return
         due_at = self._due_at
         while due and due[0][0] <= now:
-            end, wid = heapq.heappop(due)
+            end, wid = heappop(due)
             if due_at(engines[wid]) == end:  # else stale: syncing would apply steps mid-run
                 engines[wid].sync(now)
 
@@ -760,7 +760,7 @@ class SimCluster:
         end = self._due_at(engine)
         if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
             self._last_due[engine.id] = end
-            heapq.heappush(self._due, (end, engine.id))
+            heappush(self._due, (end, engine.id))
         if self._floors is not None:
             self._floors.changed(engine.id)
 
@@ -789,7 +789,7 @@ class SimCluster:
             self._floors.changed(engine.id)
         if not self._lazy:  # lazily synced, an engine is due at its run's end, noted already
             self._last_due[engine.id] = next_step_end
-            heapq.heappush(self._due, (next_step_end, engine.id))
+            heappush(self._due, (next_step_end, engine.id))
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         self.router.tokens_many([seq.req for seq in seqs], num_tokens, now, credited=True)

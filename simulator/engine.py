@@ -21,7 +21,7 @@ step-by-step simulation would show.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left
 from dataclasses import dataclass, fields
 from typing import Final, Protocol
 
@@ -187,7 +187,7 @@ class _Cohort:
             residues = self._residues = sorted(seq.num_computed % bs for seq in self.seqs)
         self.lag += num_steps
         t = self.lag - 1
-        crossed = len(residues) - bisect.bisect_left(residues, bs - t % bs)
+        crossed = len(residues) - bisect_left(residues, bs - t % bs)
         self.owed_blocks = len(residues) * (t // bs) + crossed
 
     def catch_up(self, blocks: BlockManager, num_steps: int) -> int:
