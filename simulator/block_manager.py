@@ -10,13 +10,17 @@ the block's chained hash so a later prompt with the same prefix can share it. Ot
 (partial tails, generated tokens) are anonymous and counted, not named. A freed hashed block keeps
 its hash in the free LRU until it is reused for something else: the free list is the cache.
 Sequences free their blocks tail first, so a prompt's last blocks are evicted before its prefix.
+
+A hashed block is one small object, found by its hash once and then held by the sequences using
+it: freeing a sequence, pinning a cached block and evicting the oldest touch no table but the
+block's own links in the free LRU (a list threaded through the blocks, as vLLM's free block
+queue is). Hashes are opaque here: kept as the objects the caller gave, never converted.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Hashable, Sequence
+from typing import Protocol, cast
 
 from router.request import BlockHash
 
@@ -28,13 +32,28 @@ class KVEventSink(Protocol):
     def removed(self, hashes: list[BlockHash]) -> None: ...
 
 
+class CachedBlock:
+    """A block with an identity: its hash, how many sequences use it, and, while none does,
+    its neighbours in the free LRU (older towards the oldest, newer towards the newest)."""
+
+    __slots__ = ("hash", "ref", "older", "newer")
+
+    def __init__(self, block_hash: Hashable, ref: int, end: CachedBlock | None = None) -> None:
+        self.hash = block_hash
+        self.ref = ref
+        # Out of the LRU a block points at its end, never at another block: an evicted block
+        # then keeps nothing alive and is freed by reference counting alone.
+        self.older: CachedBlock = self if end is None else end
+        self.newer: CachedBlock = self if end is None else end
+
+
 class BlockTable:
     """The blocks one sequence holds: hashed prefix blocks, then anonymous ones."""
 
     __slots__ = ("hashed", "num_anonymous")
 
     def __init__(self) -> None:
-        self.hashed: list[BlockHash] = []
+        self.hashed: list[CachedBlock] = []
         self.num_anonymous = 0
 
     def __len__(self) -> int:
@@ -47,8 +66,11 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.events = events
-        self._ref: dict[BlockHash, int] = {}  # every hashed block, in use or free
-        self._free_cached: OrderedDict[BlockHash, None] = OrderedDict()  # ref 0, oldest first
+        self._blocks: dict[Hashable, CachedBlock] = {}  # every hashed block, in use or free
+        # The free LRU's two ends in one: its `newer` is the oldest free block, its `older`
+        # the newest (itself both when the LRU is empty).
+        self._lru = CachedBlock(None, 0)
+        self._num_free_cached = 0
         self._num_empty = num_blocks
         self.num_evictions = 0
 
@@ -62,49 +84,54 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: empty ones plus cached ones nobody uses."""
-        return self._num_empty + len(self._free_cached)
+        return self._num_empty + self._num_free_cached
 
     @property
     def num_used(self) -> int:
         # num_free inlined: the engine reads this on every decode catch-up.
-        return self.num_blocks - self._num_empty - len(self._free_cached)
+        return self.num_blocks - self._num_empty - self._num_free_cached
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_cached_prefix(self, hashes: Sequence[BlockHash], limit: int) -> int:
+    def num_cached_prefix(self, hashes: list[BlockHash], limit: int) -> int:
         """Leading blocks of `hashes` (at most `limit`) present in the cache."""
-        ref = self._ref
+        blocks, keys = self._blocks, _as_keys(hashes)
         n = 0
-        for h in hashes[:limit]:
-            if h not in ref:
+        for h in keys[:limit]:
+            if h not in blocks:
                 break
             n += 1
         return n
 
-    def num_free_after_hit(self, hashes: Sequence[BlockHash], num_hit: int) -> int:
+    def num_free_after_hit(self, hashes: list[BlockHash], num_hit: int) -> int:
         """Free blocks left once the first `num_hit` cached blocks of `hashes` are pinned."""
-        free_cached = self._free_cached
-        return self.num_free - sum(1 for h in hashes[:num_hit] if h in free_cached)
+        blocks, keys = self._blocks, _as_keys(hashes)
+        pinned = 0
+        for h in keys[:num_hit]:
+            if blocks[h].ref == 0:
+                pinned += 1
+        return self.num_free - pinned
 
     def is_cached(self, h: BlockHash) -> bool:
-        return h in self._ref
+        return h in self._blocks
 
     def cached_hashes(self) -> set[BlockHash]:
         """Every block with an identity: in use or free and still reusable."""
-        return set(self._ref)
+        return cast(set[BlockHash], set(self._blocks))
 
     # --------------------------------------------------------------- mutations
 
-    def pin_prefix(self, table: BlockTable, hashes: Sequence[BlockHash], num_hit: int) -> None:
+    def pin_prefix(self, table: BlockTable, hashes: list[BlockHash], num_hit: int) -> None:
         """Share the first `num_hit` cached blocks of `hashes` with a new sequence."""
         assert not len(table), "a prefix is pinned before anything else is allocated"
-        for h in hashes[:num_hit]:
-            ref = self._ref[h]
-            if ref == 0:
-                del self._free_cached[h]
-            self._ref[h] = ref + 1
-            table.hashed.append(h)
+        blocks, hashed = self._blocks, table.hashed
+        for h in _as_keys(hashes)[:num_hit]:
+            block = blocks[h]
+            if block.ref == 0:
+                self._unlink(block)
+            block.ref += 1
+            hashed.append(block)
 
     def allocate(self, table: BlockTable, num_new: int) -> None:
         """Give `table` `num_new` anonymous blocks, evicting the oldest free cached ones."""
@@ -112,70 +139,105 @@ class BlockManager:
         take_empty = min(num_new, self._num_empty)
         self._num_empty -= take_empty
         if num_new > take_empty:
-            # `last` by position: a keyword costs OrderedDict's argument parser more than the
-            # pop itself.
-            oldest = self._free_cached.popitem
-            evicted = [oldest(False)[0] for _ in range(num_new - take_empty)]
-            for h in evicted:
-                del self._ref[h]
+            blocks, lru = self._blocks, self._lru
+            evicted: list[Hashable] = []
+            for _ in range(num_new - take_empty):
+                oldest = lru.newer
+                self._unlink(oldest)
+                del blocks[oldest.hash]
+                evicted.append(oldest.hash)
             self.num_evictions += len(evicted)
             if self.events is not None:
-                self.events.removed(evicted)
+                self.events.removed(cast(list[BlockHash], evicted))
         table.num_anonymous += num_new
 
     def commit_full_blocks(
-        self, table: BlockTable, hashes: Sequence[BlockHash], num_computed_blocks: int
+        self, table: BlockTable, hashes: list[BlockHash], num_computed_blocks: int
     ) -> None:
         """Name the table's anonymous blocks that now hold full, computed prompt blocks.
 
         If another sequence computed the same block meanwhile, ours stays anonymous (a
         duplicate, as in vLLM) and the hashed run of this table ends there.
         """
-        ref, hashed = self._ref, table.hashed
+        blocks, hashed, lru, keys = self._blocks, table.hashed, self._lru, _as_keys(hashes)
         start = len(hashed)
-        stop = min(num_computed_blocks, len(hashes), start + table.num_anonymous)
+        # Two at a time: compiled, a min of three is a call into the interpreter.
+        stop = min(min(num_computed_blocks, len(keys)), start + table.num_anonymous)
         for i in range(start, stop):
-            h = hashes[i]
-            if h in ref:
+            h = keys[i]
+            if h in blocks:
                 break
-            ref[h] = 1
-            hashed.append(h)
+            block = blocks[h] = CachedBlock(h, 1, lru)
+            hashed.append(block)
         table.num_anonymous -= len(hashed) - start
         if self.events is not None and len(hashed) > start:
-            self.events.stored(hashed[start - 1] if start else None, hashed[start:])
+            parent = cast(BlockHash, hashed[start - 1].hash) if start else None
+            self.events.stored(parent, cast(list[BlockHash], [b.hash for b in hashed[start:]]))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody is using (vLLM's /reset_prefix_cache; also what a
         restarted server starts with). Returns how many were dropped."""
-        dropped = list(self._free_cached)
-        for h in dropped:
-            del self._ref[h]
-        self._free_cached.clear()
+        blocks, lru = self._blocks, self._lru
+        dropped: list[Hashable] = []
+        while lru.newer is not lru:
+            oldest = lru.newer
+            self._unlink(oldest)
+            del blocks[oldest.hash]
+            dropped.append(oldest.hash)
         self._num_empty += len(dropped)
         if self.events is not None and dropped:
-            self.events.removed(dropped)
+            self.events.removed(cast(list[BlockHash], dropped))
         return len(dropped)
 
     def free(self, table: BlockTable) -> None:
         """Release every block of `table`, tail first."""
         self._num_empty += table.num_anonymous
-        for h in reversed(table.hashed):
-            ref = self._ref[h] - 1
-            self._ref[h] = ref
-            if ref == 0:
-                self._free_cached[h] = None
+        lru = self._lru
+        for block in reversed(table.hashed):
+            block.ref -= 1
+            if block.ref == 0:  # the newest free block
+                newest = lru.older
+                block.older = newest
+                block.newer = lru
+                newest.newer = block
+                lru.older = block
+                self._num_free_cached += 1
         table.hashed.clear()
         table.num_anonymous = 0
 
+    def _unlink(self, block: CachedBlock) -> None:
+        """Take a free block out of the LRU (it is pinned again, or evicted)."""
+        older, newer = block.older, block.newer
+        older.newer = newer
+        newer.older = older
+        block.older = block.newer = self._lru
+        self._num_free_cached -= 1
+
     def check_integrity(self, tables: Sequence[BlockTable]) -> None:
-        refs: dict[BlockHash, int] = {}
+        refs: dict[Hashable, int] = {}
         for t in tables:
-            for h in t.hashed:
-                refs[h] = refs.get(h, 0) + 1
+            for b in t.hashed:
+                assert self._blocks.get(b.hash) is b, f"block {b.hash}: held but not cached"
+                refs[b.hash] = refs.get(b.hash, 0) + 1
         held = sum(t.num_anonymous for t in tables) + len(refs)  # a shared block counts once
         assert held == self.num_used, f"sequences hold {held} blocks, manager says {self.num_used}"
         assert self.num_used <= self.num_blocks, "more blocks used than exist"
-        for h, r in self._ref.items():
+        free: set[Hashable] = set()
+        lru = self._lru
+        b = lru.newer
+        while b is not lru:
+            assert b.newer.older is b, f"block {b.hash}: LRU links disagree"
+            free.add(b.hash)
+            b = b.newer
+        assert len(free) == self._num_free_cached, "free LRU and its count disagree"
+        for h, block in self._blocks.items():
+            r = block.ref
             assert refs.get(h, 0) == r, f"block {h}: ref {r}, held by {refs.get(h, 0)}"
-            assert (r == 0) == (h in self._free_cached), f"block {h}: ref {r} vs free list"
+            assert (r == 0) == (h in free), f"block {h}: ref {r} vs free list"
         assert self._num_empty >= 0, "negative empty count"
+
+
+def _as_keys(hashes: list[BlockHash]) -> list[Hashable]:
+    """`hashes` read as the dictionary keys they are: compiled, an int read from a list is
+    converted to a machine integer and back to a new object at every lookup."""
+    return cast(list[Hashable], hashes)

@@ -714,8 +714,10 @@ class Engine:
         1's, which are allocated."""
         if not self.config.fast_forward:
             return 1
-        limit = min(seq.output_len - seq.num_output for seq, _ in batch)
-        limit = min(limit, self.config.max_run_steps)
+        # Two at a time: compiled, a min over a generator is a call into the interpreter.
+        limit = self.config.max_run_steps
+        for seq, _ in batch:
+            limit = min(limit, seq.output_len - seq.num_output)
         bs = self.config.block_size
         if free is None:
             free = self.blocks.num_free

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -67,27 +68,25 @@ def service_curves(
 ) -> ServiceCurves:
     end = max((r.finish for r in records), default=0.0)
     times = np.arange(0.0, end + step, step)
-    clients = sorted({r.client for r in records})
+    by_client: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        by_client.setdefault(r.client, []).append(r)
+    clients = sorted(by_client)
     service = np.zeros((len(clients), len(times)))
     backlogged = np.zeros((len(clients), len(times)), dtype=bool)
     for i, client in enumerate(clients):
-        rs = [r for r in records if r.client == client]
+        rs = by_client[client]
+        # A column at a time: a tuple per record, transposed, cost more than the curves.
         arrival, admitted, first, finish, prompt, output, weight = (
-            np.array(col, dtype=np.float64)
-            for col in zip(
-                *[
-                    (
-                        r.arrival,
-                        r.admitted,
-                        r.first_token,
-                        r.finish,
-                        r.prompt_tokens,
-                        r.output_tokens,
-                        r.weight,
-                    )
-                    for r in rs
-                ],
-                strict=True,
+            np.fromiter(map(attrgetter(name), rs), dtype=np.float64, count=len(rs))
+            for name in (
+                "arrival",
+                "admitted",
+                "first_token",
+                "finish",
+                "prompt_tokens",
+                "output_tokens",
+                "weight",
             )
         )
         service[i] = _steps(times, admitted, w_in * prompt / weight)

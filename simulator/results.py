@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
 from router.classes import REFUSAL_REASONS, ClassTable
-from router.records import RecordWriter, Refusal, RequestRecord, service
+from router.records import RecordWriter, Refusal, RequestRecord, weighted_tokens
 
 
 @dataclass(slots=True)
@@ -29,7 +30,45 @@ class WorkerRecord:
     role: str = "mixed"  # router.traits.Role
 
 
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
+def worker_dict(worker: WorkerRecord) -> dict[str, object]:
+    """`dataclasses.asdict` of a worker's record, whose fields are all plain values: asdict
+    copies each one deeply, a thousandth of a second per worker."""
+    return {name: getattr(worker, name) for name in _WORKER_FIELDS}
+
+
+_WORKER_FIELDS = tuple(f.name for f in fields(WorkerRecord))
+
+
+class _Columns:
+    """The records' fields as arrays, each read once: a pass over every record for each
+    figure cost more than the last seconds of a large run."""
+
+    _INTS = ("prompt_tokens", "cached_tokens", "output_tokens", "preemptions")
+
+    def __init__(self, records: Sequence[RequestRecord]) -> None:
+        self._records = records
+        self.arrival, self.admitted, self.first_token, self.finish, self.weight = (
+            self._read(name, np.float64)
+            for name in ("arrival", "admitted", "first_token", "finish", "weight")
+        )
+        self.prompt_tokens, self.cached_tokens, self.output_tokens, self.preemptions = (
+            self._read(name, np.int64) for name in self._INTS
+        )
+
+    def _read(self, name: str, dtype: type) -> np.ndarray:
+        records = self._records
+        return np.fromiter(map(attrgetter(name), records), dtype=dtype, count=len(records))
+
+    def total(self, *names: str) -> list[int]:
+        return [int(getattr(self, name).sum()) for name in names]
+
+    def tpot(self) -> np.ndarray:
+        """RequestRecord.tpot of those that have one (more than one output token)."""
+        more = self.output_tokens > 1
+        return (self.finish[more] - self.first_token[more]) / (self.output_tokens[more] - 1)
+
+
+def _stats(values: Sequence[float] | np.ndarray) -> dict[str, float | None]:
     if len(values) == 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     a = np.asarray(values, dtype=np.float64)
@@ -55,14 +94,14 @@ def summarize(
     classes: ClassTable | None = None,
     refusals: Sequence[Refusal] = (),
 ) -> dict[str, object]:
-    prompt = sum(r.prompt_tokens for r in records)
-    cached = sum(r.cached_tokens for r in records)
-    output = sum(r.output_tokens for r in records)
-    span = (max(r.finish for r in records) - min(r.arrival for r in records)) if records else 0.0
-
-    by_client: dict[str, list[RequestRecord]] = {}
-    for r in records:
-        by_client.setdefault(r.client, []).append(r)
+    cols = _Columns(records)
+    prompt, cached, output = cols.total("prompt_tokens", "cached_tokens", "output_tokens")
+    span = float(cols.finish.max() - cols.arrival.min()) if records else 0.0
+    ttft, e2e = cols.first_token - cols.arrival, cols.finish - cols.arrival
+    # Each client's records by position, in the order they came.
+    by_client: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_client.setdefault(r.client, []).append(i)
     from simulator.fairness import (
         jain_while_backlogged,
         max_service_gap,
@@ -89,39 +128,42 @@ def summarize(
         c: [float(fine.backlogged[i, k : k + 10].mean()) for k in range(0, len(fine.times) - 1, 10)]
         for i, c in enumerate(fine.clients)
     }
+    # Divided by the weight, as VTC's counters and the service curves count it: equal figures
+    # mean each client got its weighted share. (weighted_tokens' arithmetic, on arrays.)
+    tokens = weighted_tokens(cols.prompt_tokens, cols.output_tokens)  # type: ignore[arg-type]
+    weighted = tokens / cols.weight
     per_client = {
         client: {
-            "requests": len(rs),
-            "weight": rs[0].weight,
-            # Divided by the weight, as VTC's counters and the service curves count it: equal
-            # figures mean each client got its weighted share.
-            "service": sum(service(r) / r.weight for r in rs),
-            "prompt_tokens": sum(r.prompt_tokens for r in rs),
-            "output_tokens": sum(r.output_tokens for r in rs),
+            "requests": len(at),
+            "weight": records[at[0]].weight,
+            # Summed one by one, in order, as a running total would be.
+            "service": sum(weighted[at].tolist()),
+            "prompt_tokens": int(cols.prompt_tokens[at].sum()),
+            "output_tokens": int(cols.output_tokens[at].sum()),
             "backlogged_seconds": float(backlogged_s[client]),
             "window_seconds": window,
             "service_by_window": windows[client],
             "backlogged_by_window": backlog[client][: len(windows[client])],
-            "ttft": _stats([r.ttft for r in rs]),
-            "e2e": _stats([r.e2e for r in rs]),
+            "ttft": _stats(ttft[at]),
+            "e2e": _stats(e2e[at]),
         }
-        for client, rs in sorted(by_client.items())
+        for client, at in sorted(by_client.items())
     }
     group_of = {w.id: w.group for w in workers if w.group is not None}
-    by_group: dict[str, list[RequestRecord]] = {g: [] for g in dict.fromkeys(group_of.values())}
-    for r in records:
+    by_group: dict[str, list[int]] = {g: [] for g in dict.fromkeys(group_of.values())}
+    for i, r in enumerate(records):
         if r.worker in group_of:
-            by_group[group_of[r.worker]].append(r)
+            by_group[group_of[r.worker]].append(i)
     work = [w.tokens_processed for w in workers]
     mean_work = float(np.mean(work)) if work else 0.0
     out = {
         "config": config,
         "completed": len(records),
         "total": total,
-        "ttft": _stats([r.ttft for r in records]),
-        "tpot": _stats([t for r in records if (t := r.tpot) is not None]),
-        "e2e": _stats([r.e2e for r in records]),
-        "queue_time": _stats([r.queue_time for r in records]),
+        "ttft": _stats(ttft),
+        "tpot": _stats(cols.tpot()),
+        "e2e": _stats(e2e),
+        "queue_time": _stats(cols.admitted - cols.arrival),
         "throughput": {
             "requests_per_s": len(records) / span if span > 0 else None,
             "output_tokens_per_s": output / span if span > 0 else None,
@@ -131,18 +173,18 @@ def summarize(
             "hit_rate": cached / prompt if prompt else 0.0,
             "bound": cache_bound,
         },
-        "preemptions": sum(r.preemptions for r in records),
+        "preemptions": cols.total("preemptions")[0],
         "adapter_loads": sum(w.adapter_loads for w in workers),
         "model_groups": {
             group: {
                 "workers": sum(1 for g in group_of.values() if g == group),
-                "requests": len(rs),
-                "ttft": _stats([r.ttft for r in rs]),
+                "requests": len(at),
+                "ttft": _stats(ttft[at]),
             }
-            for group, rs in by_group.items()
+            for group, at in by_group.items()
         },
         "load_imbalance": (max(work) / mean_work) if mean_work else None,
-        "workers": [asdict(w) for w in workers],
+        "workers": [worker_dict(w) for w in workers],
         "per_client": per_client,
         "fairness": {
             "jain": jain_while_backlogged(fine),
