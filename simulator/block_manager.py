@@ -164,10 +164,9 @@ class BlockManager:
         # Two at a time: compiled, a min of three is a call into the interpreter.
         stop = min(min(num_computed_blocks, len(keys)), start + table.num_anonymous)
         for i in range(start, stop):
-            h = keys[i]
-            if h in blocks:
+            block = CachedBlock(keys[i], 1, lru)
+            if blocks.setdefault(block.hash, block) is not block:  # computed meanwhile
                 break
-            block = blocks[h] = CachedBlock(h, 1, lru)
             hashed.append(block)
         table.num_anonymous -= len(hashed) - start
         if self.events is not None and len(hashed) > start:

@@ -594,10 +594,9 @@ class SimCluster:
             while due and due[0][0] <= now:
                 engines[heappop(due)[1]].sync(now)
             return
-        due_at = self._due_at
         while due and due[0][0] <= now:
             end, wid = heappop(due)
-            if due_at(engines[wid]) == end:  # else stale: syncing would apply steps mid-run
+            if self._due_at(engines[wid]) == end:  # else stale: syncing would apply mid-run
                 engines[wid].sync(now)
 
     def _sync_all(self, now: float) -> None:
