@@ -30,7 +30,7 @@ class WorkerRecord:
     role: str = "mixed"  # router.traits.Role
 
 
-def worker_dict(worker: WorkerRecord) -> dict[str, object]:
+def _worker_dict(worker: WorkerRecord) -> dict[str, object]:
     """`dataclasses.asdict` of a worker's record, whose fields are all plain values: asdict
     copies each one deeply, a thousandth of a second per worker."""
     return {name: getattr(worker, name) for name in _WORKER_FIELDS}
@@ -40,8 +40,9 @@ _WORKER_FIELDS = tuple(f.name for f in fields(WorkerRecord))
 
 
 class _Columns:
-    """The records' fields as arrays, each read once: a pass over every record for each
-    figure cost more than the last seconds of a large run."""
+    """The records' fields as arrays, each read once: the summary's figures are then array
+    operations, where a Python pass over the records for each took longer than the last
+    simulated seconds of a large run."""
 
     _INTS = ("prompt_tokens", "cached_tokens", "output_tokens", "preemptions")
 
@@ -184,7 +185,7 @@ def summarize(
             for group, at in by_group.items()
         },
         "load_imbalance": (max(work) / mean_work) if mean_work else None,
-        "workers": [worker_dict(w) for w in workers],
+        "workers": [_worker_dict(w) for w in workers],
         "per_client": per_client,
         "fairness": {
             "jain": jain_while_backlogged(fine),
