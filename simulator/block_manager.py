@@ -139,13 +139,7 @@ class BlockManager:
         take_empty = min(num_new, self._num_empty)
         self._num_empty -= take_empty
         if num_new > take_empty:
-            blocks, lru = self._blocks, self._lru
-            evicted: list[Hashable] = []
-            for _ in range(num_new - take_empty):
-                oldest = lru.newer
-                self._unlink(oldest)
-                del blocks[oldest.hash]
-                evicted.append(oldest.hash)
+            evicted = [self._drop_oldest() for _ in range(num_new - take_empty)]
             self.num_evictions += len(evicted)
             if self.events is not None:
                 self.events.removed(cast(list[BlockHash], evicted))
@@ -176,13 +170,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody is using (vLLM's /reset_prefix_cache; also what a
         restarted server starts with). Returns how many were dropped."""
-        blocks, lru = self._blocks, self._lru
-        dropped: list[Hashable] = []
-        while lru.newer is not lru:
-            oldest = lru.newer
-            self._unlink(oldest)
-            del blocks[oldest.hash]
-            dropped.append(oldest.hash)
+        dropped = [self._drop_oldest() for _ in range(self._num_free_cached)]
         self._num_empty += len(dropped)
         if self.events is not None and dropped:
             self.events.removed(cast(list[BlockHash], dropped))
@@ -203,6 +191,13 @@ class BlockManager:
                 self._num_free_cached += 1
         table.hashed.clear()
         table.num_anonymous = 0
+
+    def _drop_oldest(self) -> Hashable:
+        """Forget the oldest free cached block (evicted, or reset); its hash."""
+        oldest = self._lru.newer
+        self._unlink(oldest)
+        del self._blocks[oldest.hash]
+        return oldest.hash
 
     def _unlink(self, block: CachedBlock) -> None:
         """Take a free block out of the LRU (it is pinned again, or evicted)."""

@@ -60,9 +60,6 @@ class _Columns:
         records = self._records
         return np.fromiter(map(attrgetter(name), records), dtype=dtype, count=len(records))
 
-    def total(self, *names: str) -> list[int]:
-        return [int(getattr(self, name).sum()) for name in names]
-
     def tpot(self) -> np.ndarray:
         """RequestRecord.tpot of those that have one (more than one output token)."""
         more = self.output_tokens > 1
@@ -96,7 +93,8 @@ def summarize(
     refusals: Sequence[Refusal] = (),
 ) -> dict[str, object]:
     cols = _Columns(records)
-    prompt, cached, output = cols.total("prompt_tokens", "cached_tokens", "output_tokens")
+    prompt, cached = int(cols.prompt_tokens.sum()), int(cols.cached_tokens.sum())
+    output = int(cols.output_tokens.sum())
     span = float(cols.finish.max() - cols.arrival.min()) if records else 0.0
     ttft, e2e = cols.first_token - cols.arrival, cols.finish - cols.arrival
     # Each client's records by position, in the order they came.
@@ -174,7 +172,7 @@ def summarize(
             "hit_rate": cached / prompt if prompt else 0.0,
             "bound": cache_bound,
         },
-        "preemptions": cols.total("preemptions")[0],
+        "preemptions": int(cols.preemptions.sum()),
         "adapter_loads": sum(w.adapter_loads for w in workers),
         "model_groups": {
             group: {
