@@ -241,6 +241,20 @@ class _Run:
 _INF: Final = float("inf")
 
 
+def decode_steps_within(computed: list[int], block_size: int, free: int) -> int:
+    """The most decode steps sequences with `computed` tokens each can run, a token each per
+    step, taking at most `free` new blocks between them.
+
+    A sequence with `room` tokens left in its last block takes a new block at its room-plus-
+    first step, then one every `block_size` steps. So d = q x block_size + t steps (t below
+    block_size) take q blocks of every sequence and one more of each whose room is below t:
+    with `free` = q x n + left, the most is q full rounds and t up to rooms[left], the rooms
+    sorted. One sort, where a search over d would sum every sequence's blocks at each probe."""
+    rooms = sorted([-c % block_size for c in computed])
+    rounds, left = divmod(free, len(rooms))
+    return rounds * block_size + rooms[left]
+
+
 def _lowest_priority(seq: Seq) -> tuple[int, float]:
     return seq.req.priority, seq.req.arrival
 
@@ -723,20 +737,8 @@ class Engine:
             free = self.blocks.num_free
         if len(batch) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
-        blocks_for = self.blocks.blocks_for
-        after_step_1 = [seq.num_computed + num_new for seq, num_new in batch]
-
-        def extra_blocks(steps: int) -> int:  # blocks needed beyond step 1's, for `steps` steps
-            return sum(blocks_for(c + steps - 1) - blocks_for(c) for c in after_step_1)
-
-        lo, hi = 1, limit  # find the last step count that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if extra_blocks(mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        computed = [seq.num_computed + num_new for seq, num_new in batch]
+        return min(limit, decode_steps_within(computed, bs, free) + 1)
 
     def _shape(self, batch: list[tuple[Seq, int]]) -> StepShape:
         num_tokens = kv_read = num_decodes = 0

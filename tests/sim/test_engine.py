@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import random
 from collections import Counter
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ from policies.fcfs import FCFS
 from router.cost_model import StepShape, roofline
 from router.request import Request, hash_token_blocks
 from simulator.driver import SimConfig, simulate
-from simulator.engine import Engine, EngineConfig, EngineListener, Seq
+from simulator.engine import Engine, EngineConfig, EngineListener, Seq, decode_steps_within
 from simulator.listener import ListenerDefaults
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace
@@ -83,6 +84,24 @@ class TestPreemption:
     def test_a_request_larger_than_memory_is_a_clear_error(self) -> None:
         with pytest.raises(RuntimeError, match="needs more KV blocks"):
             run([req(0, 0.0, list(range(200)), 2)], num_kv_blocks=4)
+
+
+def test_decode_steps_within_is_the_longest_run_that_fits() -> None:
+    """The closed form a decode run's length is planned with, against counting each
+    sequence's blocks step by step: the last step count whose new blocks fit."""
+    rng = random.Random(7)
+
+    def new_blocks(computed: list[int], bs: int, steps: int) -> int:
+        return sum(-(-(c + steps) // bs) - -(-c // bs) for c in computed)
+
+    for _ in range(3000):
+        bs = rng.choice((1, 2, 16, 512))
+        computed = [rng.randint(1, 3 * bs + 5) for _ in range(rng.randint(1, 9))]
+        free = rng.randint(0, 4 * len(computed))
+        most = 0
+        while new_blocks(computed, bs, most + 1) <= free:
+            most += 1
+        assert decode_steps_within(computed, bs, free) == most, (computed, bs, free)
 
 
 class TestFastForward:
