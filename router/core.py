@@ -359,7 +359,9 @@ class Router:
         `credited`: the worker's load already counts them (`work_done_on`)."""
         flights, counts_tokens = self._flights, self._policy_counts_tokens
         hooks = counts_tokens or self._queues_count_tokens
-        worker, done_there = None, 0  # a batch is one worker's: its load changes once
+        # A batch is one worker's: its load changes once. Ids, not None, for "none yet": an
+        # optional int is a boxed object, compared and boxed again per sequence.
+        worker, done_there = -1, 0
         counted: list[Request] = []  # for the policy, in one call per worker as well
         counted_on: WorkerId | None = None
         for request in requests:  # per sequence per step: plain arithmetic (a min() was 5 %)
@@ -372,7 +374,8 @@ class Router:
                 flight.remaining = remaining - done
                 if not credited:
                     if flight.worker != worker:
-                        self.load.credit(worker, done_there)
+                        if done_there:
+                            self.load.credit(worker, done_there)
                         worker, done_there = flight.worker, 0
                     done_there += done
             if hooks:
@@ -389,7 +392,8 @@ class Router:
                     self._hook(stage.on_token, request, num_tokens)
         if counted:
             self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
-        self.load.credit(worker, done_there)
+        if done_there:
+            self.load.credit(worker, done_there)
 
     def finish(
         self, request: Request, now: float, cached_tokens: int | None = None
