@@ -292,7 +292,9 @@ class SimCluster:
         placements = _placements(config, trace.block_size, cost)
         cost = placements[0].cost if cost is None else cost
         self.trace, self.cost, self.config = trace, cost, config
-        self.env = simpy.Environment()
+        # A float clock from the start: SimPy's default is the int 0, which compiled code
+        # converts where a time is declared float and plain Python writes to a record as "0".
+        self.env = simpy.Environment(initial_time=0.0)
         self.policy: GlobalPolicy = self._global_policy()
         default_local: str = getattr(self.policy, "default_local", "fcfs")
         local_name = config.local_policy or default_local
