@@ -10,45 +10,52 @@ requests waiting inside the server, KV blocks used) and the transport: it sends 
 returns as released, and tells the router what came back. Everything a policy sees is computed
 here from those events, so the same events give the same decisions in both backends.
 
-The Router keeps the sequence and the requests in flight; each other concern is a part of its
-own, composed here:
+The Router keeps the sequence (route, release, finish, withdraw) and the requests in flight;
+each other concern is a part of its own, composed here:
 
-    pools    router.pools     which workers a request may go to (model groups, split pools)
-    indexes  router.indexes   what routing believes each worker holds, and what it computed
-    latency  router.latency   predicted TTFT, routing by latency targets, admission control
-    load     router.load      each worker's load figures, exact from the router's own events
-    adapters router.adapters  which LoRA adapters each worker holds
-    decode   router.decode    where a split request decodes (its second decision)
+    roster       router.roster       the workers, their queues and health; what they report
+    pools        router.pools        which workers a request may go to (model groups, split pools)
+    indexes      router.indexes      what routing believes each worker holds, and what it computed
+    latency      router.latency      predicted TTFT, routing by latency targets, admission control
+    load         router.load         each worker's load figures, exact from the router's own events
+    progress     router.progress     each request's work left as its tokens come; token hooks
+    handoff      router.handoff      a split request's move to its decode worker (router.decode)
+    adapters     router.adapters     which LoRA adapters each worker holds
+    replication  router.replication  what replicas share: indexes and policies' counters
+    hooks        router.hooks        running a policy's hooks, strict or forgiving
+
+A driver calls the Router alone; the Router's methods for membership, progress and replicas hand
+the call to their part.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
 from mypy_extensions import mypyc_attr
 
 from router.adapters import AdapterSlots
-from router.bands import Banded
 from router.classes import QUEUE_TIME
 from router.config import RouterConfig
-from router.decode import choose_decode
 from router.dispatch import DispatchQueue
 from router.drift import DriftGuard
 from router.flight import Flight, Handoff, Routed
+from router.handoff import DecodeHandoff
+from router.hooks import Hooks
 from router.indexes import Indexes
 from router.latency import LatencyTargets
-from router.ledger import Ledger, ledgers_of
+from router.ledger import Ledger
 from router.load import Load
 from router.policy import GlobalPolicy, LocalPolicy
 from router.pools import Pools
 from router.prefix_index import PrefixIndex, WorkerId
+from router.progress import Progress
+from router.replication import Replication
 from router.request import Request
+from router.roster import Roster
 from router.traits import IndexLevel, Role
-from router.view import ClusterView, WorkerState
-
-log = logging.getLogger(__name__)
+from router.view import ClusterView
 
 
 @mypyc_attr(native_class=False)  # compiled, a class may not extend a builtin exception
@@ -58,18 +65,18 @@ class NoHealthyWorker(RuntimeError):
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # a test records a driver's calls in one
 class Router:
-    """Routing, indexes, per-worker dispatch queues, load accounting and policy hooks.
+    """The routing sequence over its parts, and the one object a driver calls.
 
     `config` (router.config.RouterConfig) holds every setting; `policy` routes, and each
     worker's queue gets its own discipline from `local_factory`. With `config.window` None the
     engine's own scheduler runs the discipline (the simulator's engine placement). Strict
     configs re-raise what a policy hook raises; live, a faulty hook is logged and counted, and
-    the request goes on.
+    the request goes on (router.hooks).
 
     Split fleets (router.traits.Role): a request is routed among the workers that prefill
     (mixed and prefill ones) by the global policy, unchanged. On a prefill worker it computes
     its prompt only (the driver sends it with max_tokens 1); `prefilled` then ends that stage
-    and queues it on a decode worker (router.decode), whose queue discipline orders it there.
+    and queues it on a decode worker (router.handoff), whose queue discipline orders it there.
     Every policy hook names the prefill worker, which is charged the whole request (router.decode
     says why).
     """
@@ -82,9 +89,8 @@ class Router:
     ) -> None:
         self.config = config
         self.policy = policy
-        # Token hooks run once per sequence per step: skip the ones that do nothing.
-        self._policy_counts_tokens = policy.traits.counts_tokens
         self.local_factory = local_factory
+        self.hooks = Hooks(config.strict)
         # Tracked: every change to a worker's state or index holdings below calls
         # view.changed, so policies' orders (least loaded, ...) are re-keyed, not rescanned.
         self.view = ClusterView(
@@ -100,21 +106,33 @@ class Router:
         self.latency = LatencyTargets(self.view, config)
         self.load = Load(self.view)
         self.adapters = AdapterSlots(config.adapter_load_time, config.adapter_affinity)
+        self.roster = Roster(
+            config, local_factory, self.view, self.pools, self.indexes, self.latency, self.load,
+            self.adapters,
+        )  # fmt: skip
+        self.queues = self.roster.queues
+        self._flights: dict[int, Flight] = {}
+        self.progress = Progress(self._flights, policy, self.load, self.latency, self.hooks)
+        self.handoff = DecodeHandoff(
+            config.decode_slack, self.view, self.pools, self.queues, self.indexes, self.load
+        )
+        self.replication = Replication(policy, self.queues, self.indexes)
         self.classes = self.latency.classes
         self.banded = config.is_banded
         self._predicts_latency = config.predicts_latency
         self.drift: DriftGuard | None = None  # set by a driver that hears actual hits
-        self.queues: dict[WorkerId, DispatchQueue] = {}
-        self._flights: dict[int, Flight] = {}
-        self._queues_count_tokens = False  # any worker's queue discipline (set as they join)
         self.decisions: Counter[str] = Counter()  # by the policy's stated reason
         self.routed: Counter[WorkerId] = Counter()
-        self.handoffs: Counter[WorkerId] = Counter()  # by decode worker
+        self.handoffs = self.handoff.handoffs  # by decode worker
         self.refusals = self.latency.refusals  # (class, reason)
         self.predicted_hit_tokens = 0  # what routing expected to be cached, capped as engines cap
-        self.hook_errors = 0
 
-    # ------------------------------------------------------------ membership
+    @property
+    def hook_errors(self) -> int:
+        """Policy hooks that raised (live; a strict config stops at the first)."""
+        return self.hooks.errors
+
+    # ------------------------------------------------------------ membership (router.roster)
 
     def add_worker(
         self,
@@ -126,63 +144,26 @@ class Router:
     ) -> DispatchQueue:
         """`model`: the model group it serves (None: the fleet's one model); `adapter_slots`:
         how many LoRA adapters it holds at once (0: no limit); `role`: router.traits.Role."""
-        if wid in self.queues:
-            raise ValueError(f"worker {wid} is already known")
-        role = Role(role)
-        if self.banded:
-            discipline: LocalPolicy = Banded(self.local_factory, self.classes.priorities())
-        else:
-            discipline = self.local_factory()
-        queue = DispatchQueue(wid, discipline, self.config.window, banded=self.banded)
-        self.queues[wid] = queue
-        self._queues_count_tokens |= queue.counts_tokens
-        if kv_capacity_blocks is None:
-            kv_capacity_blocks = self.config.kv_capacity_blocks
-        state = WorkerState(
-            wid, kv_capacity_blocks=kv_capacity_blocks, model=model, role=role.value
-        )
-        self.view.workers[wid] = state
-        self.pools.add(state)
-        self.latency.add_worker(wid)
-        self.adapters.add_worker(wid, adapter_slots)
-        self.view.changed(wid)
-        self.view.roster_changed()
+        queue = self.roster.add(wid, kv_capacity_blocks, model, adapter_slots, role)
+        self.progress.queue_added(queue)
         return queue
 
     def worker_down(self, wid: WorkerId, now: float) -> list[Request]:
         """Stop routing to `wid` and forget what it cached. Its queued requests are withdrawn
         (uncharged) and returned for the driver to send elsewhere or fail; those in flight stay
         until the driver finishes them."""
-        state = self.view.workers.get(wid)
-        if state is None or not state.healthy:
-            return []
-        state.healthy = False
-        self.view.changed(wid)
-        self.view.roster_changed()
-        self.indexes.remove_worker(wid)
-        self.adapters.report(wid, ())  # a server that comes back has loaded none
-        queued = list(self.queues[wid].discipline)
+        queued = self.roster.down(wid)
         for request in queued:
             self.withdraw(request, now)
         return queued
 
     def worker_up(self, wid: WorkerId) -> None:
-        if wid in self.view.workers:
-            self.view.workers[wid].healthy = True
-            self.view.changed(wid)
-            self.view.roster_changed()
+        self.roster.up(wid)
 
     def remove_worker(self, wid: WorkerId, now: float) -> list[Request]:
         """As `worker_down`, then forget the worker; its requests in flight may still finish."""
         queued = self.worker_down(wid, now)
-        self.queues.pop(wid, None)
-        self.pools.remove(wid)
-        self.adapters.remove_worker(wid)
-        self.view.workers.pop(wid, None)
-        self.view.changed(wid)
-        self.view.roster_changed()
-        self.load.forget(wid)
-        self.latency.remove_worker(wid)
+        self.roster.remove(wid)
         return queued
 
     def report(
@@ -194,8 +175,7 @@ class Router:
         kv_capacity_blocks: int | None = None,
     ) -> None:
         """What a worker says of itself (vLLM's gauges live, the engine in the simulator)."""
-        if self.load.report(wid, waiting, kv_used_blocks, kv_capacity_blocks):
-            self._count(wid)
+        self.roster.report(wid, waiting, kv_used_blocks, kv_capacity_blocks)
 
     # --------------------------------------------------------------- routing
 
@@ -251,7 +231,7 @@ class Router:
         self._flights[request.id] = flight
         self.load.add(wid, work)
         load = request.adapter is not None and not self.adapters.use(wid, request.adapter)
-        self._hook(self.policy.on_dispatch, request, wid, view)
+        self.hooks.run(self.policy.on_dispatch, request, wid, view)
         queue.push(request)
         released = self._release(wid, now)
         approximate_hit = approximate if self.indexes.approximate is not None else hit
@@ -275,31 +255,18 @@ class Router:
             raise ValueError(f"request {request.id} is not a split request at its prefill")
         self._observe_hit(flight, cached_tokens, now)
         prefill = flight.worker
-        self._work_done(flight, flight.remaining)
+        self.progress.done(flight, flight.remaining)
         self.latency.prefilled(flight)
-        self._hook(flight.queue.handed_off, request)
+        self.hooks.run(flight.queue.handed_off, request)
         released_prefill = self._release(prefill, now)
-        among = self.pools.decode_pool(request, exclude)
-        if among is None:
+        decode = self.handoff.hand_off(flight, now, exclude)
+        if decode is None:
             del self._flights[request.id]
-            self._hook(flight.queue.done_elsewhere, request)
+            self.hooks.run(flight.queue.done_elsewhere, request)
             self.view.now = now
-            self._hook(self.policy.on_finish, request, flight.charged_to, self.view)
+            self.hooks.run(self.policy.on_finish, request, flight.charged_to, self.view)
             return Handoff(None, released_prefill, [])
-        among.now = now
-        wid = choose_decode(request, among, self.config.decode_slack)
-        flight.prefill_queue = flight.queue
-        flight.worker, flight.queue = wid, self.queues[wid]
-        flight.split, flight.handed_off, flight.released = False, True, False
-        flight.remaining = request.output_len
-        self.load.add(wid, request.output_len)
-        self.handoffs[wid] += 1
-        # It holds the prompt's KV from now on: a later turn's decode may reuse it, and its
-        # queue discipline sees it as computed.
-        self.indexes.believe(request.prompt_blocks(self.view.block_size), wid, now)
-        self.indexes.computed(request, wid, now)
-        flight.queue.push(request)
-        return Handoff(wid, released_prefill, self._release(wid, now))
+        return Handoff(decode, released_prefill, self._release(decode, now))
 
     # ------------------------------------------------------ latency targets
 
@@ -327,20 +294,14 @@ class Router:
         self.latency.refused(request, QUEUE_TIME)
         return self._end(flight, now, self.policy.on_withdraw)
 
-    # ------------------------------------------------------------- progress
+    # ------------------------------------------------------ progress (router.progress)
 
     def first_token(self, request: Request, now: float) -> None:
-        flight = self._flights.get(request.id)
-        if flight is None:
-            return
-        if not flight.handed_off:  # its prompt is done (a decode worker had none to do)
-            self._work_done(flight, min(request.prompt_len, flight.remaining))
-        self.latency.prefilled(flight)
-        self._hook(self.policy.on_first_token, request, flight.charged_to, now)
+        self.progress.first_token(request, now)
 
     def tokens(self, request: Request, num_tokens: int, now: float) -> None:
         """`num_tokens` more output tokens (negative: a correction to an earlier estimate)."""
-        self.tokens_many((request,), num_tokens, now)
+        self.progress.tokens_many((request,), num_tokens, now, False)
 
     def work_done_on(
         self, wid: WorkerId, num_tokens: int, kv_used_blocks: int | None = None
@@ -349,7 +310,7 @@ class Router:
         part-way through a decode run, with its KV use (as `report` would take it) since
         nothing else moves. `tokens_many(..., credited=True)` settles the tokens on their
         requests later, without counting them on the worker again."""
-        self.load.credit(wid, num_tokens, kv_used_blocks)
+        self.progress.work_done_on(wid, num_tokens, kv_used_blocks)
 
     def tokens_many(
         self, requests: Iterable[Request], num_tokens: int, now: float, credited: bool = False
@@ -357,43 +318,9 @@ class Router:
         """`num_tokens` more for each of `requests`: a simulated engine's batch, one call per
         step or run applied (the hot path of a simulation: hooks that do nothing are skipped).
         `credited`: the worker's load already counts them (`work_done_on`)."""
-        flights, counts_tokens = self._flights, self._policy_counts_tokens
-        hooks = counts_tokens or self._queues_count_tokens
-        # A batch is one worker's: its load changes once. Ids, not None, for "none yet": an
-        # optional int is a boxed object, compared and boxed again per sequence.
-        worker, done_there = -1, 0
-        counted: list[Request] = []  # for the policy, in one call per worker as well
-        counted_on: WorkerId | None = None
-        for request in requests:  # per sequence per step: plain arithmetic (a min() was 5 %)
-            flight = flights.get(request.id)
-            if flight is None:
-                continue
-            remaining = flight.remaining
-            done = num_tokens if num_tokens < remaining else remaining
-            if done > 0:
-                flight.remaining = remaining - done
-                if not credited:
-                    if flight.worker != worker:
-                        if done_there:
-                            self.load.credit(worker, done_there)
-                        worker, done_there = flight.worker, 0
-                    done_there += done
-            if hooks:
-                if counts_tokens:
-                    if flight.charged_to != counted_on:
-                        if counted:
-                            self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
-                        counted, counted_on = [], flight.charged_to
-                    counted.append(request)
-                if flight.released and flight.queue.counts_tokens:
-                    self._hook(flight.queue.on_token, request, num_tokens)
-                stage = flight.prefill_queue
-                if stage is not None and stage.counts_tokens:
-                    self._hook(stage.on_token, request, num_tokens)
-        if counted:
-            self._hook(self.policy.on_tokens, counted, counted_on, num_tokens, now)
-        if done_there:
-            self.load.credit(worker, done_there)
+        self.progress.tokens_many(requests, num_tokens, now, credited)
+
+    # ------------------------------------------------------------------ ending
 
     def finish(
         self, request: Request, now: float, cached_tokens: int | None = None
@@ -418,16 +345,16 @@ class Router:
         if flight is None or flight.released:
             return False
         del self._flights[request.id]
-        self._work_done(flight, flight.remaining)
+        self.progress.done(flight, flight.remaining)
         self.latency.prefilled(flight)
-        self._hook(flight.queue.withdraw, request)
-        self._count(flight.worker)
+        self.hooks.run(flight.queue.withdraw, request)
+        self.roster.count(flight.worker)
         self.view.now = now
         # Withdrawn from a decode queue, it did run: its prefill is charged, as a finish.
         if flight.prefill_queue is not None:
-            self._hook(flight.prefill_queue.done_elsewhere, request)
+            self.hooks.run(flight.prefill_queue.done_elsewhere, request)
         hook = self.policy.on_finish if flight.handed_off else self.policy.on_withdraw
-        self._hook(hook, request, flight.charged_to, self.view)
+        self.hooks.run(hook, request, flight.charged_to, self.view)
         return True
 
     def prediction(self, request: Request) -> int | None:
@@ -440,21 +367,16 @@ class Router:
         flight = self._flights.get(request.id)
         return flight is not None and flight.released
 
-    # ------------------------------------------------------------- replicas
+    # --------------------------------------------------- replicas (router.replication)
 
     def share_indexes(self, other: Router) -> None:
         """Route by `other`'s approximate and held indexes (replicas sharing one store)."""
-        self.indexes.share(other.indexes)
+        self.replication.share_indexes(other.replication)
 
     def ledgers(self) -> dict[tuple[object, ...], Ledger]:
         """The shareable counters of this router's policies: the global policy's, and each
         worker's queue discipline's (keyed so that replicas' keys for the same thing match)."""
-        out: dict[tuple[object, ...], Ledger] = {
-            ("global", name): ledger for name, ledger in ledgers_of(self.policy).items()
-        }
-        for queue in self.queues.values():
-            out.update(queue.ledgers())
-        return out
+        return self.replication.ledgers()
 
     # -------------------------------------------------------------- internals
 
@@ -473,41 +395,23 @@ class Router:
         policy told by `hook`; returns what the worker's queue releases next."""
         request = flight.request
         del self._flights[request.id]
-        self._work_done(flight, flight.remaining)
+        self.progress.done(flight, flight.remaining)
         self.latency.prefilled(flight)
-        self._hook(flight.queue.done, request)
+        self.hooks.run(flight.queue.done, request)
         if flight.prefill_queue is not None:
-            self._hook(flight.prefill_queue.done_elsewhere, request)
+            self.hooks.run(flight.prefill_queue.done_elsewhere, request)
         self.view.now = now
-        self._hook(hook, request, flight.charged_to, self.view)
+        self.hooks.run(hook, request, flight.charged_to, self.view)
         return self._release(flight.worker, now)
 
     def _release(self, wid: WorkerId, now: float) -> list[Request]:
         state = self.view.workers.get(wid)
         if state is None or not state.healthy:
-            self._count(wid)
+            self.roster.count(wid)
             return []
         out = list(self.queues[wid].release(self.indexes.held, self.view.block_size))
         for request in out:
             self._flights[request.id].released = True
             self.indexes.computed(request, wid, now)  # the worker computes it from now on
-        self._count(wid)
+        self.roster.count(wid)
         return out
-
-    def _count(self, wid: WorkerId) -> None:
-        self.load.count(wid, self.queues.get(wid))
-
-    def _work_done(self, flight: Flight, tokens: int) -> None:
-        tokens = max(tokens, 0)
-        flight.remaining -= tokens
-        self.load.credit(flight.worker, tokens)
-
-    def _hook(self, hook: Callable[..., object], *args: object) -> None:
-        """Run a policy hook; live, one that raises must not take the request down with it."""
-        try:
-            hook(*args)
-        except Exception:
-            if self.config.strict:
-                raise
-            self.hook_errors += 1
-            log.exception("policy hook %s failed", getattr(hook, "__qualname__", hook))

@@ -1,4 +1,5 @@
-"""The router core's parts, each driven alone: its config, pools, indexes, latency targets, load.
+"""The router core's parts, each driven alone: its config, roster, pools, indexes, latency
+targets, load, progress accounting, split handoff, replication and hooks.
 
 The whole sequence is tested through Router (test_router_core.py, with the differential tests);
 these pin each part's own contract on hand-built views.
@@ -9,17 +10,23 @@ from __future__ import annotations
 import pytest
 
 import policies
+from router.adapters import AdapterSlots
 from router.classes import QUEUE_TIME, UNMEETABLE, ClassTable, Refused, TrafficClass
 from router.config import RouterConfig, slowest_adapter_load
 from router.dispatch import DispatchQueue
 from router.flight import Flight
+from router.handoff import DecodeHandoff
+from router.hooks import Hooks
 from router.indexes import Indexes
 from router.latency import LatencyTargets
 from router.load import Load
-from router.policy import Decision
+from router.policy import Decision, GlobalPolicy
 from router.pools import Pools, UnknownModel
 from router.prefix_index import PrefixIndex
+from router.progress import Progress
+from router.replication import Replication
 from router.request import Request
+from router.roster import Roster
 from router.traits import IndexLevel, IndexMode, Role
 from router.view import ClusterView, WorkerState
 from tests.helpers import BS, COST, make_req, no_cache
@@ -265,6 +272,271 @@ class TestLoad:
         load = Load(view_of())
         assert not load.report(9, waiting=1, kv_used_blocks=1, kv_capacity_blocks=1)
         load.count(9, None)
+
+
+class Parts:
+    """The parts a Router composes, built as it builds them, over one view."""
+
+    def __init__(self, policy: str = "least_load", local: str = "fcfs", **config: object) -> None:
+        self.config = RouterConfig(block_size=BS, **config)  # type: ignore[arg-type]
+        self.policy = policies.global_policies.build(policy, {}, 0)
+        self.view = view_of()
+        self.pools = Pools(self.view)
+        self.indexes = Indexes(self.view, False, False, tracks_held=True)
+        self.latency = LatencyTargets(self.view, self.config)
+        self.load = Load(self.view)
+        self.adapters = AdapterSlots()
+        self.hooks = Hooks(strict=True)
+        self.roster = Roster(
+            self.config, lambda: policies.local_policies.build(local, {}, 0), self.view,
+            self.pools, self.indexes, self.latency, self.load, self.adapters,
+        )  # fmt: skip
+        self.flights: dict[int, Flight] = {}
+        self.progress = Progress(self.flights, self.policy, self.load, self.latency, self.hooks)
+
+    def add(self, wid: int, role: str = "mixed") -> DispatchQueue:
+        queue = self.roster.add(wid, role=role)
+        self.progress.queue_added(queue)
+        return queue
+
+    def fly(self, request: Request, wid: int, work: int, released: bool = True) -> Flight:
+        """`request` routed to `wid` with `work` tokens to do, as the core records it."""
+        queue = self.roster.queues[wid]
+        flight = Flight(request, wid, queue, work, {}, 0, wid)
+        flight.released = released
+        self.flights[request.id] = flight
+        self.load.add(wid, work)
+        return flight
+
+
+class TestRoster:
+    def test_a_worker_joins_the_view_its_pool_and_gets_a_queue_of_its_own(self) -> None:
+        parts = Parts(kv_capacity_blocks=77)
+        queue = parts.add(0)
+        parts.add(1, role="prefill")
+        parts.add(2, role="decode")
+        assert queue is parts.roster.queues[0] and queue.discipline.name == "fcfs"
+        assert parts.roster.queues[1].discipline is not queue.discipline
+        assert parts.view.workers[0].kv_capacity_blocks == 77
+        assert parts.pools.is_split
+        assert set(parts.pools.routing_pool(make_req(0, [1])).workers) == {0, 1}
+        with pytest.raises(ValueError, match="worker 0 is already known"):
+            parts.add(0)
+
+    def test_with_classes_each_queue_holds_one_band_per_priority(self) -> None:
+        table = ClassTable((TrafficClass("interactive", 1), TrafficClass("batch", 0)))
+        parts = Parts(classes=table)
+        assert sorted(parts.add(0).discipline.bands) == [0, 1]
+
+    def test_down_forgets_what_it_held_and_hands_back_its_queue_for_the_core(self) -> None:
+        parts = Parts(adapter_load_time=0.1)
+        parts.add(0)
+        parts.add(1)
+        queued = [make_req(i, [i]) for i in range(3)]
+        for request in queued:
+            parts.roster.queues[0].push(request)
+        parts.indexes.routed(queued[0], 0, 0.0)
+        parts.adapters.use(0, "ada")
+        assert parts.roster.down(0) == queued
+        assert not parts.view.workers[0].healthy
+        assert parts.view.index.match(queued[0].block_hashes) == {}
+        assert not parts.adapters.holds(0, "ada")
+        assert len(parts.roster.queues[0]) == 3  # withdrawing them is the core's
+        assert parts.roster.down(0) == [] and parts.roster.down(9) == []
+        parts.roster.up(0)
+        parts.roster.up(9)  # unknown: nothing happens
+        assert parts.view.workers[0].healthy
+
+    def test_a_worker_removed_is_forgotten_by_every_part(self) -> None:
+        parts = Parts()
+        parts.add(0)
+        parts.add(1)
+        parts.roster.report(0, waiting=2, kv_used_blocks=5, kv_capacity_blocks=None)
+        parts.roster.remove(0)
+        assert 0 not in parts.roster.queues and 0 not in parts.view.workers
+        assert set(parts.pools.routing_pool(make_req(0, [1])).workers) == {1}
+        parts.add(0)  # the id may join again, as new
+        assert parts.view.workers[0].kv_used_blocks == 0
+
+    def test_a_report_recounts_requests_waiting_inside_the_server(self) -> None:
+        parts = Parts(window=4)
+        queue = parts.add(0)
+        for i in range(3):
+            queue.push(make_req(i, [i]))
+        list(queue.release(parts.indexes.held, BS))
+        parts.roster.count(0)
+        state = parts.view.workers[0]
+        assert (state.num_waiting, state.num_running) == (0, 3)
+        parts.roster.report(0, waiting=2, kv_used_blocks=9, kv_capacity_blocks=None)
+        assert (state.num_waiting, state.num_running, state.kv_used_blocks) == (2, 1, 9)
+
+
+class CountingTokens(GlobalPolicy):
+    """Least loaded, recording each on_tokens call as (worker, request ids, tokens)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int], int]] = []
+
+    def route(self, request: Request, view) -> Decision:
+        return Decision(min(view.workers), "first")
+
+    def on_tokens(self, requests, worker, num_tokens, now) -> None:
+        self.calls.append((worker, [r.id for r in requests], num_tokens))
+
+
+class TestProgress:
+    def test_a_batch_credits_each_worker_its_tokens_never_past_a_requests_work(self) -> None:
+        parts = Parts()
+        parts.add(0)
+        parts.add(1)
+        a, b, c = make_req(1, [1]), make_req(2, [2]), make_req(3, [3])
+        parts.fly(a, 0, 10)
+        parts.fly(b, 0, 3)
+        parts.fly(c, 1, 10)
+        unknown = make_req(9, [9])  # finished already: skipped
+        parts.progress.tokens_many([a, b, unknown, c], 4, 1.0, credited=False)
+        assert [parts.flights[r.id].remaining for r in (a, b, c)] == [6, 0, 6]
+        assert parts.view.workers[0].tokens_in_flight == 13 - 7
+        assert parts.view.workers[1].tokens_in_flight == 10 - 4
+        parts.progress.tokens_many([a], -2, 1.1, credited=False)  # a correction moves nothing
+        assert parts.flights[a.id].remaining == 6
+
+    def test_tokens_credited_ahead_are_settled_on_requests_not_counted_again(self) -> None:
+        parts = Parts()
+        parts.add(0)
+        a = make_req(1, [1])
+        parts.fly(a, 0, 10)
+        parts.progress.work_done_on(0, 4, kv_used_blocks=3)
+        assert (parts.view.workers[0].tokens_in_flight, parts.view.workers[0].kv_used_blocks) == (
+            6,
+            3,
+        )
+        parts.progress.tokens_many([a], 4, 1.0, credited=True)
+        assert parts.flights[a.id].remaining == 6 and parts.view.workers[0].tokens_in_flight == 6
+
+    def test_the_policy_hears_a_batch_in_one_call_per_worker_charged(self) -> None:
+        parts = Parts()
+        parts.policy = policy = CountingTokens()
+        parts.progress = Progress(parts.flights, policy, parts.load, parts.latency, parts.hooks)
+        for wid in (0, 1):
+            parts.add(wid)
+        batch = [make_req(i, [i]) for i in range(4)]
+        for request, wid in zip(batch, (0, 0, 1, 0), strict=True):
+            parts.fly(request, wid, 10)
+        parts.progress.tokens_many(batch, 2, 1.0, credited=False)
+        assert policy.calls == [(0, [0, 1], 2), (1, [2], 2), (0, [3], 2)]
+
+    def test_a_queue_hears_tokens_only_once_released_and_a_prefill_queue_after(self) -> None:
+        parts = Parts(local="vtc")
+        for wid in (0, 1):
+            parts.add(wid)
+        waiting, running = make_req(1, [1], client="x"), make_req(2, [2], client="y")
+        for request, wid in ((waiting, 0), (running, 1)):
+            parts.roster.queues[wid].push(request)
+        list(parts.roster.queues[1].release(parts.indexes.held, BS))
+        parts.fly(waiting, 0, 10, released=False)
+        parts.fly(running, 1, 10)
+        parts.progress.tokens_many([waiting, running], 3, 1.0, credited=False)
+        counters = {w: dict(q.discipline.counters) for w, q in parts.roster.queues.items()}
+        handed = parts.flights[running.id]
+        handed.prefill_queue, handed.queue, handed.released = (
+            handed.queue,
+            parts.roster.queues[0],
+            False,
+        )
+        parts.progress.tokens_many([running], 5, 2.0, credited=False)
+        after = parts.roster.queues[1].discipline.counters
+        assert counters[0].get("x", 0.0) == 0.0  # queued: its account has not opened
+        assert after["y"] > counters[1]["y"] > 0.0  # the prefill worker's, charged the output
+
+    def test_a_first_token_ends_the_prompts_work_but_not_on_a_decode_worker(self) -> None:
+        parts = Parts()
+        parts.add(0)
+        mixed, decoded = make_req(1, [1, 2], out=5), make_req(2, [3], out=5)
+        parts.fly(mixed, 0, mixed.prompt_len + 5)
+        parts.fly(decoded, 0, 5).handed_off = True
+        parts.progress.first_token(mixed, 1.0)
+        parts.progress.first_token(decoded, 1.0)
+        parts.progress.first_token(make_req(9, [9]), 1.0)  # gone already: nothing
+        assert [parts.flights[r.id].remaining for r in (mixed, decoded)] == [5, 5]
+        parts.progress.done(parts.flights[mixed.id], -3)
+        assert parts.view.workers[0].tokens_in_flight == 10
+
+
+class TestDecodeHandoff:
+    def handoff(self) -> tuple[Parts, DecodeHandoff]:
+        parts = Parts()
+        for wid, role in ((0, "prefill"), (1, "decode"), (2, "decode")):
+            parts.add(wid, role=role)
+        handoff = DecodeHandoff(
+            0, parts.view, parts.pools, parts.roster.queues, parts.indexes, parts.load
+        )
+        return parts, handoff
+
+    def test_the_request_moves_to_a_decode_worker_as_its_output_and_its_prompts_kv(
+        self,
+    ) -> None:
+        parts, handoff = self.handoff()
+        r = make_req(1, [1, 2, 3], out=7)
+        flight = parts.fly(r, 0, r.prompt_len)
+        parts.progress.done(flight, flight.remaining)
+        prefill_queue = flight.queue
+        wid = handoff.hand_off(flight, 1.0, exclude=())
+        assert wid in (1, 2) and handoff.handoffs[wid] == 1
+        assert (flight.worker, flight.queue) == (wid, parts.roster.queues[wid])
+        assert flight.prefill_queue is prefill_queue and flight.charged_to == 0
+        assert flight.handed_off and not flight.split and not flight.released
+        assert flight.remaining == 7 and parts.view.workers[wid].tokens_in_flight == 7
+        assert list(flight.queue.discipline) == [r]
+        assert parts.view.index.match(r.block_hashes)[wid] == 3
+
+    def test_with_no_healthy_decode_worker_the_flight_is_left_as_it_was(self) -> None:
+        parts, handoff = self.handoff()
+        r = make_req(1, [1])
+        flight = parts.fly(r, 0, 0)
+        parts.roster.down(2)
+        assert handoff.hand_off(flight, 1.0, exclude=(1,)) is None
+        assert (flight.worker, flight.handed_off, sum(handoff.handoffs.values())) == (0, False, 0)
+
+
+class TestReplication:
+    def test_a_router_names_its_policys_counters_and_each_queues_by_worker(self) -> None:
+        parts = Parts(policy="d2lpm", local="vtc")
+        parts.add(3)
+        replication = Replication(parts.policy, parts.roster.queues, parts.indexes)
+        ledgers = replication.ledgers()
+        assert set(ledgers) == {("global", "deficits"), ("queue", 3, "counters")}
+        assert ledgers[("global", "deficits")] is parts.policy.deficits
+        assert ledgers[("queue", 3, "counters")] is parts.roster.queues[3].discipline.counters
+
+    def test_a_replica_routes_by_the_others_approximate_index(self) -> None:
+        first, second = Parts(), Parts()
+        for parts in (first, second):
+            parts.add(0)
+        first.indexes.routed(make_req(1, [5, 6]), 0, 0.0)
+        mine = Replication(second.policy, second.roster.queues, second.indexes)
+        mine.share_indexes(Replication(first.policy, first.roster.queues, first.indexes))
+        assert second.view.index is first.view.index
+        assert second.view.index.match([5, 6]) == {0: 2}
+
+
+class TestHooks:
+    def test_strict_hooks_raise_and_forgiving_ones_are_logged_and_counted(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def faulty(x: int) -> None:
+            raise KeyError(x)
+
+        heard: list[int] = []
+        with pytest.raises(KeyError):
+            Hooks(strict=True).run(faulty, 1)
+        forgiving = Hooks(strict=False)
+        forgiving.run(faulty, 2)
+        forgiving.run(heard.append, 3)
+        assert forgiving.errors == 1 and heard == [3]
+        assert "policy hook" in caplog.text and "faulty" in caplog.text
 
 
 def test_role_strings_and_members_agree() -> None:
