@@ -355,8 +355,8 @@ def alert_rules(
     cache), routing fell back from the index it was configured with, a router replica has
     not synced with the replicas' store for `sync_hold`, the interactive class's answered
     requests met their targets less than `attainment_target` of the time over 5 minutes,
-    Ray's GCS is gone (the proxy serves on through its grace, then stops), and an autoscaled
-    pool has served fewer workers than its target for `scale_hold`."""
+    Ray's GCS is gone (the proxy serves on through its grace, then stops), an autoscaled
+    pool has served fewer workers than its target for `scale_hold`, and a policy hook raised."""
     return {
         "groups": [
             {
@@ -435,6 +435,20 @@ def alert_rules(
                             f"{scale_hold}. Workers fail to start (see the proxy's log and the "
                             "workers' logs) or the cluster has no room for them (Ray's "
                             "resources, GPUs).",
+                        },
+                    },
+                    {
+                        "alert": "FairwayPolicyHookErrors",
+                        "expr": "sum by (instance, hook) "
+                        "(increase(fairway_policy_hook_errors_total[5m])) > 0",
+                        "for": "0s",
+                        "labels": {"severity": "warning"},
+                        "annotations": {
+                            "summary": "A routing policy's hook raised",
+                            "description": "{{ $labels.instance }}: {{ $labels.hook }} raised "
+                            "in the last 5 minutes. Requests go on, but the policy's state "
+                            "(its fairness counters, what it believes is queued) may be off "
+                            "from there: the proxy's log has each traceback.",
                         },
                     },
                 ],

@@ -93,6 +93,7 @@ class LiveCluster:
         self.router = Router(
             policy, local_factory, replace(config, strict=False, keep_approximate=True)
         )
+        self.router.hooks.on_error = lambda hook: self.metrics.policy_hook_errors.labels(hook).inc()
         self.view = self.router.view
         self.priority_scheduling = priority_scheduling
         # Each routed request's predicted time to first token (bands on), until it ends.

@@ -357,6 +357,15 @@ class RouterMetrics:
                 registry=r,
             )
         )
+        self.policy_hook_errors = Labelled(
+            Counter(
+                "fairway_policy_hook_errors",
+                "Policy hooks that raised, by hook (the policy's class and method); each is "
+                "logged, and the request it was called for goes on",
+                ["hook"],
+                registry=r,
+            )
+        )
         self.own_trouble = Labelled(
             Counter(
                 "fairway_own_trouble",

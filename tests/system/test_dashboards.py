@@ -82,7 +82,7 @@ def test_every_panel_query_parses_and_returns_data() -> None:
                 assert await alert_rules_healthy(prom_url) == {
                     "FairwayPrefixPredictionDrift", "FairwayRoutingFellBack",
                     "FairwayReplicaOutOfSync", "FairwayInteractiveAttainmentLow",
-                    "FairwayRayGcsLost", "FairwayAutoscaleBehind",
+                    "FairwayRayGcsLost", "FairwayAutoscaleBehind", "FairwayPolicyHookErrors",
                 }  # fmt: skip
             finally:
                 prom.terminate()

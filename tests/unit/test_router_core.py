@@ -167,6 +167,39 @@ def test_withdraw_and_worker_down_never_raise_nor_charge(glob: str, local: str) 
     assert all(s.tokens_in_flight == 0 for s in r.view.workers.values())
 
 
+class FaultyFinish(policies.baselines.RoundRobin):
+    """Round robin whose finish hook raises: a bug in a user's policy."""
+
+    def on_finish(self, request, worker, view) -> None:
+        raise ZeroDivisionError("a policy's own bug")
+
+
+def test_a_faulty_hook_stops_a_simulation_and_live_is_counted_while_requests_go_on() -> None:
+    strict = Router(FaultyFinish(), FCFS, RouterConfig(block_size=BS, window=1))
+    strict.add_worker(0)
+    first = req(1, [1])
+    strict.route(first, 0.0)
+    with pytest.raises(ZeroDivisionError):
+        strict.finish(first, 1.0)
+
+    async def go() -> None:
+        live = LiveCluster(FaultyFinish(), FCFS, RouterConfig(block_size=BS, window=1))
+        live.add_worker("http://127.0.0.1:1")
+        a, b = req(1, [1]), req(2, [2])
+        worker, _, released = live.route(a)
+        _, _, queued = live.route(b)
+        assert released.done() and not queued.done()
+        live.release(worker, a, a.output_len)  # its hook raises; the next one is sent all the same
+        assert queued.done()
+        live.release(worker, b, b.output_len)
+        assert live.router.hook_errors == 2
+        assert live.view.workers[0].tokens_in_flight == 0 and len(worker.dispatch) == 0
+        page = live.metrics.render().decode()
+        assert 'fairway_policy_hook_errors_total{hook="FaultyFinish.on_finish"} 2.0' in page
+
+    asyncio.run(go())
+
+
 def assert_uncharged(before: dict[str, dict], after: dict[str, dict]) -> None:
     """Clients known before kept their counters; a client first seen in a withdrawn request
     may only have been lifted to where the others stood (VTC's arrival rule), never charged.
