@@ -19,7 +19,6 @@ from router.view import ClusterView
 class RoundRobin(GlobalPolicy):
     """Each healthy worker in turn, in id order."""
 
-    default_local = "fcfs"
     traits = PolicyTraits(counts_tokens=False)
 
     def progress_read(self, request: Request, view: ClusterView) -> tuple[()]:
@@ -45,7 +44,6 @@ class RoundRobin(GlobalPolicy):
 class Random(GlobalPolicy):
     """A uniformly random healthy worker."""
 
-    default_local = "fcfs"
     traits = PolicyTraits(counts_tokens=False)
 
     def __init__(self, seed: int = 0) -> None:
@@ -65,7 +63,6 @@ _FEWEST_TOKENS = LeastLoaded(least_tokens)  # asked at every arrival: one answer
 class LeastLoad(GlobalPolicy):
     """The worker with the fewest outstanding tokens (unprefilled prompt + ungenerated output)."""
 
-    default_local = "fcfs"
     traits = PolicyTraits(counts_tokens=False)
 
     def progress_read(self, request: Request, view: ClusterView) -> LeastLoaded:
@@ -79,7 +76,6 @@ class LeastLoad(GlobalPolicy):
 class PowerOfTwo(GlobalPolicy):
     """The less loaded of two workers drawn at random (Mitzenmacher's power of two choices)."""
 
-    default_local = "fcfs"
     traits = PolicyTraits(counts_tokens=False)
 
     def __init__(self, seed: int = 0) -> None:

@@ -64,6 +64,9 @@ class GlobalPolicy:
 
     name = "?"
     traits: ClassVar[PolicyTraits] = PolicyTraits()
+    # The queue discipline a worker's queue runs when the user names none: the one the policy's
+    # paper pairs it with (LPM's, VTC's, ...), else first come first served.
+    default_local: ClassVar[str] = "fcfs"
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

@@ -296,8 +296,7 @@ class SimCluster:
         # converts where a time is declared float and plain Python writes to a record as "0".
         self.env = simpy.Environment(initial_time=0.0)
         self.policy: GlobalPolicy = self._global_policy()
-        default_local: str = getattr(self.policy, "default_local", "fcfs")
-        local_name = config.local_policy or default_local
+        local_name = config.local_policy or self.policy.default_local
         self.local_name = local_name  # the discipline: in each engine, or in the router's queues
         self.local_factory: Callable[[], LocalPolicy] = lambda: policies.local_policies.build(
             local_name, config.local_params, config.seed

@@ -167,11 +167,14 @@ def _ray_if_wanted(address: str | None):
 
 def cmd_policies(args: argparse.Namespace) -> int:
     import policies
+    from router.policy import GlobalPolicy
 
     for name in policies.global_policies.names():
         factory = policies.global_policies.get(name)
         doc = (factory.__doc__ or "").strip().splitlines()[0]
-        print(f"{name:14} {doc}  [local: {getattr(factory, 'default_local', 'fcfs')}]")
+        # A factory is a policy class, or a function that pairs with the default discipline.
+        local = getattr(factory, "default_local", GlobalPolicy.default_local)
+        print(f"{name:14} {doc}  [local: {local}]")
     print("\nlocal disciplines: " + ", ".join(policies.local_policies.names()))
     return 0
 

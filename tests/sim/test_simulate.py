@@ -228,7 +228,7 @@ def test_every_experiment_run_is_a_valid_configuration() -> None:
             assert run.workload in WORKLOADS, run.label
             config = run.config
             policy = policies.global_policies.build(config.policy, config.policy_params)
-            local = config.local_policy or getattr(policy, "default_local", "fcfs")
+            local = config.local_policy or policy.default_local
             policies.local_policies.build(local, config.local_params)
 
 

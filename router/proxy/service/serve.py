@@ -31,7 +31,7 @@ DEFAULT_MAX_NUM_SEQS = 256  # vLLM's --max-num-seqs when it is not given
 
 def build_cluster(config: ClusterConfig) -> LiveCluster:
     policy = policies.global_policies.build(config.policy.name, config.policy.params)
-    local_name = config.policy.local or getattr(policy, "default_local", "fcfs")
+    local_name = config.policy.local or policy.default_local
     params = dict(config.policy.local_params)
     policies.local_policies.build(local_name, params)  # fail now, not per worker
 
