@@ -16,7 +16,9 @@ price is that a long conversation's early turns are stored again in each record 
 the retention, and in memory by max_bytes).
 
     MemoryResponses  one router: bounded in bytes (oldest out first), expired after retention
-    RedisResponses   router replicas: one key per response in their store, expired by Redis
+    RedisResponses   router replicas: one key per response in their store, expired by Redis;
+                     a background response's generating router holds a key that expires
+                     unless renewed, so the others can tell when that router died
 
 A record is read, continued or deleted only by its owner; for anyone else it does not exist.
 """
@@ -110,6 +112,15 @@ class Responses(Protocol):
         generating it for `owner`; how many routers heard (0: none listens)."""
         ...
 
+    async def hold(self, response_id: str, seconds: float) -> None:
+        """This router is generating `response_id` (a background response): say so for
+        `seconds`, renewed while it runs, so that a router that dies leaves it unheld."""
+        ...
+
+    async def is_held(self, response_id: str) -> bool:
+        """Whether a live router holds `response_id` (`hold`)."""
+        ...
+
     async def listen_for_cancels(self, on_cancel: OnCancel, ready: asyncio.Event) -> None:
         """Until cancelled: `on_cancel(owner, id)` for each stop another router asks for,
         `ready` set once listening (again after an outage). Never raises for the store's
@@ -181,6 +192,12 @@ class MemoryResponses:
     async def request_cancel(self, owner: str, response_id: str) -> int:
         return 0  # one router: nobody else runs anything
 
+    async def hold(self, response_id: str, seconds: float) -> None:
+        pass
+
+    async def is_held(self, response_id: str) -> bool:
+        return True  # one router, whose store dies with it: what it generates, it holds
+
     async def listen_for_cancels(self, on_cancel: OnCancel, ready: asyncio.Event) -> None:
         ready.set()
         await asyncio.Event().wait()
@@ -250,6 +267,17 @@ class RedisResponses:
         message = orjson.dumps({"owner": owner, "id": response_id})
         async with self._answering():
             return int(await self.client.publish(self.cancel_channel, message))
+
+    def hold_key(self, response_id: str) -> str:
+        return f"{self.prefix}:generating:{response_id}"
+
+    async def hold(self, response_id: str, seconds: float) -> None:
+        async with self._answering():
+            await self.client.set(self.hold_key(response_id), b"", px=max(1, round(seconds * 1000)))
+
+    async def is_held(self, response_id: str) -> bool:
+        async with self._answering():
+            return bool(await self.client.exists(self.hold_key(response_id)))
 
     async def listen_for_cancels(self, on_cancel: OnCancel, ready: asyncio.Event) -> None:
         while True:

@@ -10,6 +10,11 @@
                                             its worker (the connection closes; vLLM aborts),
                                             by whichever replica runs it
 
+A background response's router holds it while generating (renewing a hold that expires in
+HOLD seconds). If that router dies (a replica killed), any replica that reads the response
+finds it generating and unheld, and stores it as failed: a client polling it gets an end. (A
+router stalled past HOLD that then finishes stores its answer over that failure.)
+
 vLLM's own store is per server, in memory, unbounded and off by default, so a chain that relied
 on it would die with the worker that served its last turn. Here any worker can serve any turn:
 the turn is sent whole, and the prefix index, not a pin, finds the worker holding its KV.
@@ -47,6 +52,8 @@ BACKGROUND = web.AppKey("background_responses", dict)
 CANCELS = web.AppKey("cancel_listener", dict)
 LISTEN_WAIT = 2.0  # seconds a background response waits for its router to listen for stops
 CANCEL_WAIT = 5.0  # seconds a stop asked of another replica may take to show in the store
+HOLD = 10.0  # seconds a background response's hold lasts unless its router renews it
+RENEW_EVERY = HOLD / 4  # a renewal may fail or come late twice before the hold lapses
 GENERATING = ("queued", "in_progress")  # a background response's statuses until it ends
 
 
@@ -136,21 +143,25 @@ async def start_background(
     """Answer `queued` now and generate in the background: `run()` returns the finished answer
     (or None); it is stored when done, `cancelled` when cancelled first."""
     app = http.app
+    store: Responses = app[RESPONSES]
     first = queued(rid, body, previous)
     try:
-        await app[RESPONSES].put(rid, Stored(owner, first, as_items(body.get("input"))))
+        await store.hold(rid, HOLD)  # first: stored unheld, another reader would fail it
+        await store.put(rid, Stored(owner, first, as_items(body.get("input"))))
     except StoreUnavailable:
         raise _store_down() from None
     await _listening(app)
 
     async def generate() -> None:
         answer, status = None, "failed"
+        holding = asyncio.create_task(_renew(store, rid), name=f"fairway-hold-{rid}")
         try:
             answer = await run()
         except asyncio.CancelledError:
             status = "cancelled"
             raise
         finally:
+            holding.cancel()
             app[BACKGROUND].pop(rid, None)
             final = answer or {**first, "status": status}
             final["background"] = True
@@ -162,8 +173,43 @@ async def start_background(
     return web.json_response(first)
 
 
+async def _renew(store: Responses, rid: str) -> None:
+    """Keep holding `rid` while it generates here (until cancelled). A renewal the store does
+    not answer is tried again at the next; the hold outlasts two such."""
+    while True:
+        await asyncio.sleep(RENEW_EVERY)
+        try:
+            await store.hold(rid, HOLD)
+        except StoreUnavailable as e:
+            log.warning("background response %s: hold not renewed (%s)", rid, e)
+
+
+async def _read(app: web.Application, owner: str, rid: str) -> Stored:
+    """The stored response; one generating that no router holds any more (its router died)
+    is stored as failed first."""
+    store: Responses = app[RESPONSES]
+    stored = await _get(store, owner, rid)
+    if stored.response.get("status") not in GENERATING or rid in app[BACKGROUND]:
+        return stored
+    try:
+        if await store.is_held(rid):
+            return stored
+        error = {
+            "code": "server_error",
+            "message": "the router generating this response stopped before it ended",
+        }
+        failed = Stored(
+            owner, {**stored.response, "status": "failed", "error": error}, stored.input
+        )
+        await store.put(rid, failed)
+    except StoreUnavailable:
+        raise _store_down() from None
+    log.warning("background response %s: its router stopped; stored as failed", rid)
+    return failed
+
+
 async def retrieve(http: web.Request) -> web.Response:
-    stored = await _get(http.app[RESPONSES], owner_of(http), http.match_info["id"])
+    stored = await _read(http.app, owner_of(http), http.match_info["id"])
     return web.json_response(stored.response)
 
 
@@ -192,9 +238,12 @@ async def cancel(http: web.Request) -> web.Response:
     running = app[BACKGROUND].get(rid)
     if running is not None and running[0] == owner:
         return web.json_response(await _stop(app, owner, rid, running[1]))
-    stored = await _get(app[RESPONSES], owner, rid)
-    if stored.response.get("status") not in GENERATING:
+    stored = await _read(app, owner, rid)
+    status = stored.response.get("status")
+    if not stored.response.get("background"):
         raise bad_request("Cannot cancel a synchronous response.", "response_id")
+    if status not in GENERATING:
+        raise bad_request(f"Cannot cancel a response that has ended ({status}).", "response_id")
     try:
         heard = await app[RESPONSES].request_cancel(owner, rid)
     except StoreUnavailable:

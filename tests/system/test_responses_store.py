@@ -20,8 +20,9 @@ import redis
 from aiohttp import web
 
 from router.proxy.conversations import RESPONSES, RedisResponses, Stored, StoreUnavailable
+from router.proxy.responses import GENERATING, HOLD
 from router.proxy.service.config import validate_config
-from router.proxy.service.replicas import ReplicaSpec, build_replica_app
+from router.proxy.service.replicas import REPLICA_HEADER, ReplicaSpec, build_replica_app
 from router.proxy.service.store import OwnRedis, Store, redis_server
 from tests.live_helpers import emulated_workers, free_port, run, tokenizer_dir
 from tests.metrics_page import total
@@ -87,6 +88,18 @@ def test_responses_in_redis(tmp_path: Path) -> None:
                     assert time.monotonic() - put_at < RETENTION + 3, "never expired"
                     await asyncio.sleep(0.05)
                 assert time.monotonic() - put_at > RETENTION * 0.9, "expired too soon"
+
+                # A background response's hold lasts until it lapses, unless renewed.
+                await store.hold("resp_3", 0.4)
+                held_at = time.monotonic()
+                assert await store.is_held("resp_3") and not await store.is_held("resp_9")
+                assert 0 < await client.pttl(f"{PREFIX}:generating:resp_3") <= 400
+                await asyncio.sleep(0.2)
+                await store.hold("resp_3", 0.4)  # renewed: 0.4 s from now
+                while await store.is_held("resp_3"):
+                    assert time.monotonic() - held_at < 3, "never lapsed"
+                    await asyncio.sleep(0.02)
+                assert time.monotonic() - held_at > 0.55, "lapsed before its renewal ran out"
 
                 # Stopped: connections open, nothing answered. Each call ends at the
                 # client's 2 s timeout.
@@ -262,6 +275,43 @@ def test_a_background_response_is_cancelled_from_the_other_replica(tmp_path) -> 
                         default_headers={"X-Client-Id": "someone-else"},
                     )  # fmt: skip
                     await other.responses.cancel(started.id)
+                assert "Traceback" not in log_path.read_text()
+
+    run(go, timeout=120)
+
+
+def test_a_background_response_of_a_killed_replica_ends_as_failed(tmp_path) -> None:
+    """SIGKILL the replica generating a background response: once its hold lapses, the other
+    replica reads the response as failed (a client polling it gets an end, not `queued`
+    forever), and it can no longer be cancelled."""
+
+    async def go() -> None:
+        with own_redis(tmp_path / "redis") as server:
+            async with (
+                emulated_workers(1, speed=0.05) as urls,
+                fairway_serve(tmp_path, urls, 2, redis_url=server.url) as (_, own, _, log_path),
+                aiohttp.ClientSession() as session,
+            ):
+                first, second = (
+                    openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+                    for url in own
+                )
+                started = await first.responses.create(
+                    model="tiny", input="write a long essay", background=True,
+                    max_output_tokens=500,
+                )  # fmt: skip
+                assert (await second.responses.retrieve(started.id)).status in GENERATING
+                async with session.get(f"{own[0]}/health") as r:
+                    pid = int(r.headers[REPLICA_HEADER].split("-")[1])  # "<index>-<pid>"
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                while (got := await second.responses.retrieve(started.id)).status in GENERATING:
+                    assert time.monotonic() - killed < HOLD + 10, "still generating"
+                    await asyncio.sleep(0.2)
+                assert got.status == "failed" and got.error.code == "server_error", got
+                assert time.monotonic() - killed > HOLD / 2, "failed while its hold was fresh"
+                with pytest.raises(openai.BadRequestError, match=r"has ended \(failed\)"):
+                    await second.responses.cancel(started.id)
                 assert "Traceback" not in log_path.read_text()
 
     run(go, timeout=120)
