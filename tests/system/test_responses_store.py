@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +20,7 @@ import openai
 import pytest
 import redis
 from aiohttp import web
+from openai.types.responses import Response
 
 from router.proxy.conversations import RESPONSES, RedisResponses, Stored, StoreUnavailable
 from router.proxy.responses import GENERATING, HOLD
@@ -230,6 +233,38 @@ def test_chains_cross_replicas_and_a_dead_store_fails_only_them(tmp_path) -> Non
     run(go, timeout=180)
 
 
+@dataclass
+class Background:
+    """A long background response started at the first of two replicas."""
+
+    workers: list[str]  # the emulated workers' URLs
+    own: list[str]  # each replica's own URL
+    first: openai.AsyncOpenAI
+    second: openai.AsyncOpenAI
+    started: Response
+    session: aiohttp.ClientSession
+
+
+@contextlib.asynccontextmanager
+async def background_at_first(tmp_path: Path, workers: int) -> AsyncIterator[Background]:
+    """`fairway serve --routers 2` with its own Redis, over slow emulated workers; its log
+    must hold no traceback at the end."""
+    with own_redis(tmp_path / "redis") as server:
+        async with (
+            emulated_workers(workers, speed=0.05) as urls,
+            fairway_serve(tmp_path, urls, 2, redis_url=server.url) as (_, own, _, log_path),
+            aiohttp.ClientSession() as session,
+        ):
+            first, second = (
+                openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) for url in own
+            )
+            started = await first.responses.create(
+                model="tiny", input="write a long essay", background=True, max_output_tokens=500
+            )
+            yield Background(urls, own, first, second, started, session)
+            assert "Traceback" not in log_path.read_text()
+
+
 def test_a_background_response_is_cancelled_from_the_other_replica(tmp_path) -> None:
     """A background response generating at one replica is stopped when the client asks the
     other: that replica asks through the store, the one running it aborts it at its worker,
@@ -239,43 +274,29 @@ def test_a_background_response_is_cancelled_from_the_other_replica(tmp_path) -> 
         return sum([await total(session, url, "vllm:num_requests_running") for url in urls])
 
     async def go() -> None:
-        with own_redis(tmp_path / "redis") as server:
-            async with (
-                emulated_workers(2, speed=0.05) as urls,
-                fairway_serve(tmp_path, urls, 2, redis_url=server.url) as (_, own, _, log_path),
-                aiohttp.ClientSession() as session,
-            ):
-                first, second = (
-                    openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-                    for url in own
-                )
-                started = await first.responses.create(
-                    model="tiny", input="write a long essay", background=True,
-                    max_output_tokens=500,
+        async with background_at_first(tmp_path, workers=2) as bg:
+            for _ in range(250):  # it reaches its worker
+                if await running_at(bg.session, bg.workers):
+                    break
+                await asyncio.sleep(0.02)
+            assert await running_at(bg.session, bg.workers) == 1
+            asked = time.monotonic()
+            cancelled = await bg.second.responses.cancel(bg.started.id)
+            assert cancelled.status == "cancelled"
+            assert time.monotonic() - asked < 3.0
+            for _ in range(100):  # the worker aborted it
+                if not await running_at(bg.session, bg.workers):
+                    break
+                await asyncio.sleep(0.02)
+            assert await running_at(bg.session, bg.workers) == 0
+            for replica in (bg.first, bg.second):
+                assert (await replica.responses.retrieve(bg.started.id)).status == "cancelled"
+            with pytest.raises(openai.NotFoundError):  # another owner's: not there at all
+                other = openai.AsyncOpenAI(
+                    base_url=f"{bg.own[1]}/v1", api_key="k", max_retries=0,
+                    default_headers={"X-Client-Id": "someone-else"},
                 )  # fmt: skip
-                for _ in range(250):  # it reaches its worker
-                    if await running_at(session, urls):
-                        break
-                    await asyncio.sleep(0.02)
-                assert await running_at(session, urls) == 1
-                asked = time.monotonic()
-                cancelled = await second.responses.cancel(started.id)
-                assert cancelled.status == "cancelled"
-                assert time.monotonic() - asked < 3.0
-                for _ in range(100):  # the worker aborted it
-                    if not await running_at(session, urls):
-                        break
-                    await asyncio.sleep(0.02)
-                assert await running_at(session, urls) == 0
-                for replica in (first, second):
-                    assert (await replica.responses.retrieve(started.id)).status == "cancelled"
-                with pytest.raises(openai.NotFoundError):  # another owner's: not there at all
-                    other = openai.AsyncOpenAI(
-                        base_url=f"{own[1]}/v1", api_key="k", max_retries=0,
-                        default_headers={"X-Client-Id": "someone-else"},
-                    )  # fmt: skip
-                    await other.responses.cancel(started.id)
-                assert "Traceback" not in log_path.read_text()
+                await other.responses.cancel(bg.started.id)
 
     run(go, timeout=120)
 
@@ -286,32 +307,19 @@ def test_a_background_response_of_a_killed_replica_ends_as_failed(tmp_path) -> N
     forever), and it can no longer be cancelled."""
 
     async def go() -> None:
-        with own_redis(tmp_path / "redis") as server:
-            async with (
-                emulated_workers(1, speed=0.05) as urls,
-                fairway_serve(tmp_path, urls, 2, redis_url=server.url) as (_, own, _, log_path),
-                aiohttp.ClientSession() as session,
-            ):
-                first, second = (
-                    openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-                    for url in own
-                )
-                started = await first.responses.create(
-                    model="tiny", input="write a long essay", background=True,
-                    max_output_tokens=500,
-                )  # fmt: skip
-                assert (await second.responses.retrieve(started.id)).status in GENERATING
-                async with session.get(f"{own[0]}/health") as r:
-                    pid = int(r.headers[REPLICA_HEADER].split("-")[1])  # "<index>-<pid>"
-                os.kill(pid, signal.SIGKILL)
-                killed = time.monotonic()
-                while (got := await second.responses.retrieve(started.id)).status in GENERATING:
-                    assert time.monotonic() - killed < HOLD + 10, "still generating"
-                    await asyncio.sleep(0.2)
-                assert got.status == "failed" and got.error.code == "server_error", got
-                assert time.monotonic() - killed > HOLD / 2, "failed while its hold was fresh"
-                with pytest.raises(openai.BadRequestError, match=r"has ended \(failed\)"):
-                    await second.responses.cancel(started.id)
-                assert "Traceback" not in log_path.read_text()
+        async with background_at_first(tmp_path, workers=1) as bg:
+            rid = bg.started.id
+            assert (await bg.second.responses.retrieve(rid)).status in GENERATING
+            async with bg.session.get(f"{bg.own[0]}/health") as r:
+                pid = int(r.headers[REPLICA_HEADER].split("-")[1])  # "<index>-<pid>"
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while (got := await bg.second.responses.retrieve(rid)).status in GENERATING:
+                assert time.monotonic() - killed < HOLD + 10, "still generating"
+                await asyncio.sleep(0.2)
+            assert got.status == "failed" and got.error.code == "server_error", got
+            assert time.monotonic() - killed > HOLD / 2, "failed while its hold was fresh"
+            with pytest.raises(openai.BadRequestError, match=r"has ended \(failed\)"):
+                await bg.second.responses.cancel(rid)
 
     run(go, timeout=120)
