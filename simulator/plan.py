@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from router.classes import ClassTable, TrafficClass
 from router.cost_model import CostModel
 from router.records import Refusal, RequestRecord
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from simulator.progress import map_runs
 from simulator.results import class_summary, fleet_goodput
 from traces.schema import Trace

@@ -310,7 +310,7 @@ def run_simulation(args: argparse.Namespace, trace, policy: str | None = None):
 def sim_setup(args: argparse.Namespace, trace, policy: str | None = None):
     """The cost model and SimConfig the command line describes for `trace`."""
     from router.cost_model import FittedCost, roofline
-    from simulator.driver import SimConfig
+    from simulator.config import SimConfig
     from simulator.engine import EngineConfig
     from simulator.fleet import load_fleet
 

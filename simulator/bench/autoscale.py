@@ -36,7 +36,8 @@ from dashboards.tables import format_table
 from router.classes import TrafficClass
 from router.cost_model import CostModel, roofline
 from router.planner import Fleet, Plan, Planner, PlannerConfig, ReactivePlanner, Window
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from simulator.progress import map_runs, summary_counts
 from traces.loaders import SERVEGEN_WINDOW, load_servegen
 from traces.schema import Trace

@@ -20,7 +20,8 @@ import policies
 from dashboards.report import load_run, write_report
 from dashboards.tables import format_table
 from router.cost_model import roofline
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.progress import command_bar
 from simulator.results import write_results
 from traces.generators import shared_prefix

@@ -18,7 +18,8 @@ from pathlib import Path
 from dashboards.tables import format_table, summary_row
 from router.cost_model import roofline
 from simulator.bench import agents, autoscale, pd, priority
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.fleet import ModelGroup
 from simulator.progress import map_runs, summary_counts
 from traces.generators import agent_loops, flood, late_joiner, lora_tenants, shared_prefix

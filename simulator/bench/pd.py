@@ -30,7 +30,8 @@ from pathlib import Path
 from dashboards.tables import format_table
 from router.cost_model import roofline
 from router.records import RequestRecord
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.progress import map_runs, summary_counts
 from traces import transform
 from traces.loaders import load_trace

@@ -40,7 +40,8 @@ from pathlib import Path
 from dashboards.tables import format_table
 from router.classes import ClassTable, TrafficClass
 from router.cost_model import roofline
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from simulator.progress import map_runs, summary_counts
 from simulator.results import class_summary, fleet_goodput

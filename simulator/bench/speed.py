@@ -30,7 +30,8 @@ from router.request import Request
 from router.runtime import native
 from router.runtime.processes import memory_mib
 from router.view import ClusterView, WorkerState
-from simulator.driver import SimConfig, SimResult, simulate
+from simulator.config import SimConfig
+from simulator.driver import SimResult, simulate
 from simulator.engine import EngineConfig
 from traces.loaders import load_trace
 

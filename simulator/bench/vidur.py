@@ -138,7 +138,8 @@ FAIRWAY_RUN = """\
 import json, sys, time
 started = time.process_time()
 from router.cost_model import roofline
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from traces.loaders import load_trace
 trace = load_trace(sys.argv[1])
 config = SimConfig(num_workers=8, policy="round_robin")

@@ -7,7 +7,8 @@ from pathlib import Path
 from router.cost_model import roofline
 from router.proxy.capture import TraceCapture
 from router.request import Request, hash_token_blocks
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from traces.loaders import load_trace
 from traces.recording import TRACE_FILE, recorded_parts
 

@@ -45,7 +45,8 @@ def test_profiling_an_emulated_worker_finds_its_cost_model(tmp_path: Path) -> No
 
 def test_request_overhead_delays_the_engine_not_its_steps() -> None:
     from router.request import Request
-    from simulator.driver import SimConfig, simulate
+    from simulator.config import SimConfig
+    from simulator.driver import simulate
     from traces.schema import Trace
 
     ttft = {}

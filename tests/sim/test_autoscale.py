@@ -12,7 +12,8 @@ from router.classes import TrafficClass
 from router.cli import main
 from router.cost_model import roofline
 from router.planner import PlannerConfig
-from simulator.driver import SimConfig, SimResult, simulate
+from simulator.config import SimConfig
+from simulator.driver import SimResult, simulate
 from traces.generators import shared_prefix
 from traces.schema import Trace
 

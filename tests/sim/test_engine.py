@@ -15,7 +15,8 @@ import simpy
 from policies.fcfs import FCFS
 from router.cost_model import StepShape, roofline
 from router.request import Request, hash_token_blocks
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import Engine, EngineConfig, EngineListener, Seq, decode_steps_within
 from simulator.listener import ListenerDefaults
 from traces.generators import chat_sessions, shared_prefix

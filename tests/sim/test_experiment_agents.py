@@ -12,7 +12,8 @@ from router.cli import build_parser
 from router.cost_model import roofline
 from router.records import RequestRecord
 from simulator.bench import agents
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.results import write_results
 from traces.generators import agent_sessions
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from router.cost_model import roofline
 from router.records import RequestRecord
 from router.request import Request
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from simulator.fairness import jain_while_backlogged, max_service_gap, service_curves
 from simulator.results import summarize

@@ -13,7 +13,8 @@ import pytest
 
 from router.cost_model import FittedCost, Measurement, StepShape
 from router.request import Request
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.schema import Trace

@@ -11,7 +11,8 @@ import pytest
 
 from router.cost_model import roofline
 from router.request import Request, cache_root, hash_token_blocks, rekey_blocks
-from simulator.driver import SimCluster, SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import SimCluster, simulate
 from simulator.engine import Engine, EngineConfig
 from simulator.fleet import ModelGroup, load_fleet
 from traces.generators import lora_tenants

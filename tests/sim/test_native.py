@@ -22,7 +22,8 @@ from router.runtime import native
 # index's delayed events, the router's own queues, chunked prefill.
 RUNS = """
 import dataclasses, json, sys
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from router.cost_model import roofline
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
@@ -140,7 +141,7 @@ def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path)
 def test_configs_cross_process_boundaries() -> None:
     """`fairway experiment` and `compare` send configs to worker processes: compiled or not,
     they come back equal."""
-    from simulator.driver import SimConfig
+    from simulator.config import SimConfig
     from simulator.engine import EngineConfig
 
     config = SimConfig(num_workers=3, engine=EngineConfig(num_kv_blocks=64, max_num_seqs=8))

@@ -10,7 +10,8 @@ import pytest
 
 from router.cli import main
 from router.cost_model import roofline
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from traces.generators import shared_prefix
 
 GEN = {"num_requests": 200, "rate": 30}

@@ -19,7 +19,8 @@ import pytest
 
 from router.cli import main
 from router.cost_model import roofline
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from traces.loaders import load_trace
 from traces.transform import limit
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from router.cost_model import roofline
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from traces.generators import flood
 
 COST = roofline("llama-3-8b", "a100-80g")

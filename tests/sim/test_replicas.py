@@ -9,7 +9,8 @@ from policies.service_params import ServiceCostParams
 from router.cost_model import roofline
 from router.ledger import Ledger, LedgerStore, Segment
 from router.request import Request
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from traces.generators import flood
 
 COST = roofline("llama-3-8b", "a100-80g")

@@ -12,7 +12,8 @@ import pytest
 from router.cli import main
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
-from simulator.driver import SimCluster, SimConfig, SimResult, simulate
+from simulator.config import SimConfig
+from simulator.driver import SimCluster, SimResult, simulate
 from simulator.engine import EngineConfig
 from traces.generators import shared_prefix
 from traces.loaders import load_trace

@@ -15,7 +15,8 @@ from dashboards.report import load_run, write_report
 from router.cli import build_parser
 from router.cost_model import roofline
 from router.request import Request
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
 from simulator.results import write_results

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from router.classes import QUEUE_TIME, UNMEETABLE, TrafficClass
 from router.records import RequestRecord
 from router.request import Request
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
 from tests.helpers import COST

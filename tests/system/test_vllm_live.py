@@ -175,7 +175,8 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     ignore_eos, usage with cached tokens, the model card's length, the KV size in /metrics."""
     from dashboards.report import load_run
     from router.cost_model import FittedCost
-    from simulator.driver import SimConfig, simulate
+    from simulator.config import SimConfig
+    from simulator.driver import simulate
     from traces.generators import shared_prefix
     from traces.replay import replay
     from traces.transform import scale_time

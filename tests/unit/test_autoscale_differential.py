@@ -21,7 +21,8 @@ from router.cost_model import roofline
 from router.planner import Plan, Planner, PlannerConfig
 from router.proxy.autoscale import LiveScaler, Server
 from router.proxy.driver import LiveCluster
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from traces.generators import shared_prefix
 from traces.schema import Trace
 

@@ -14,7 +14,8 @@ from router.kv_events import KVEventIndexer
 from router.pools import UnknownModel
 from router.prefix_index import PrefixIndex
 from router.request import Request, cache_root, hash_token_blocks
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace
 

@@ -73,7 +73,8 @@ class TestPacedForThroughput:
 # a collector pacing of their own, frozen garbage) can surface in the collection counted here.
 GARBAGE_CHECK = """
 import gc, json
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from simulator.engine import EngineConfig
 from tests.unit.test_engine_cohorts import COST, WORKLOADS, chat
 

@@ -16,7 +16,8 @@ import pytest
 
 from router.classes import TrafficClass
 from router.cost_model import roofline
-from simulator.driver import SimConfig, SimResult, simulate
+from simulator.config import SimConfig
+from simulator.driver import SimResult, simulate
 from simulator.engine import EngineConfig
 from traces.generators import chat_sessions, priority_mix, shared_prefix
 from traces.schema import Trace

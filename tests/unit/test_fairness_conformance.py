@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import policies
 from router.policy import LocalPolicy
 from router.request import Request
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from simulator.fairness import max_service_gap, service_curves
 from tests.helpers import BS, COST, make_req, make_view, no_cache

@@ -15,7 +15,8 @@ import pytest
 from policies.baselines import least_tokens
 from router.cost_model import roofline
 from simulator import driver
-from simulator.driver import SimCluster, SimConfig, SimResult
+from simulator.config import SimConfig
+from simulator.driver import SimCluster, SimResult
 from simulator.engine import EngineConfig
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace

@@ -514,7 +514,8 @@ def test_the_fleet_vector_search_picks_what_explore_costs_ranks_first(monkeypatc
     on a simulated run with full caches (M > 0) and rebalancing, every choice is the argmin of
     the per-worker terms `explore_costs` lists."""
     from policies.preble import PrebleE2
-    from simulator.driver import SimConfig, simulate
+    from simulator.config import SimConfig
+    from simulator.driver import simulate
     from simulator.engine import EngineConfig
     from traces.generators import shared_prefix
 

@@ -15,7 +15,8 @@ from router.core import Router
 from router.cost_model import roofline
 from router.proxy.driver import LiveCluster, WorkerDown
 from router.request import Request
-from simulator.driver import SimCluster, SimConfig
+from simulator.config import SimConfig
+from simulator.driver import SimCluster
 from simulator.engine import EngineConfig
 from traces.generators import flood, priority_mix, shared_prefix
 

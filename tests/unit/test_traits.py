@@ -16,7 +16,7 @@ from router.traits import (
     PolicyTraits,
     ReordersOn,
 )
-from simulator.driver import SimConfig
+from simulator.config import SimConfig
 
 
 class TestTraits:

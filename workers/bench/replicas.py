@@ -38,7 +38,8 @@ from router.proxy.service.replicas import REPLICA_HEADER
 from router.records import RequestRecord
 from router.request import Request
 from router.runtime.processes import cpu_seconds, process, wait_healthy
-from simulator.driver import SimCluster, SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import SimCluster, simulate
 from simulator.engine import EngineConfig
 from traces.schema import Trace, finish
 from workers.bench.proxy import measured, throughput

@@ -17,7 +17,8 @@ from dashboards.report import load_run
 from dashboards.tables import format_table
 from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import process, wait_healthy
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from traces.generators import shared_prefix
 from traces.replay import replay
 from workers.launch import ensure_tiny_model, server_specs

@@ -46,7 +46,8 @@ from router.cost_model import FittedCost, Measurement
 from router.proxy.ports import free_ports
 from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import wait_healthy
-from simulator.driver import SimConfig, simulate
+from simulator.config import SimConfig
+from simulator.driver import simulate
 from simulator.engine import EngineConfig
 from simulator.results import summarize, write_results
 from traces.generators import shared_prefix
