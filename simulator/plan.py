@@ -17,12 +17,13 @@ every split is simulated, so no split of n - 1 workers meets the goal either.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from router.classes import ClassTable, TrafficClass
 from router.cost_model import CostModel
 from router.records import Refusal, RequestRecord
+from router.runtime.ray_tasks import RayTasks
 from simulator.config import SimConfig
 from simulator.driver import SimCluster
 from simulator.progress import map_runs
@@ -199,9 +200,15 @@ def _start(candidates: Candidates) -> None:
     _shared = candidates
 
 
-def _run(policy: str, fleet: Fleet) -> tuple[Outcome, tuple[int, float]]:
-    assert _shared is not None, "a pool process runs candidates only after _start"
-    return _shared.run_counted(policy, fleet)
+def _run(
+    candidates: Candidates | None, policy: str, fleet: Fleet
+) -> tuple[Outcome, tuple[int, float]]:
+    """One candidate, in a pool process (`candidates` None: the copy `_start` left there) or
+    a Ray task (the candidates put in the cluster once)."""
+    if candidates is None:
+        assert _shared is not None, "a pool process runs candidates only after _start"
+        candidates = _shared
+    return candidates.run_counted(policy, fleet)
 
 
 def _counts(done: tuple[Outcome, tuple[int, float]]) -> tuple[int, float]:
@@ -209,18 +216,20 @@ def _counts(done: tuple[Outcome, tuple[int, float]]) -> tuple[int, float]:
 
 
 class Evaluator:
-    """Simulates candidates, `jobs` processes side by side (as `fairway compare` runs its
-    policies), each candidate once; `outcomes` keeps every one in the order simulated."""
+    """Simulates candidates, `jobs` side by side (as `fairway compare` runs its policies), each
+    candidate once; `outcomes` keeps every one in the order simulated. They run in local
+    processes, or as tasks on a Ray cluster (`ray`)."""
 
-    def __init__(self, candidates: Candidates, jobs: int) -> None:
+    def __init__(self, candidates: Candidates, jobs: int, ray: RayTasks | None = None) -> None:
         self.candidates = candidates
         self.jobs = max(1, jobs)
         self.outcomes: dict[tuple[str, Fleet], Outcome] = {}
-        self._pool = (
-            ProcessPoolExecutor(self.jobs, initializer=_start, initargs=(candidates,))
-            if self.jobs > 1
-            else None
-        )
+        self._pool: Executor | None = None
+        self._shared: object = None  # what each run is passed to find the candidates
+        if ray is not None:
+            self._pool, self._shared = ray, ray.put(candidates)
+        elif self.jobs > 1:
+            self._pool = ProcessPoolExecutor(self.jobs, initializer=_start, initargs=(candidates,))
 
     def __call__(self, policy: str, fleets: Iterable[Fleet]) -> list[Outcome]:
         fleets = list(dict.fromkeys(fleets))
@@ -229,7 +238,10 @@ class Evaluator:
             done = [self.candidates.run(policy, f) for f in todo]
         else:
             # The command's progress bar, if any, moves as each candidate returns.
-            counted = map_runs(self._pool, _run, [policy] * len(todo), todo, counts=_counts)
+            n = len(todo)
+            counted = map_runs(
+                self._pool, _run, [self._shared] * n, [policy] * n, todo, counts=_counts
+            )
             done = [outcome for outcome, _ in counted]
         for outcome in done:
             self.outcomes[(policy, outcome.fleet)] = outcome
@@ -375,11 +387,13 @@ def plan(
     *,
     split: bool = False,
     jobs: int = 1,
+    ray: RayTasks | None = None,
 ) -> Plan:
     """Search, for each policy, the fewest mixed workers (and with `split` the fewest workers
-    of a split fleet) that meet the goal, at most `max_workers`."""
+    of a split fleet) that meet the goal, at most `max_workers`: `jobs` candidates at once, on
+    `ray`'s cluster if given."""
     answers: list[Answer] = []
-    with Evaluator(candidates, jobs) as evaluate:
+    with Evaluator(candidates, jobs, ray) as evaluate:
         for policy in policies:
             answers.append(search_mixed(evaluate, policy, candidates.goal, max_workers, jobs))
             if split and max_workers >= 2:

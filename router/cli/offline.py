@@ -116,6 +116,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     import policies
     from dashboards.report import load_run, write_report
+    from router.runtime.ray_tasks import join_ray_if_wanted
     from simulator.progress import command_bar, map_runs, summary_counts
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -126,19 +127,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         )
     out = Path(args.out)
     dirs = [str(out / name) for name in names]
-    ray = _ray_if_wanted(args.ray_address)
-    with command_bar("compare", num_runs=len(names)) as bar:
-        if ray is not None:
-            task = ray.remote(_simulate_one)
-            pending = [task.remote(args, n, d) for n, d in zip(names, dirs, strict=True)]
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                bar.run_done(*summary_counts(ray.get(done[0])))
-        else:
-            with ProcessPoolExecutor(max_workers=min(len(names), args.jobs)) as pool:
-                map_runs(
-                    pool, _simulate_one, [args] * len(names), names, dirs, counts=summary_counts
-                )
+    ray = join_ray_if_wanted(args.ray_address)
+    with command_bar("compare", num_runs=len(names)):
+        pool = ray or ProcessPoolExecutor(max_workers=min(len(names), args.jobs))
+        with pool:
+            map_runs(pool, _simulate_one, [args] * len(names), names, dirs, counts=summary_counts)
     runs = [load_run(d) for d in dirs]
     recording = Path(args.trace)
     if (recording / "trace.jsonl").exists() and (recording / "requests.csv").exists():
@@ -150,19 +143,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     report = write_report(runs, out / "report.html", title=f"Policies on {args.trace}")
     print(f"report: {report} (and {report.with_suffix('.md')})")
     return 0
-
-
-def _ray_if_wanted(address: str | None):
-    """Ray when an address is given, or when a Ray cluster is already running here."""
-    import os
-
-    import ray
-
-    if address is None and not os.path.exists("/tmp/ray/ray_current_cluster"):
-        return None
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=address or "auto", log_to_driver=False)
-    return ray
 
 
 def cmd_policies(args: argparse.Namespace) -> int:

@@ -79,8 +79,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--jobs",
         type=at_least_one,
-        default=os.cpu_count() or 1,
-        help="candidates simulated side by side (default: the CPU count)",
+        help="candidates simulated side by side (default: the CPU count, or the Ray cluster's)",
+    )
+    g.add_argument(
+        "--ray-address",
+        help="simulate the candidates as Ray tasks on this cluster (default: the one running "
+        "on this machine, if any; else local processes)",
     )
     g.add_argument("--json", metavar="FILE", help="write the answer and every candidate here")
 
@@ -145,6 +149,7 @@ def search_lines(plan) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from router.runtime.ray_tasks import join_ray_if_wanted
     from simulator.plan import Candidates, Goal, plan
     from simulator.progress import command_bar
 
@@ -160,13 +165,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     tp = args.tp or (1 if args.cost else MODELS[args.model].default_tp)
     policies = args.policies or [args.policy]
+    ray = join_ray_if_wanted(args.ray_address)
+    jobs = args.jobs or (ray.cpus() if ray is not None else os.cpu_count() or 1)
     with command_bar("plan"):
         found = plan(
             Candidates(trace, cost, base, goal, tp),
             policies,
             args.max_workers,
             split=args.split,
-            jobs=args.jobs,
+            jobs=jobs,
+            ray=ray,
         )
     print(format_table(candidate_rows(found)))
     print("\n".join(search_lines(found)))

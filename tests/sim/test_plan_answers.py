@@ -4,6 +4,7 @@ goal and one worker fewer does not, for a mixed fleet and a split one."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,25 @@ def test_an_impossible_goal_says_how_close_it_came(tmp_path: Path, capsys) -> No
     planned = json.loads(out.read_text())
     assert planned["workers"] is None and planned["best"]["attainment"] < 1
     assert {c["workers"] for c in planned["candidates"]} == {1, 2}
+
+
+@pytest.mark.slow  # a Ray head of its own
+def test_on_a_ray_cluster_the_candidates_and_the_answer_are_the_same(tmp_path: Path) -> None:
+    import tempfile
+
+    import ray
+
+    from tests.live_helpers import ray_head
+
+    local, remote = tmp_path / "local.json", tmp_path / "ray.json"
+    small = ("--attainment", str(ATTAINMENT), "--max-workers", "6")
+    assert main(plan_args(local, *small)) == 0
+    temp = Path(tempfile.mkdtemp(prefix="fw-ray-", dir="/tmp"))  # short: Ray's socket paths
+    with ray_head(temp) as head:  # the test's own head, stopped by its pids
+        try:
+            assert main(plan_args(remote, *small, "--ray-address", head.address)) == 0
+            assert ray.is_initialized(), "the candidates ran as Ray tasks"
+        finally:
+            ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+    assert json.loads(remote.read_text()) == json.loads(local.read_text())
