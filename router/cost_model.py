@@ -18,7 +18,7 @@ import itertools
 import json
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Final, Protocol
 
@@ -139,6 +139,9 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        return _rebuilt(self)
+
 
 @dataclass(slots=True, frozen=True)
 class GPUSpec:
@@ -147,6 +150,16 @@ class GPUSpec:
     hbm_bandwidth: float  # bytes/s
     memory_bytes: float
     link_bandwidth: float  # GPU-to-GPU, bytes/s per direction (NVLink, or PCIe on L40S)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return _rebuilt(self)
+
+
+def _rebuilt(spec: ModelSpec | GPUSpec) -> tuple[type, tuple]:
+    """How a spec is pickled: compiled, a frozen dataclass cannot be unpickled field by field
+    (a cost model crosses to `fairway plan`'s worker processes and Ray tasks), so it is rebuilt
+    through its constructor."""
+    return type(spec), tuple(getattr(spec, f.name) for f in fields(spec))
 
 
 GB = 1e9
@@ -306,6 +319,10 @@ class FittedCost(StepCost):
             c["per_kv_token"],
         )
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Compiled, an instance cannot be unpickled attribute by attribute: it is rebuilt.
+        return type(self), (self.coefficients, self.kv_capacity_tokens, self.name)
+
     def step_time(self, shape: StepShape) -> float:
         overhead, per_token, per_decode_seq, per_pair, per_kv = self._terms
         decodes = shape.num_decode_seqs
@@ -435,6 +452,10 @@ class RooflineCost(StepCost):
     ) -> None:
         self.model, self.gpu = model, gpu
         self.tp = tp or model.default_tp
+        self._arguments = (
+            model, gpu, self.tp, compute_efficiency, memory_efficiency, step_overhead,
+            gpu_memory_utilization, allreduce_latency,
+        )  # fmt: skip
         self.name = f"roofline:{model.name}@{gpu.name}x{self.tp}"
         weights = model.num_params * model.bytes_per_param
         kv_bytes = gpu.memory_bytes * self.tp * gpu_memory_utilization - weights
@@ -456,6 +477,10 @@ class RooflineCost(StepCost):
             self._overhead += 2 * model.num_layers * allreduce_latency
         else:
             self._comm_per_token = 0.0
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Compiled, an instance cannot be unpickled attribute by attribute: it is rebuilt.
+        return type(self), self._arguments
 
     def step_time(self, shape: StepShape) -> float:
         compute = shape.num_tokens * self._sec_per_token_flop + (

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import pickle
 import random
 from pathlib import Path
 
 import pytest
 
-from router.cost_model import FittedCost, Measurement, StepShape
+from router.cost_model import FittedCost, Measurement, StepShape, roofline
 from router.request import Request
 from simulator.config import SimConfig
 from simulator.driver import simulate
@@ -140,6 +141,17 @@ class TestProfileFiles:
         path.write_text(json.dumps({"name": "x", "kv_capacity_tokens": 10, "coefficients": {}}))
         with pytest.raises(ValueError, match=r"p.json: not a Fairway profile.*missing"):
             FittedCost.load(path)
+
+
+def test_both_cost_models_cross_to_another_process_unchanged() -> None:
+    """Pickled (a candidate fleet sent to `fairway plan`'s worker processes or Ray tasks), a
+    cost model, compiled or not, comes back pricing every step as it did."""
+    shapes = [StepShape.prefill(3000, 500), StepShape.decode(16, 16 * 900)]
+    for model in (cost(), roofline("llama-3-70b", "h100", tp=8)):
+        back = pickle.loads(pickle.dumps(model))
+        assert (back.name, back.kv_capacity_tokens) == (model.name, model.kv_capacity_tokens)
+        assert [back.step_time(s) for s in shapes] == [model.step_time(s) for s in shapes]
+        assert back.decode_step_times(4, 4000, 3) == model.decode_step_times(4, 4000, 3)
 
 
 class TestEngineShapes:
