@@ -18,11 +18,13 @@ import itertools
 import json
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final, Protocol
 
 import numpy as np
+
+from router.runtime.native import rebuilt
 
 
 def prefill_pairs(num_new: int, num_context: int) -> float:
@@ -140,7 +142,7 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
 
     def __reduce__(self) -> tuple[type, tuple]:
-        return _rebuilt(self)
+        return rebuilt(self)
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,14 +154,7 @@ class GPUSpec:
     link_bandwidth: float  # GPU-to-GPU, bytes/s per direction (NVLink, or PCIe on L40S)
 
     def __reduce__(self) -> tuple[type, tuple]:
-        return _rebuilt(self)
-
-
-def _rebuilt(spec: ModelSpec | GPUSpec) -> tuple[type, tuple]:
-    """How a spec is pickled: compiled, a frozen dataclass cannot be unpickled field by field
-    (a cost model crosses to `fairway plan`'s worker processes and Ray tasks), so it is rebuilt
-    through its constructor."""
-    return type(spec), tuple(getattr(spec, f.name) for f in fields(spec))
+        return rebuilt(self)
 
 
 GB = 1e9

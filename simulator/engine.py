@@ -22,7 +22,7 @@ step-by-step simulation would show.
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 import simpy
@@ -30,6 +30,7 @@ import simpy
 from router.cost_model import CostModel, StepEnds, StepShape
 from router.policy import LocalPolicy
 from router.request import Request
+from router.runtime.native import rebuilt
 from router.traits import ReordersOn
 from simulator.block_manager import BlockManager, BlockTable, KVEventSink
 
@@ -53,9 +54,7 @@ class EngineConfig:
     priority_preemption: bool = False
 
     def __reduce__(self) -> tuple[type, tuple]:
-        # Compiled, a frozen dataclass cannot be unpickled field by field (experiments send
-        # their configs to worker processes): rebuild it through the constructor instead.
-        return type(self), tuple(getattr(self, f.name) for f in fields(self))
+        return rebuilt(self)
 
 
 class Seq:

@@ -17,6 +17,7 @@ write, stay interpreted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -25,6 +26,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "build" / "native"
@@ -57,6 +59,13 @@ STAMP = "sources.json"
 # finds a namespace package on sys.path before the editable install's finder looks).
 SHARED = "shared"
 LAYOUT = 3  # of build/native: a build of another layout is not used
+
+
+def rebuilt(frozen: Any) -> tuple[type, tuple]:
+    """`__reduce__` for a frozen dataclass in a compiled module: compiled, one cannot be
+    unpickled field by field (configs and cost models cross to worker processes and Ray
+    tasks), so it is rebuilt through its constructor."""
+    return type(frozen), tuple(getattr(frozen, f.name) for f in dataclasses.fields(frozen))
 
 
 def fingerprint(root: Path = ROOT) -> dict[str, object]:
