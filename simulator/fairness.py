@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
 from router.records import W_IN, W_OUT, RequestRecord
+from simulator.columns import RecordColumns, columns
 
 
 @dataclass(slots=True)
@@ -64,31 +64,27 @@ def _ramps(times: np.ndarray, start: np.ndarray, end: np.ndarray, total: np.ndar
 
 
 def service_curves(
-    records: Sequence[RequestRecord], step: float = 1.0, w_in: float = W_IN, w_out: float = W_OUT
+    records: Sequence[RequestRecord] | RecordColumns,
+    step: float = 1.0,
+    w_in: float = W_IN,
+    w_out: float = W_OUT,
 ) -> ServiceCurves:
-    end = max((r.finish for r in records), default=0.0)
+    cols = columns(records)
+    end = float(cols.finish.max()) if len(cols) else 0.0
     times = np.arange(0.0, end + step, step)
-    by_client: dict[str, list[RequestRecord]] = {}
-    for r in records:
-        by_client.setdefault(r.client, []).append(r)
-    clients = sorted(by_client)
+    clients = sorted(cols.by_client)
     service = np.zeros((len(clients), len(times)))
     backlogged = np.zeros((len(clients), len(times)), dtype=bool)
     for i, client in enumerate(clients):
-        rs = by_client[client]
-        # A column at a time: a tuple per record, transposed, cost more than the curves.
-        arrival, admitted, first, finish, prompt, output, weight = (
-            np.fromiter(map(attrgetter(name), rs), dtype=np.float64, count=len(rs))
-            for name in (
-                "arrival",
-                "admitted",
-                "first_token",
-                "finish",
-                "prompt_tokens",
-                "output_tokens",
-                "weight",
-            )
+        rows = cols.by_client[client]
+        arrival, admitted, first, finish = (
+            cols.arrival[rows],
+            cols.admitted[rows],
+            cols.first_token[rows],
+            cols.finish[rows],
         )
+        weight = cols.weight[rows]
+        prompt, output = cols.prompt_tokens[rows], cols.output_tokens[rows]
         service[i] = _steps(times, admitted, w_in * prompt / weight)
         service[i] += _ramps(times, first, finish, w_out * output / weight)
         started = np.searchsorted(np.sort(arrival), times, side="right")
@@ -144,12 +140,15 @@ def jain_while_backlogged(curves: ServiceCurves) -> float | None:
     return total / weight if weight else None
 
 
-def vtc_bound(records: Sequence[RequestRecord], w_in: float = W_IN, w_out: float = W_OUT) -> float:
+def vtc_bound(
+    records: Sequence[RequestRecord] | RecordColumns, w_in: float = W_IN, w_out: float = W_OUT
+) -> float:
     """VTC's bound on the service gap: 2 x max(w_in x max input, w_out x max output)."""
-    if not records:
+    cols = columns(records)
+    if not len(cols):
         return 0.0
-    max_in = max(r.prompt_tokens / r.weight for r in records)
-    max_out = max(r.output_tokens / r.weight for r in records)
+    max_in = float((cols.prompt_tokens / cols.weight).max())
+    max_out = float((cols.output_tokens / cols.weight).max())
     return 2 * max(w_in * max_in, w_out * max_out)
 
 

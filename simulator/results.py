@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
 from router.classes import REFUSAL_REASONS, ClassTable
 from router.records import RecordWriter, Refusal, RequestRecord, weighted_tokens
+from simulator.columns import RecordColumns
+from simulator.fairness import (
+    jain_while_backlogged,
+    max_service_gap,
+    service_by_window,
+    service_curves,
+    vtc_bound,
+)
 
 
 @dataclass(slots=True)
@@ -37,33 +44,6 @@ def _worker_dict(worker: WorkerRecord) -> dict[str, object]:
 
 
 _WORKER_FIELDS = tuple(f.name for f in fields(WorkerRecord))
-
-
-class _Columns:
-    """The records' fields as arrays, each read once: the summary's figures are then array
-    operations, where a Python pass over the records for each took longer than the last
-    simulated seconds of a large run."""
-
-    _INTS = ("prompt_tokens", "cached_tokens", "output_tokens", "preemptions")
-
-    def __init__(self, records: Sequence[RequestRecord]) -> None:
-        self._records = records
-        self.arrival, self.admitted, self.first_token, self.finish, self.weight = (
-            self._read(name, np.float64)
-            for name in ("arrival", "admitted", "first_token", "finish", "weight")
-        )
-        self.prompt_tokens, self.cached_tokens, self.output_tokens, self.preemptions = (
-            self._read(name, np.int64) for name in self._INTS
-        )
-
-    def _read(self, name: str, dtype: type) -> np.ndarray:
-        records = self._records
-        return np.fromiter(map(attrgetter(name), records), dtype=dtype, count=len(records))
-
-    def tpot(self) -> np.ndarray:
-        """RequestRecord.tpot of those that have one (more than one output token)."""
-        more = self.output_tokens > 1
-        return (self.finish[more] - self.first_token[more]) / (self.output_tokens[more] - 1)
 
 
 def _stats(values: Sequence[float] | np.ndarray) -> dict[str, float | None]:
@@ -92,25 +72,13 @@ def summarize(
     classes: ClassTable | None = None,
     refusals: Sequence[Refusal] = (),
 ) -> dict[str, object]:
-    cols = _Columns(records)
+    cols = RecordColumns(records)
     prompt, cached = int(cols.prompt_tokens.sum()), int(cols.cached_tokens.sum())
     output = int(cols.output_tokens.sum())
     span = float(cols.finish.max() - cols.arrival.min()) if records else 0.0
     ttft, e2e = cols.first_token - cols.arrival, cols.finish - cols.arrival
-    # Each client's records by position, in the order they came.
-    by_client: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_client.setdefault(r.client, []).append(i)
-    from simulator.fairness import (
-        jain_while_backlogged,
-        max_service_gap,
-        service_by_window,
-        service_curves,
-        vtc_bound,
-    )
-
     # The grid resolves the gap to a tenth of the run, or a second, whichever is finer.
-    curves = service_curves(records, step=min(1.0, max(span, 1e-3) / 10))
+    curves = service_curves(cols, step=min(1.0, max(span, 1e-3) / 10))
     backlogged_s = dict(
         zip(
             curves.clients,
@@ -121,7 +89,7 @@ def summarize(
     )
     # Per-client service and backlog over 20 windows of the run, on a grid 10x finer.
     window = max(span, 1e-3) / 20
-    fine = service_curves(records, step=window / 10)
+    fine = service_curves(cols, step=window / 10)
     windows = service_by_window(fine, window)
     backlog = {
         c: [float(fine.backlogged[i, k : k + 10].mean()) for k in range(0, len(fine.times) - 1, 10)]
@@ -146,7 +114,7 @@ def summarize(
             "ttft": _stats(ttft[at]),
             "e2e": _stats(e2e[at]),
         }
-        for client, at in sorted(by_client.items())
+        for client, at in sorted(cols.by_client.items())
     }
     group_of = {w.id: w.group for w in workers if w.group is not None}
     by_group: dict[str, list[int]] = {g: [] for g in dict.fromkeys(group_of.values())}
@@ -188,7 +156,7 @@ def summarize(
         "fairness": {
             "jain": jain_while_backlogged(fine),
             "max_service_gap": max_service_gap(curves),
-            "vtc_bound": vtc_bound(records),
+            "vtc_bound": vtc_bound(cols),
         },
         "simulated_seconds": simulated_seconds,
         "wall_seconds": wall_seconds,

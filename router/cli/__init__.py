@@ -6,11 +6,19 @@ the proxy, the workers, the reports) and hands each what it needs. Nothing impor
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
+import os
 
-from router.cli import bench, offline, reports, serve
+# Before numpy is imported. Fairway's numpy work is vector arithmetic and a few small
+# least-squares fits, for which no BLAS thread pool pays: OpenBLAS's threads spin for about a
+# tenth of a second of CPU after numpy is imported, in every process a command starts (a plan's
+# workers too). A value the user set stands.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+from router.cli import bench, offline, reports, serve  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -135,8 +135,9 @@ def vidur_args(out: Path, max_tokens: int) -> list[str]:
 
 
 FAIRWAY_RUN = """\
-import json, sys, time
+import json, os, sys, time
 started = time.process_time()
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the fairway command runs
 from router.cost_model import roofline
 from simulator.config import SimConfig
 from simulator.driver import simulate

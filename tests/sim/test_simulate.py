@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,17 @@ class TestSimulateCommand:
         ).stdout
         for name in ("llama-3-8b", "llama-2-13b", "mistral-7b", "llama-3-70b", "h200", "l40s"):
             assert name in models
+
+    @pytest.mark.slow  # a process of its own: BLAS starts its threads when numpy is imported
+    def test_the_command_starts_no_blas_threads(self) -> None:
+        """OpenBLAS's idle threads spin for a tenth of a second of CPU after numpy is imported;
+        the command's numpy work is vector arithmetic, so its processes start none."""
+        code = "import router.cli, numpy, os; print(len(os.listdir('/proc/self/task')))"
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        assert out.split() == ["1"]  # the main thread alone
 
 
 class TestDeterminism:
