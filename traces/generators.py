@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from router.request import APIS, Request, cache_root, hash_token_blocks
+from router.request import APIS, BlockHash, Request, cache_root, hash_token_blocks
 from traces.schema import DEFAULT_BLOCK_SIZE, Trace, finish, renumber
 
 VOCAB = 32000
@@ -53,18 +53,48 @@ def _poisson_times(rng: random.Random, rate: float, n: int) -> list[float]:
     return out
 
 
+class _Shared:
+    """Tokens many prompts start with (a document, a template), their full blocks hashed once
+    per cache identity: a prompt that starts with them hashes only what follows, continuing
+    the chain from their last full block, the same hashes as the whole prompt's."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
+        self._heads: dict[BlockHash | None, list[BlockHash]] = {}
+
+    def hash_prompt(self, prompt: np.ndarray, root: BlockHash | None) -> list[BlockHash]:
+        """`hash_token_blocks(prompt, block_size, root)` for a prompt that starts with these
+        tokens."""
+        head = self._heads.get(root)
+        if head is None:
+            head = self._heads[root] = hash_token_blocks(self.tokens, self.block_size, root)
+        rest = prompt[len(head) * self.block_size :]
+        return head + hash_token_blocks(rest, self.block_size, head[-1] if head else root)
+
+
 def _request(
-    i: int, t: float, prompt: np.ndarray, out_len: int, block_size: int, **kw: object
+    i: int,
+    t: float,
+    prompt: np.ndarray,
+    out_len: int,
+    block_size: int,
+    shared: _Shared | None = None,
+    **kw: object,
 ) -> Request:
-    """A request for `prompt`, its blocks hashed under the cache identity `kw` gives it (a
-    model, adapter or cache_salt), as a live prompt is."""
+    """A request for `prompt` (which starts with `shared`'s tokens, if given), its blocks
+    hashed under the cache identity `kw` gives it (a model, adapter or cache_salt), as a live
+    prompt is."""
     root = cache_root(kw.get("model"), kw.get("adapter"), kw.get("cache_salt"))  # type: ignore[arg-type]
     return Request(
         id=i,
         arrival=t,
         prompt_len=len(prompt),
         output_len=out_len,
-        block_hashes=hash_token_blocks(prompt, block_size, parent=root),
+        block_hashes=(
+            hash_token_blocks(prompt, block_size, parent=root)
+            if shared is None
+            else shared.hash_prompt(prompt, root)
+        ),
         **kw,  # type: ignore[arg-type]
     )
 
@@ -90,7 +120,9 @@ def shared_prefix(
     LoRA adapter `lora-k`, so its prompts hit only its own blocks."""
     rng, tokens = random.Random(seed), _Tokens(seed)
     prefixes = {
-        (t, p): tokens.take(_lognormal_int(rng, prefix_tokens, 0.3, block_size))
+        (t, p): _Shared(
+            tokens.take(_lognormal_int(rng, prefix_tokens, 0.3, block_size)), block_size
+        )
         for t in range(num_tenants)
         for p in range(prefixes_per_tenant)
     }
@@ -104,11 +136,11 @@ def shared_prefix(
             else rng.randrange(num_tenants)
         )
         prefix = prefixes[(tenant, rng.randrange(prefixes_per_tenant))]
-        prompt = np.concatenate([prefix, tokens.take(_lognormal_int(rng, question_tokens))])
+        prompt = np.concatenate([prefix.tokens, tokens.take(_lognormal_int(rng, question_tokens))])
         out = _lognormal_int(rng, output_tokens)
         adapter = f"lora-{tenant}" if adapters else None
         client = f"tenant-{tenant}"
-        reqs.append(_request(i, t, prompt, out, block_size, client=client, adapter=adapter))
+        reqs.append(_request(i, t, prompt, out, block_size, prefix, client=client, adapter=adapter))
     return finish(Trace(reqs, block_size, source="generated:shared_prefix"))
 
 
@@ -159,17 +191,19 @@ def few_shot(
     """Few-shot templates shared across tenants, popularity Zipf-distributed."""
     rng, tokens = random.Random(seed), _Tokens(seed)
     templates = [
-        tokens.take(_lognormal_int(rng, template_tokens, 0.3)) for _ in range(num_templates)
+        _Shared(tokens.take(_lognormal_int(rng, template_tokens, 0.3)), block_size)
+        for _ in range(num_templates)
     ]
     weights = [1 / (k + 1) ** zipf for k in range(num_templates)]
     reqs = []
     for i, t in enumerate(_poisson_times(rng, rate, num_requests)):
         template = rng.choices(templates, weights)[0]
-        prompt = np.concatenate([template, tokens.take(_lognormal_int(rng, question_tokens))])
-        client = f"tenant-{rng.randrange(num_tenants)}"
-        reqs.append(
-            _request(i, t, prompt, _lognormal_int(rng, output_tokens), block_size, client=client)
+        prompt = np.concatenate(
+            [template.tokens, tokens.take(_lognormal_int(rng, question_tokens))]
         )
+        client = f"tenant-{rng.randrange(num_tenants)}"
+        out = _lognormal_int(rng, output_tokens)
+        reqs.append(_request(i, t, prompt, out, block_size, template, client=client))
     return finish(Trace(reqs, block_size, source="generated:few_shot"))
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from router.request import hash_token_blocks
 from traces import transform
-from traces.generators import GENERATORS, agent_loops, chat_sessions, shared_prefix
+from traces.generators import GENERATORS, _Shared, agent_loops, chat_sessions, shared_prefix
 from traces.loaders import detect_format, load_trace
 from traces.schema import TraceError, write_native
 
@@ -245,3 +249,23 @@ class TestTransforms:
         for r in trace.requests:
             tenants.setdefault(r.session, set()).add(r.client)
         assert all(len(t) == 1 for t in tenants.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.integers(1, 8),
+    prefix_len=st.integers(0, 40),
+    rest_len=st.integers(0, 40),
+    root=st.one_of(st.none(), st.integers(0, (1 << 64) - 1)),
+)
+def test_a_shared_prefix_hashed_once_gives_every_prompt_its_own_hashes(
+    block_size: int, prefix_len: int, rest_len: int, root: int | None
+) -> None:
+    """Generators hash a document or template once and each prompt's tail after it: the
+    chain must be the whole prompt's, wherever the prefix ends in a block."""
+    rng = np.random.default_rng(prefix_len * 64 + rest_len)
+    prefix = rng.integers(0, 4000, size=prefix_len, dtype=np.uint32)
+    shared = _Shared(prefix, block_size)
+    for _ in range(2):  # the second prompt reuses the prefix's hashes
+        prompt = np.concatenate([prefix, rng.integers(0, 4000, size=rest_len, dtype=np.uint32)])
+        assert shared.hash_prompt(prompt, root) == hash_token_blocks(prompt, block_size, root)
