@@ -93,7 +93,7 @@ def read_records(path: Path) -> list[RequestRecord]:
 
 def _png(fig: plt.Figure) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=110)  # constrained layout: already fitted
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
