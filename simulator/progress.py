@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, wait
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future, wait
 from contextlib import contextmanager, redirect_stdout
 from typing import TextIO, TypeVar
 
@@ -191,6 +191,12 @@ def map_runs(
     its `counts` (requests, simulated seconds). The first failure in order is raised, as
     `pool.map` raises it."""
     futures = [pool.submit(fn, *args) for args in zip(*iterables, strict=True)]
+    return wait_runs(futures, counts)
+
+
+def wait_runs(futures: Sequence[Future[T]], counts: Callable[[T], tuple[int, float]]) -> list[T]:
+    """The runs' results in order, the command's bar advanced as each returns by its `counts`;
+    the first failure in order is raised."""
     bar = current()
     if bar is not None and bar.enabled:
         pending = set(futures)

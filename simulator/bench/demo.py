@@ -9,9 +9,11 @@ stay true when the numbers move.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -22,7 +24,7 @@ from dashboards.tables import format_table
 from router.cost_model import roofline
 from simulator.config import SimConfig
 from simulator.driver import simulate
-from simulator.progress import command_bar
+from simulator.progress import command_bar, summary_counts, wait_runs
 from simulator.results import write_results
 from traces.generators import shared_prefix
 from traces.loaders import load_trace
@@ -207,21 +209,37 @@ def verdict(title: str, summaries: dict[str, dict]) -> str:
     return f"{head}: {why}; {fair_part}."
 
 
-def compare_workload(
-    workload: Workload, workers: int, out: Path, policy_names: Sequence[str] | None = None
-) -> Comparison:
-    """Every policy (or `policy_names`) on one workload: runs under out/KEY/POLICY, a report."""
-    cost = roofline(MODEL, GPU)
-    names = list(policy_names or policies.global_policies.names())
-    summaries, runs = {}, []
-    for name in names:
-        result = simulate(workload.build(), cost, SimConfig(num_workers=workers, policy=name))
-        run_dir = out / workload.key / name
-        write_results(run_dir, result.summary, result.records)
-        summaries[name] = result.summary
-        runs.append(load_run(run_dir))
+_held: tuple[Sequence[Workload], int, Path] | None = None  # a pool process's copy
+
+
+def _hold(workloads: Sequence[Workload], workers: int, out: Path) -> None:
+    """A pool process's start: the workloads come with the fork (their builders are
+    closures, which do not pickle), each run then by its index."""
+    global _held
+    _held = (workloads, workers, out)
+
+
+def _run_policy(workload: int, policy: str) -> tuple[str, dict]:
+    """One policy on one workload, in a pool process: its run written under OUT/KEY/POLICY;
+    the run's folder and summary."""
+    assert _held is not None, "a pool process runs only after _hold"
+    workloads, workers, out = _held
+    chosen = workloads[workload]
+    config = SimConfig(num_workers=workers, policy=policy, show_progress=False)
+    result = simulate(chosen.build(), roofline(MODEL, GPU), config)
+    run_dir = out / chosen.key / policy
+    write_results(run_dir, result.summary, result.records)
+    return str(run_dir), result.summary
+
+
+def compare_workload(workload: Workload, runs: Sequence[tuple[str, dict]], out: Path) -> Comparison:
+    """A workload's runs (folder and summary per policy), ranked, with a verdict and a
+    report."""
+    summaries = {Path(folder).name: summary for folder, summary in runs}
     report = write_report(
-        runs, out / workload.key / "report.html", title=f"Fairway demo: {workload.title}"
+        [load_run(Path(folder)) for folder, _ in runs],
+        out / workload.key / "report.html",
+        title=f"Fairway demo: {workload.title}",
     )
     ranked = sorted(summaries, key=lambda n: summaries[n]["ttft"]["mean"])
     rows = [demo_row(n, summaries[n]) for n in ranked]
@@ -263,11 +281,20 @@ def demo(
         f"over the tenants waiting together (higher is fairer)."
     )
     done = []
-    with command_bar("demo", num_runs=len(names) * len(workloads)):
-        for workload in workloads:
+    jobs = min(len(names) * len(workloads), os.cpu_count() or 1)
+    with (
+        command_bar("demo", num_runs=len(names) * len(workloads)),
+        ProcessPoolExecutor(jobs, initializer=_hold, initargs=(workloads, workers, out)) as pool,
+    ):
+        # Every run is queued at once: the next workload's runs go on while this one's report
+        # is drawn.
+        queued = [
+            [pool.submit(_run_policy, k, name) for name in names] for k in range(len(workloads))
+        ]
+        for workload, futures in zip(workloads, queued, strict=True):
             print()
             say(f"== {workload.title} ({workload.about}); {_demand(workload.build())}.")
-            comparison = compare_workload(workload, workers, out, names)
+            comparison = compare_workload(workload, wait_runs(futures, summary_counts), out)
             bound = 100 * max(s["prefix_cache"]["bound"] for s in comparison.summaries.values())
             print()
             print(format_table(comparison.rows))
