@@ -9,6 +9,7 @@ stay true when the numbers move.
 
 from __future__ import annotations
 
+import functools
 import os
 import textwrap
 from collections import Counter
@@ -73,22 +74,27 @@ class Comparison:
     report: Path
 
 
+def _mooncake_trace(requests: int | None, tenants: int) -> Trace:
+    trace = load_trace(str(resources.files("traces") / SAMPLE))
+    if requests is not None:
+        trace.requests = trace.requests[:requests]
+    return assign_tenants(trace, tenants, skew=1.0)
+
+
+def _documents_trace(p: dict[str, float]) -> Trace:
+    ints = {k: int(v) for k, v in p.items() if k not in ("rate", "tenant_skew")}
+    return shared_prefix(**ints, rate=p["rate"], tenant_skew=p["tenant_skew"])
+
+
 def mooncake_sample(requests: int | None = None, tenants: int = 4) -> Workload:
     """The bundled Mooncake sample (its first `requests`), its requests dealt to `tenants`
     with Zipf-skewed shares so the fairness columns have something to say."""
-
-    def build() -> Trace:
-        trace = load_trace(str(resources.files("traces") / SAMPLE))
-        if requests is not None:
-            trace.requests = trace.requests[:requests]
-        return assign_tenants(trace, tenants, skew=1.0)
-
     n = f"the first {requests:,}" if requests is not None else "1,000"
     return Workload(
         "mooncake",
         "Mooncake sample",
         f"traces/{SAMPLE}: {n} requests of Mooncake's chat service, dealt to {tenants} tenants",
-        build,
+        functools.partial(_mooncake_trace, requests, tenants),
     )
 
 
@@ -96,11 +102,6 @@ def shared_documents(**overrides: float) -> Workload:
     """`shared_prefix` with DOCUMENTS' parameters (or `overrides`): tenants of unequal demand
     asking questions over their own long documents."""
     p = {**DOCUMENTS, **overrides}
-
-    def build() -> Trace:
-        ints = {k: int(v) for k, v in p.items() if k not in ("rate", "tenant_skew")}
-        return shared_prefix(**ints, rate=p["rate"], tenant_skew=p["tenant_skew"])
-
     return Workload(
         "documents",
         "Shared documents",
@@ -108,7 +109,7 @@ def shared_documents(**overrides: float) -> Workload:
         f"{int(p['prefixes_per_tenant'])} documents of ~{p['prefix_tokens'] / 1000:g}k tokens "
         f"each, {int(p['num_requests']):,} questions at {p['rate']:g} req/s, demand Zipf "
         f"{p['tenant_skew']:g} over the tenants",
-        build,
+        functools.partial(_documents_trace, p),
     )
 
 
@@ -209,25 +210,12 @@ def verdict(title: str, summaries: dict[str, dict]) -> str:
     return f"{head}: {why}; {fair_part}."
 
 
-_held: tuple[Sequence[Workload], int, Path] | None = None  # a pool process's copy
-
-
-def _hold(workloads: Sequence[Workload], workers: int, out: Path) -> None:
-    """A pool process's start: the workloads come with the fork (their builders are
-    closures, which do not pickle), each run then by its index."""
-    global _held
-    _held = (workloads, workers, out)
-
-
-def _run_policy(workload: int, policy: str) -> tuple[str, dict]:
+def _run_policy(workload: Workload, policy: str, workers: int, out: Path) -> tuple[str, dict]:
     """One policy on one workload, in a pool process: its run written under OUT/KEY/POLICY;
     the run's folder and summary."""
-    assert _held is not None, "a pool process runs only after _hold"
-    workloads, workers, out = _held
-    chosen = workloads[workload]
     config = SimConfig(num_workers=workers, policy=policy, show_progress=False)
-    result = simulate(chosen.build(), roofline(MODEL, GPU), config)
-    run_dir = out / chosen.key / policy
+    result = simulate(workload.build(), roofline(MODEL, GPU), config)
+    run_dir = out / workload.key / policy
     write_results(run_dir, result.summary, result.records)
     return str(run_dir), result.summary
 
@@ -284,12 +272,13 @@ def demo(
     jobs = min(len(names) * len(workloads), os.cpu_count() or 1)
     with (
         command_bar("demo", num_runs=len(names) * len(workloads)),
-        ProcessPoolExecutor(jobs, initializer=_hold, initargs=(workloads, workers, out)) as pool,
+        ProcessPoolExecutor(jobs) as pool,
     ):
         # Every run is queued at once: the next workload's runs go on while this one's report
         # is drawn.
         queued = [
-            [pool.submit(_run_policy, k, name) for name in names] for k in range(len(workloads))
+            [pool.submit(_run_policy, workload, name, workers, out) for name in names]
+            for workload in workloads
         ]
         for workload, futures in zip(workloads, queued, strict=True):
             print()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import re
 from pathlib import Path
 
@@ -134,3 +135,12 @@ def test_the_full_demo_tells_its_story(tmp_path) -> None:
     winners, _ = _parts(documents.verdict)
     assert any(_named(p, winners) for p in LOCALITY) and not _named("least_load", winners)
     assert "matters more than spreading load" in documents.verdict
+
+
+def test_the_workloads_cross_to_a_process_whatever_its_start_method() -> None:
+    """The demo runs each policy in a pool process; a spawned one (macOS, Python 3.14's
+    forkserver) gets its workload pickled, builder and all."""
+    for workload in (mooncake_sample(requests=50), shared_documents(**SMALL_DOCUMENTS)):
+        copy = pickle.loads(pickle.dumps(workload))
+        assert copy.about == workload.about
+        assert copy.build().requests == workload.build().requests
