@@ -26,6 +26,10 @@ log = logging.getLogger("fairway.serve")
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = ROOT / "build" / "tiny-model"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# vLLM's CPU defaults for its OpenAI server: what a server started without the flags runs with,
+# and what a check that simulates the same engines passes explicitly (`fairway validate`).
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_MAX_NUM_SEQS = 128
 
 
 def ensure_tiny_model(out: Path = DEFAULT_MODEL_DIR, weights: bool = True) -> Path:

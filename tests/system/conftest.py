@@ -9,8 +9,12 @@ import pytest
 from router.proxy.ports import free_ports
 from router.proxy.service.config import ClusterConfig
 from tests.helpers import mark_folder
-from workers.bench.validate import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
-from workers.launch import VLLM_PYTHON, server_specs
+from workers.launch import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    VLLM_PYTHON,
+    server_specs,
+)
 from workers.pool import WorkerPool
 
 MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
@@ -31,8 +35,8 @@ def vllm_pair():
         pytest.skip("no .venv-vllm or tiny model: run `make test`")
     scratch = Path(tempfile.mkdtemp(prefix="fairway-vllm-"))
     # vLLM's CPU defaults, named as `fairway validate` names them for the engines it simulates.
-    limits = ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
-    limits += ["--max-num-seqs", str(MAX_NUM_SEQS)]
+    limits = ["--max-num-batched-tokens", str(CPU_MAX_NUM_BATCHED_TOKENS)]
+    limits += ["--max-num-seqs", str(CPU_MAX_NUM_SEQS)]
     workers = {"backend": "vllm", "count": 2, "vllm_args": limits}
     config = ClusterConfig(workers={**workers, "first_port": free_ports(2, consecutive=True)[0]})
     pool = WorkerPool(server_specs(config, MODEL, scratch), scratch=scratch)

@@ -55,14 +55,16 @@ from traces.replay import replay
 from traces.schema import Trace, write_native
 from traces.transform import InfiniteCache, scale_rate
 from workers.bench import validate_report as report
-from workers.launch import ensure_tiny_model, server_specs
+from workers.launch import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    ensure_tiny_model,
+    server_specs,
+)
 from workers.pool import guarded
 from workers.profiler import Plan, fit, measure
 
 ROOT = Path(__file__).resolve().parents[2]
-# vLLM's CPU defaults for its OpenAI server, passed explicitly so the simulated engines match.
-MAX_NUM_BATCHED_TOKENS = 2048
-MAX_NUM_SEQS = 128
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,9 @@ class ValidateConfig:
     rate: float | None = None  # requests/s; none: `utilization` of the profiled cluster
     utilization: float = 0.6
     quick_profile: bool = False
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = MAX_NUM_SEQS
+    # Passed to the servers it starts explicitly, so the simulated engines match.
+    max_num_batched_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = CPU_MAX_NUM_SEQS
     seed: int = 0
     timeout: float = 600.0  # seconds for one replay
 
