@@ -143,11 +143,16 @@ def test_a_bounded_store_drops_its_oldest_responses_and_keeps_the_rest(tmp_path)
                 info = await client.info("memory")
                 assert info["used_memory"] <= bound, info["used_memory"]
                 assert info["maxmemory_policy"] == "volatile-lru"
-                assert await store.get("team-a", "resp_0") is None, "the oldest went first"
                 newest = await store.get("team-a", "resp_399")
                 assert newest == stored("team-a", f"399-{text}")
-                kept = sum([await client.exists(store.key(f"resp_{i}")) for i in range(400)])
-                assert 40 < kept < 400, f"{kept} of 400 kept"
+                kept = [await client.exists(store.key(f"resp_{i}")) for i in range(400)]
+                assert 40 < sum(kept) < 400, f"{sum(kept)} of 400 kept"
+                # Redis's LRU is approximate (it evicts the least recent of a few keys it
+                # samples), so the oldest go first as a rule, not one by one: resp_0 outlived
+                # the bound in about 1 run in 15 here. Of the oldest and the newest 40, runs
+                # kept 0-4 and 32-40; evicting at random would keep about 9 of each.
+                oldest, newest_kept = sum(kept[:40]), sum(kept[-40:])
+                assert oldest <= 8 and newest_kept >= 28, (oldest, newest_kept)
                 assert await client.hgetall(f"{PREFIX}:members") == {b"w0": b"1", b"w1": b"1"}
             finally:
                 await client.aclose()
