@@ -48,6 +48,19 @@ def hash_token_blocks(
     return hashes
 
 
+def extend_chain(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """`hash_token_blocks(token_ids, block_size, parent)` for tokens whose first
+    `len(hashes)` full blocks are already hashed as `hashes`: only the rest is hashed, the
+    chain continued from the last of them (a shared document, an earlier turn)."""
+    rest = token_ids[len(hashes) * block_size :]
+    return hashes + hash_token_blocks(rest, block_size, hashes[-1] if hashes else parent)
+
+
 def cache_root(
     model: str | None = None, adapter: str | None = None, cache_salt: str | None = None
 ) -> BlockHash | None:

@@ -24,7 +24,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from router.request import APIS, BlockHash, Request, cache_root, hash_token_blocks
+from router.request import (
+    APIS,
+    BlockHash,
+    Request,
+    cache_root,
+    extend_chain,
+    hash_token_blocks,
+)
 from traces.schema import DEFAULT_BLOCK_SIZE, Trace, finish, renumber
 
 VOCAB = 32000
@@ -68,8 +75,7 @@ class _Shared:
         head = self._heads.get(root)
         if head is None:
             head = self._heads[root] = hash_token_blocks(self.tokens, self.block_size, root)
-        rest = prompt[len(head) * self.block_size :]
-        return head + hash_token_blocks(rest, self.block_size, head[-1] if head else root)
+        return extend_chain(head, prompt, self.block_size, root)
 
 
 def _request(
@@ -243,16 +249,14 @@ def _sessions(
         for turn in range(turns(rng)):
             out = _lognormal_int(rng, output_tokens)
             wait = think(rng) if turn else None
-            hashes += hash_token_blocks(
-                prompt[len(hashes) * block_size :], block_size, hashes[-1] if hashes else None
-            )
+            hashes = extend_chain(hashes, prompt, block_size)
             reqs.append(
                 Request(
                     id=0,
                     arrival=t,
                     prompt_len=len(prompt),
                     output_len=out,
-                    block_hashes=list(hashes),
+                    block_hashes=hashes,  # a new list each turn: extend_chain copies
                     client=client,
                     session=f"s{s}",
                     think_time=wait,
