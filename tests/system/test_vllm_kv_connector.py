@@ -123,7 +123,6 @@ def plain(scratch, vllm_pair) -> dict[str, str]:
     (`vllm_role_args` gives it nothing more): one of the session's."""
     assert kvc.vllm_role_args("mixed", "example", scratch) == []
     url = vllm_pair.specs[0].url
-    wait_healthy(url, vllm_pair.specs[0].start_timeout)
     return {k: post(url, complete(p))["choices"][0]["text"] for k, p in PROMPTS.items()}
 
 

@@ -19,21 +19,12 @@ from router.proxy.prompts import PromptEncoder
 from router.proxy.service.config import ClusterConfig
 from router.proxy.service.serve import build_cluster
 from router.proxy.settings import ProxySettings
-from router.runtime.processes import wait_healthy
 from tests.live_helpers import client, run, serving
 from workers.pool import WorkerPool
 
 pytestmark = pytest.mark.slow
 MODEL = Path(__file__).resolve().parents[2] / "build" / "tiny-model"
 BLOCK = 128
-
-
-@pytest.fixture(scope="module")
-def vllm_pool(vllm_pair: WorkerPool) -> WorkerPool:
-    """The session's two servers, both up (a test before may have killed one)."""
-    for spec in vllm_pair.specs:
-        wait_healthy(spec.url, timeout=spec.start_timeout)
-    return vllm_pair
 
 
 def live_proxy(pool: WorkerPool, policy: str, precise: bool = False):
@@ -49,9 +40,9 @@ def live_proxy(pool: WorkerPool, policy: str, precise: bool = False):
     return cluster, create_app(cluster, PromptEncoder(MODEL, BLOCK), settings)
 
 
-def test_openai_client_plain_and_streaming(vllm_pool) -> None:
+def test_openai_client_plain_and_streaming(vllm_pair) -> None:
     async def go() -> None:
-        _, app = live_proxy(vllm_pool, "lpm")
+        _, app = live_proxy(vllm_pair, "lpm")
         async with serving(app) as base:
             oa = client(base, timeout=60)
             c = await oa.completions.create(model="tiny", prompt="hello " * 20, max_tokens=8)
@@ -77,7 +68,7 @@ def test_openai_client_plain_and_streaming(vllm_pool) -> None:
     run(go)
 
 
-def test_the_proxy_keeps_what_each_servers_whole_metrics_page_says(vllm_pool) -> None:
+def test_the_proxy_keeps_what_each_servers_whole_metrics_page_says(vllm_pair) -> None:
     """The monitor parses only the families it reads from a real server's page (600 lines):
     its gauges and the KV capacity it takes are what the whole page gives."""
 
@@ -98,7 +89,7 @@ def test_the_proxy_keeps_what_each_servers_whole_metrics_page_says(vllm_pool) ->
         return gauges, capacity
 
     async def go() -> None:
-        cluster, app = live_proxy(vllm_pool, "round_robin")
+        cluster, app = live_proxy(vllm_pair, "round_robin")
         async with serving(app) as base, aiohttp.ClientSession() as session:
             oa = client(base, timeout=60)
             for i in range(2):  # one to each server: their prefix counters move
@@ -115,9 +106,9 @@ def test_the_proxy_keeps_what_each_servers_whole_metrics_page_says(vllm_pool) ->
     run(go)
 
 
-def test_lpm_gets_more_cached_tokens_than_round_robin(vllm_pool) -> None:
+def test_lpm_gets_more_cached_tokens_than_round_robin(vllm_pair) -> None:
     async def cached(policy: str, tag: str) -> int:
-        _, app = live_proxy(vllm_pool, policy)
+        _, app = live_proxy(vllm_pair, policy)
         async with serving(app) as base:
             oa = client(base, timeout=60)
             total = 0
@@ -136,9 +127,9 @@ def test_lpm_gets_more_cached_tokens_than_round_robin(vllm_pool) -> None:
     run(go)
 
 
-def test_precise_index_predicts_what_the_server_reports(vllm_pool) -> None:
+def test_precise_index_predicts_what_the_server_reports(vllm_pair) -> None:
     async def go() -> None:
-        cluster, app = live_proxy(vllm_pool, "lpm", precise=True)
+        cluster, app = live_proxy(vllm_pair, "lpm", precise=True)
         encoder = PromptEncoder(MODEL, BLOCK)
         async with serving(app) as base:
             await asyncio.sleep(1.5)  # the monitor subscribes to both workers' KV events
@@ -162,7 +153,7 @@ def test_precise_index_predicts_what_the_server_reports(vllm_pool) -> None:
     run(go)
 
 
-def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
+def test_profile_and_replay_speak_real_vllm(vllm_pair, tmp_path) -> None:
     """What measures the simulator against vLLM uses vLLM's API as it is: token-id prompts,
     ignore_eos, usage with cached tokens, the model card's length, the KV size in /metrics."""
     from dashboards.report import load_run
@@ -174,7 +165,7 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     from traces.transform import scale_time
     from workers.profiler import measure
 
-    url = vllm_pool.specs[0].url
+    url = vllm_pair.specs[0].url
     model, capacity, measurements = asyncio.run(measure(url, repeats=1))
     assert model == "tiny" and capacity > 0 and len(measurements) >= 10
     cost = FittedCost.fit(measurements, capacity, "fitted")
@@ -196,9 +187,9 @@ def test_profile_and_replay_speak_real_vllm(vllm_pool, tmp_path) -> None:
     assert live.summary["prefix_cache"]["hit_rate"] > 0.3
 
 
-def test_killing_a_server_mid_burst_loses_no_request(vllm_pool) -> None:
+def test_killing_a_server_mid_burst_loses_no_request(vllm_pair) -> None:
     async def go() -> None:
-        cluster, app = live_proxy(vllm_pool, "round_robin")
+        cluster, app = live_proxy(vllm_pair, "round_robin")
         async with serving(app) as base:
             oa = client(base, timeout=60)
 
@@ -213,16 +204,16 @@ def test_killing_a_server_mid_burst_loses_no_request(vllm_pool) -> None:
 
             burst = [asyncio.create_task(one(i)) for i in range(24)]
             await asyncio.sleep(0.3)
-            vllm_pool.kill(0)
+            vllm_pair.kill(0)
             outcomes = await asyncio.wait_for(asyncio.gather(*burst), 120)
             assert len(outcomes) == 24, "every request ended"
             assert outcomes.count("ok") >= 12, outcomes
             # The actor restarts the server; the router marks it down, then up again.
             for _ in range(240):
-                if vllm_pool.status()[0]["restarts"] >= 1 and cluster.view.workers[0].healthy:
+                if vllm_pair.status()[0]["restarts"] >= 1 and cluster.view.workers[0].healthy:
                     break
                 await asyncio.sleep(0.5)
-            assert vllm_pool.status()[0]["restarts"] >= 1
+            assert vllm_pair.status()[0]["restarts"] >= 1
             assert cluster.view.workers[0].healthy, "the router saw it return"
             c = await oa.completions.create(model="tiny", prompt="after", max_tokens=2)
             assert c.usage.completion_tokens == 2
