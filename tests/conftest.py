@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 SHARED_TRACES = ROOT.parent / "shared" / "traces"
+# The vLLM servers the tests start share one cache in the checkout, not the user's home.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / "build" / "vllm-cache"))
 
 
 @pytest.fixture(autouse=True)

