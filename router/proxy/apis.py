@@ -4,6 +4,8 @@
     completions  /v1/completions       `prompt`: text, token ids, a batch     max_tokens
     chat         /v1/chat/completions  `messages` (+ `tools`), chat template  max_completion_tokens
                                                                             or max_tokens
+                 /v1/chat/completions  `messages`: a list of conversations,  the same, for each
+                 /batch (vLLM)         each one choice; no stream or tools
     responses    /v1/responses         `instructions` + `input` items         max_output_tokens
                                        (+ tools), chat template
     messages     /v1/messages          `system` + `messages` (+ tools),       max_tokens (required)
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from router.proxy import split
 from router.proxy.errors import ANTHROPIC, ANTHROPIC_EVENTS, DONE, OPENAI, RESPONSES_EVENTS
-from router.proxy.prompts import PromptEncoder, PromptError
+from router.proxy.prompts import MAX_BATCH, PromptEncoder, PromptError
 from router.proxy.sse import (
     MessagesAccount,
     ResponsesAccount,
@@ -109,6 +111,30 @@ class Chat(Completions):
         return max_len - prompt_len
 
 
+class ChatBatch(Chat):
+    """vLLM's batch form of chat: `messages` holds conversations, conversation i answered as
+    choice i, routed as one request as a completions batch is. vLLM serves it whole only, with
+    no tools and one choice each: the rest is refused here, naming the field."""
+
+    def prompts(self, encoder: PromptEncoder, body: dict, max_len: int) -> list[list[int]]:
+        conversations = body.get("messages")
+        if not isinstance(conversations, list) or not conversations:
+            raise PromptError("'messages' must be a non-empty list of conversations", "messages")
+        if len(conversations) > MAX_BATCH:
+            raise PromptError(
+                f"a batch holds at most {MAX_BATCH} conversations, not {len(conversations)}",
+                "messages",
+            )
+        if body.get("stream"):
+            raise PromptError("this endpoint answers whole: 'stream' must be false", "stream")
+        if body.get("tools"):
+            raise PromptError("this endpoint takes no 'tools'", "tools")
+        n = body.get("n")
+        if n is not None and (type(n) is not int or n != 1):
+            raise PromptError("this endpoint answers one choice per conversation: 'n' is 1", "n")
+        return [encoder.chat_ids(c, max_len) for c in conversations]
+
+
 class Responses(API):
     def prompts(self, encoder: PromptEncoder, body: dict, max_len: int) -> list[list[int]]:
         messages = responses_messages(body)
@@ -155,11 +181,12 @@ class Messages(API):
 
 COMPLETIONS = Completions("completions", "/v1/completions", batches=True)
 CHAT = Chat("chat", "/v1/chat/completions", batches=True)
+CHAT_BATCH = ChatBatch("chat", "/v1/chat/completions/batch")
 RESPONSES = Responses(
     "responses", "/v1/responses", framing=RESPONSES_EVENTS, limit="max_output_tokens"
 )
 MESSAGES = Messages("messages", "/v1/messages", errors=ANTHROPIC, framing=ANTHROPIC_EVENTS)
-APIS = (COMPLETIONS, CHAT, RESPONSES, MESSAGES)
+APIS = (COMPLETIONS, CHAT, CHAT_BATCH, RESPONSES, MESSAGES)
 
 
 # ----------------------------------------------------------------------------- Responses input

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from router.proxy import drain, passthrough, ratelimit, realtime, responses
 from router.proxy.adapters import ADAPTERS, AdapterLoader
-from router.proxy.apis import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from router.proxy.apis import API, CHAT, CHAT_BATCH, COMPLETIONS, MESSAGES, RESPONSES
 from router.proxy.capture import TraceCapture
 from router.proxy.catalog import Catalog
 from router.proxy.conversations import RESPONSES as RESPONSE_STORE
@@ -145,6 +145,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await generate(request, CHAT)
+
+
+async def chat_completions_batch(request: web.Request) -> web.StreamResponse:
+    return await generate(request, CHAT_BATCH)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -282,6 +286,7 @@ def create_app(
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/chat/completions/batch", chat_completions_batch)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/v1/messages", create_message)
     responses.install(app)

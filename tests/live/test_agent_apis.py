@@ -350,6 +350,43 @@ def test_records_recordings_and_metrics_name_the_api(tmp_path) -> None:
     assert recorded == ["completions", "chat", "responses", "messages"]
 
 
+def test_a_chat_batch_is_one_routed_request_answered_per_conversation(tmp_path) -> None:
+    """vLLM's /v1/chat/completions/batch: one request to one worker (its prompt the batch's
+    conversations, each rendered as chat renders it), one choice per conversation."""
+    conversations = [
+        [{"role": "user", "content": "first question"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "second"}],
+        [{"role": "user", "content": "a third, " * 20}],
+    ]
+
+    async def go() -> None:
+        async with (
+            emulated_workers(2, speed=20) as urls,
+            proxy(urls, "lpm", record_dir=str(tmp_path)) as (base, _),
+            aiohttp.ClientSession() as session,
+        ):
+            alone = []
+            for messages in conversations:
+                answer = await client(base).chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=2
+                )
+                alone.append(answer.usage.prompt_tokens)
+            body = {"model": "tiny", "messages": conversations, "max_tokens": 3}
+            async with session.post(f"{base}{BATCH}", json=body) as r:
+                assert r.status == 200, await r.text()
+                answer = await r.json()
+            assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+            assert all(c["message"]["role"] == "assistant" for c in answer["choices"])
+            assert answer["usage"]["prompt_tokens"] == sum(alone)
+            assert answer["usage"]["completion_tokens"] == 3 * len(conversations)
+
+    run(go)
+    with open(tmp_path / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["api"] for row in rows] == ["chat"] * 4
+    assert int(rows[-1]["prompt_tokens"]) == sum(int(row["prompt_tokens"]) for row in rows[:3])
+
+
 class TestLocality:
     def test_a_session_resent_whole_hits_as_chat_does(self) -> None:
         """Agents resend the whole history each turn, with no session key: the prefix index
@@ -462,8 +499,27 @@ class TestPassedThrough:
         run(go)
 
 
+BATCH = "/v1/chat/completions/batch"
+CONVERSATION = [{"role": "user", "content": "x"}]
+
 HOSTILE = [
     # (path, body, expected status)
+    (BATCH, json.dumps({"model": "tiny", "messages": "x"}).encode(), 400),
+    (BATCH, json.dumps({"model": "tiny", "messages": []}).encode(), 400),
+    (BATCH, json.dumps({"model": "tiny", "messages": [[]]}).encode(), 400),
+    (BATCH, json.dumps({"model": "tiny", "messages": CONVERSATION}).encode(), 400),
+    (BATCH, json.dumps({"model": "tiny", "messages": [CONVERSATION] * 1025}).encode(), 400),
+    (
+        BATCH,
+        json.dumps({"model": "tiny", "messages": [CONVERSATION], "stream": True}).encode(),
+        400,
+    ),
+    (BATCH, json.dumps({"model": "tiny", "messages": [CONVERSATION], "n": 2}).encode(), 400),
+    (
+        BATCH,
+        json.dumps({"model": "tiny", "messages": [CONVERSATION], "tools": [TOOL]}).encode(),
+        400,
+    ),
     ("/v1/responses", b"{not json", 400),
     ("/v1/responses", json.dumps({"model": "tiny", "input": 5}).encode(), 400),
     ("/v1/responses", json.dumps({"model": "tiny", "input": [{"type": "mystery"}]}).encode(), 400),

@@ -243,3 +243,31 @@ def test_embeddings_go_to_the_pooling_group_and_generation_to_its_own(served) ->
                 assert r.status == 200, await r.text()
 
     run(go, timeout=300)
+
+
+def test_a_chat_batch_is_answered_per_conversation_by_vllm(served) -> None:
+    """vLLM's batch chat through the proxy: one choice per conversation, each conversation's
+    prompt counted as the same conversation sent alone is."""
+    conversations = [
+        [{"role": "user", "content": "one"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "two"}],
+    ]
+
+    async def go() -> None:
+        oa = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="k", max_retries=0)
+        alone = []
+        for messages in conversations:
+            answer = await oa.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+            alone.append(answer.usage.prompt_tokens)
+        body = {"model": "tiny", "messages": conversations, "max_tokens": 3}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{served}/v1/chat/completions/batch", json=body) as r,
+        ):
+            assert r.status == 200, await r.text()
+            answer = await r.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        assert all(c["message"]["content"] for c in answer["choices"])
+        assert answer["usage"]["prompt_tokens"] == sum(alone)
+
+    run(go, timeout=300)

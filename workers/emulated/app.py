@@ -20,7 +20,13 @@ from simulator.engine import EngineConfig
 from simulator.topology import Topology
 from workers.emulated import routes
 from workers.emulated.adapters import ADAPTER_LOAD_TIME, Adapters
-from workers.emulated.completions import chat_completions, completions, messages, responses
+from workers.emulated.completions import (
+    chat_completions,
+    chat_completions_batch,
+    completions,
+    messages,
+    responses,
+)
 from workers.emulated.engine import WallClockEngine
 from workers.emulated.kv_events import KVEventPublisher, RecordingEncoder
 from workers.emulated.metrics import VLLMMetrics
@@ -157,6 +163,7 @@ def create_app(
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/chat/completions/batch", chat_completions_batch)
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", routes.count_tokens)

@@ -1,7 +1,8 @@
-"""The emulated server's generation APIs: /v1/completions, /v1/chat/completions, /v1/responses
-and /v1/messages, whole or streamed as vLLM streams them (the wording: shapes.py). Tokens are
-vocabulary pieces drawn from a seed of the prompt, so that every server answers a prompt alike
-(as greedy decoding would); how many come when is the engine's (workers/emulated/engine.py)."""
+"""The emulated server's generation APIs: /v1/completions, /v1/chat/completions (and its batch
+form), /v1/responses and /v1/messages, whole or streamed as vLLM streams them (the wording:
+shapes.py). Tokens are vocabulary pieces drawn from a seed of the prompt, so that every server
+answers a prompt alike (as greedy decoding would); how many come when is the engine's
+(workers/emulated/engine.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 from aiohttp import web
 
-from router.proxy.apis import API, CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from router.proxy.apis import API, CHAT, CHAT_BATCH, COMPLETIONS, MESSAGES, RESPONSES
 from router.proxy.errors import APIError
 from router.proxy.openai_request import build_request, parse_body
 from workers.emulated.shapes import Counts, shape_for
@@ -59,7 +60,8 @@ async def generate(request: web.Request, api: API) -> web.StreamResponse:
     connector.note(body)
     queue = engine.submit(req, connector.incoming(body, req, engine.cached_prefix(req)))
     # vLLM answers with the name asked for: an adapter's, for a request run under it
-    shape = shape_for(api.name, body, body["model"], int(time.time()))
+    choices = len(body["messages"]) if api is CHAT_BATCH else 1
+    shape = shape_for(api.name, body, body["model"], int(time.time()), choices)
     vocab = app[VOCAB]
     rng = random.Random(prompt_key(body))
 
@@ -115,6 +117,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await generate(request, CHAT)
+
+
+async def chat_completions_batch(request: web.Request) -> web.StreamResponse:
+    return await generate(request, CHAT_BATCH)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:

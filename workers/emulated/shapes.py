@@ -50,9 +50,9 @@ class Shape:
 
 
 class CompletionShape(Shape):
-    def __init__(self, body: dict, model: str, created: int, chat: bool) -> None:
+    def __init__(self, body: dict, model: str, created: int, chat: bool, choices: int = 1) -> None:
         super().__init__(body, model, created)
-        self.chat = chat
+        self.chat, self.choices = chat, choices
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
 
     def _usage(self, c: Counts) -> dict:
@@ -64,23 +64,23 @@ class CompletionShape(Shape):
         }
 
     def whole(self, text: str, counts: Counts) -> dict:
-        choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length",
-            }
-            if self.chat
-            else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        )
+        # A batch's text shared out among its choices (vLLM's batch chat: one a conversation).
+        size = -(-len(text) // self.choices)
+        parts = [text[i * size : (i + 1) * size] for i in range(self.choices)]
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": [self._choice(i, part) for i, part in enumerate(parts)],
             "usage": self._usage(counts),
         }
+
+    def _choice(self, index: int, text: str) -> dict:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "finish_reason": "length"}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": "length"}
 
     def _chunk(self, choices: list, **extra: object) -> bytes:
         payload = {
@@ -274,9 +274,9 @@ class MessageShape(Shape):
         )
 
 
-def shape_for(api: str, body: dict, model: str, created: int) -> Shape:
+def shape_for(api: str, body: dict, model: str, created: int, choices: int = 1) -> Shape:
     if api == "responses":
         return ResponseShape(body, model, created)
     if api == "messages":
         return MessageShape(body, model, created)
-    return CompletionShape(body, model, created, chat=api == "chat")
+    return CompletionShape(body, model, created, chat=api == "chat", choices=choices)
