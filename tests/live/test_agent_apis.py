@@ -377,6 +377,7 @@ def test_a_chat_batch_is_one_routed_request_answered_per_conversation(tmp_path) 
                 answer = await r.json()
             assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
             assert all(c["message"]["role"] == "assistant" for c in answer["choices"])
+            assert all(c["message"]["content"] for c in answer["choices"])
             assert answer["usage"]["prompt_tokens"] == sum(alone)
             assert answer["usage"]["completion_tokens"] == 3 * len(conversations)
 

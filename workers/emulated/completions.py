@@ -72,15 +72,15 @@ async def generate(request: web.Request, api: API) -> web.StreamResponse:
         return Counts(req.prompt_len, n_out, engine.cached_tokens.pop(req.id, 0))
 
     if not body.get("stream"):
-        n_out, text = 0, []
+        n_out, pieces = 0, []
         try:
             while (n := await queue.get()) is not None:
                 n_out += n
-                text.append(piece(n))
+                pieces += (piece(1) for _ in range(n))  # the same draws as one piece of n
         except asyncio.CancelledError:  # the client hung up: vLLM cancels such a request too
             engine.abort(req)
             raise
-        answer = shape.whole("".join(text), counts(n_out))
+        answer = shape.whole(pieces, counts(n_out))
         if (params := connector.answer_params(body, req, shape.id)) is not None:
             answer["kv_transfer_params"] = params
         connector.stored(body)

@@ -31,7 +31,7 @@ class Shape:
     def __init__(self, body: dict, model: str, created: int) -> None:
         self.body, self.model, self.created = body, model, created
 
-    def whole(self, text: str, counts: Counts) -> dict:
+    def whole(self, pieces: list[str], counts: Counts) -> dict:
         raise NotImplementedError
 
     def preamble(self) -> bytes:
@@ -63,10 +63,11 @@ class CompletionShape(Shape):
             "prompt_tokens_details": {"cached_tokens": c.cached},
         }
 
-    def whole(self, text: str, counts: Counts) -> dict:
-        # A batch's text shared out among its choices (vLLM's batch chat: one a conversation).
-        size = -(-len(text) // self.choices)
-        parts = [text[i * size : (i + 1) * size] for i in range(self.choices)]
+    def whole(self, pieces: list[str], counts: Counts) -> dict:
+        # A batch's tokens shared out among its choices (vLLM's batch chat: a conversation each,
+        # each its own max_tokens of the request's).
+        size = -(-len(pieces) // self.choices)
+        parts = ["".join(pieces[i * size : (i + 1) * size]) for i in range(self.choices)]
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -168,8 +169,8 @@ class ResponseShape(Shape):
         self.sequence += 1
         return _sse(event, kind)
 
-    def whole(self, text: str, counts: Counts) -> dict:
-        return self._response("incomplete", [self._message(text, "completed")], counts)
+    def whole(self, pieces: list[str], counts: Counts) -> dict:
+        return self._response("incomplete", [self._message("".join(pieces), "completed")], counts)
 
     def preamble(self) -> bytes:
         # vLLM sends these as soon as the request is accepted, before generating.
@@ -229,12 +230,12 @@ class MessageShape(Shape):
             "cache_read_input_tokens": c.cached,
         }
 
-    def whole(self, text: str, counts: Counts) -> dict:
+    def whole(self, pieces: list[str], counts: Counts) -> dict:
         return {
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "content": [{"type": "text", "text": text}],
+            "content": [{"type": "text", "text": "".join(pieces)}],
             "model": self.model,
             "stop_reason": "max_tokens",
             "usage": self._usage(counts),
