@@ -13,15 +13,16 @@ A sequence whose every known token has been computed samples one new token at th
 Speed: once every sequence in the batch decodes and nothing waiting can be admitted, the next
 steps are fully determined, so one SimPy event covers all of them up to the first finish or
 block shortage (`_plan_decode_run`); a step that ends every prompt it prefills is the first step
-of such a run when nothing waits at all, or waits only for a sequence slot. An arrival ends
-such a run at the next step boundary, and `sync(now)` applies exactly the steps that have
-ended, so anything that looks at the engine mid-run (the router building its view) sees what
-step-by-step simulation would show.
+of such a run when nothing waits at all, or waits only for a sequence slot. When nothing waits,
+the chunks of a long prompt ahead of that step are known too, and lead the same run
+(`_plan_chunks`). An arrival ends such a run at the next step boundary, and `sync(now)` applies
+exactly the steps that have ended, so anything that looks at the engine mid-run (the router
+building its view) sees what step-by-step simulation would show.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -207,25 +208,39 @@ class _Cohort:
 
 
 class _Run:
-    """Steps planned as one event: `batch` is (seq, tokens) of step 1; later steps decode.
+    """Steps planned as one event: `batch` is (seq, tokens) of the step after the `lead`
+    steps' (each a batch of its own, usually none); later steps decode.
     (A plain class, not a dataclass: compiled, a dataclass's generated __init__ stays
     interpreted, and a run is planned several times per request.)"""
 
-    __slots__ = ("batch", "ends", "cohort", "applied", "end_event")
+    __slots__ = ("batch", "lead", "ends", "cohort", "prefills", "applied", "end_event")
 
     def __init__(
-        self, batch: list[tuple[Seq, int]], ends: StepEnds, cohort: _Cohort | None = None
+        self,
+        batch: list[tuple[Seq, int]],
+        ends: StepEnds,
+        cohort: _Cohort | None = None,
+        lead: list[list[tuple[Seq, int]]] | None = None,
     ) -> None:
         self.batch = batch
+        # Prefill steps ahead of `batch`'s: a prompt's chunks up to the step that ends it,
+        # when nothing waits to join them (`Engine._plan_chunks`).
+        self.lead = lead if lead is not None else []
         self.ends = ends  # when each step ends
         # Every step of the run decodes one token per sequence, step 1 included (its blocks
-        # were allocated while planning), or every step after the first, once that is applied
-        # and its sequences hold the next step's blocks: one pass (or none, in sum) applies
-        # any number.
+        # were allocated while planning), or every step after the lead's and `batch`'s, once
+        # those are applied and its sequences hold the next step's blocks: one pass (or none,
+        # in sum) applies any number.
         self.cohort = cohort
+        # The steps applied one at a time, each its batch's: none if every step decodes.
+        self.prefills = 0 if cohort is not None else len(self.lead) + 1
         self.applied = 0
         # The Timeout that ends the run; replaced if cut short.
         self.end_event: simpy.Event | None = None
+
+    def step_batch(self, i: int) -> list[tuple[Seq, int]]:
+        """(seq, tokens) of step `i` (decode steps: one token each of `batch`'s)."""
+        return self.lead[i] if i < len(self.lead) else self.batch
 
     @property
     def is_multi_step(self) -> bool:
@@ -235,6 +250,43 @@ class _Run:
     def lag(self) -> int:
         """Steps applied to the engine in sum, not yet to each sequence."""
         return self.cohort.lag if self.cohort is not None else 0
+
+
+class _LeadEnds(StepEnds):
+    """The ends of a run's lead steps (`lead`, summed as planned), then those of `rest`, the
+    run from `batch`'s step on, planned to start at the last of them."""
+
+    def __init__(self, lead: list[float], rest: StepEnds, shortest: float) -> None:
+        self._ends = lead
+        self._rest = rest
+        self.count = len(lead) + rest.count
+        self.last = rest.last
+        self.shortest = shortest
+
+    def end(self, i: int) -> float:
+        lead = self._ends
+        return lead[i] if i < len(lead) else self._rest.end(i - len(lead))
+
+    def ended_by(self, now: float, lo: int, hi: int) -> int:
+        lead = self._ends
+        k = len(lead)
+        if lo < k:
+            done = bisect_right(lead, now, lo, min(hi, k))
+            if done < k or hi <= k:
+                return done
+            lo = k
+        return k + self._rest.ended_by(now, lo - k, hi - k)
+
+    def cut(self, count: int) -> None:
+        lead = self._ends
+        k = len(lead)
+        if count > k:
+            self._rest.cut(count - k)
+            self.last = self._rest.last
+        else:
+            del lead[count:]
+            self.last = lead[-1]
+        self.count = count
 
 
 _INF: Final = float("inf")
@@ -252,6 +304,21 @@ def decode_steps_within(computed: list[int], block_size: int, free: int) -> int:
     rooms = sorted([-c % block_size for c in computed])
     rounds, left = divmod(free, len(rooms))
     return rounds * block_size + rooms[left]
+
+
+def _shape_at(batch: list[tuple[Seq, int]], computed: list[int], output: list[int]) -> StepShape:
+    """`Engine._shape` of a step planned ahead, the i-th of `batch` the running batch's i-th
+    with `computed` and `output` tokens then: the same sums in the same order."""
+    num_tokens = kv_read = num_decodes = 0
+    pairs = 0.0
+    for i in range(len(batch)):
+        num_new, context = batch[i][1], computed[i]
+        num_tokens += num_new
+        pairs += num_new * context + num_new * (num_new + 1) / 2
+        kv_read += context + num_new
+        if num_new == 1 and output[i] > 0:
+            num_decodes += 1
+    return StepShape(num_tokens, pairs, kv_read, num_decodes)
 
 
 def _lowest_priority(seq: Seq) -> tuple[int, float]:
@@ -394,8 +461,8 @@ class Engine:
         if run is None or run.applied == run.ends.count or run.ends.end(run.applied) > now:
             return False
         done = run.ends.ended_by(now, run.applied, run.ends.count)
-        if run.applied == 0 and run.cohort is None:
-            self._apply_first_step(run)
+        while run.applied < run.prefills and run.applied < done:
+            self._apply_prefill_step(run)
         if done > run.applied and done < run.ends.count and self._defers_tokens:
             # Mid-run: nothing starts or finishes, and on_progress tells the listener all.
             if run.cohort is None:
@@ -408,7 +475,8 @@ class Engine:
             self._apply_decode_steps(run, done - run.applied)
         self._after_steps(run)
         if self.config.check_invariants:
-            self.check_integrity(between_steps=True)
+            # Within the lead, the sequences hold the blocks of the step in progress.
+            self.check_integrity(between_steps=run.applied >= run.prefills)
         return True
 
     @property
@@ -430,14 +498,14 @@ class Engine:
 
     @property
     def next_change(self) -> float | None:
-        """When this engine next moves by more than decode steps in sum: the end of a run's
-        step 1 if it prefills (first tokens, prompts done), else of the run (None: nothing
-        planned). Until then what it has left to do falls only as `decode_credit` says."""
+        """When this engine next moves by more than decode steps in sum: the end of the
+        run's next step that prefills (first tokens, prompts done), else of the run (None:
+        nothing planned). Until then what it has left to do falls only as `decode_credit` says."""
         run = self._run
         if run is None or run.applied == run.ends.count:
             return None
-        if run.applied == 0 and run.cohort is None:
-            return run.ends.end(0)
+        if run.applied < run.prefills:
+            return run.ends.end(run.applied)
         return run.ends.last
 
     def decode_bound(self) -> tuple[float, float, int, int]:
@@ -447,7 +515,7 @@ class Engine:
         hears exactly those tokens (`on_progress`) once the steps are applied. (inf, 1, 0, 0)
         when there are none."""
         run = self._run
-        if run is None or (run.applied == 0 and run.cohort is None):
+        if run is None or run.applied < run.prefills:
             return _INF, 1.0, 0, 0
         left = run.ends.count - 1 - run.applied  # the last step ends the run: heard then
         if left <= 0:
@@ -458,7 +526,7 @@ class Engine:
         """The tokens `decode_bound`'s steps ended by `now` make: what applying them would
         take off the engine's outstanding tokens."""
         run = self._run
-        if run is None or (run.applied == 0 and run.cohort is None):
+        if run is None or run.applied < run.prefills:
             return 0
         last = run.ends.count - 1
         if run.applied >= last:
@@ -587,9 +655,81 @@ class Engine:
         if self._load_due:
             first += self._load_due
             self._load_due = 0.0
+        if decode_steps == 0 and decoding is None and not self.waiting and cfg.fast_forward:
+            return self._plan_chunks(batch, first)
         ends = self.cost.run_ends(self.clock, first, len(batch), decode_context, decode_steps)
         cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
         return _Run(batch, ends, cohort)
+
+    def _plan_chunks(self, batch: list[tuple[Seq, int]], first: float) -> _Run:
+        """Step 1 (`batch`, lasting `first`) leaves a prompt short of its end, or a running
+        sequence out, and nothing waits: each step after it is the running batch's alone, as
+        `_schedule_running` will plan it when it starts, so it is planned now on the tokens
+        each sequence will have by then. The run goes on to the step that starts a decode run
+        (and through that run), or ends with the step where a sequence finishes or whose
+        blocks are not free (one would be preempted), or before a step of decodes alone:
+        those are planned when they come. Each step's blocks are taken as the step before it
+        ends (`_apply_prefill_step`), when step-by-step planning takes them."""
+        cfg, cost = self.config, self.cost
+        bs, limit = cfg.block_size, cfg.max_num_batched_tokens
+        running = self.running
+        n = len(running)
+        # What each running sequence will have computed and sampled as the next step starts.
+        computed = [seq.num_computed for seq in running]
+        output = [seq.num_output for seq in running]
+        free = self.blocks.num_free
+        lead: list[list[tuple[Seq, int]]] = []
+        lead_ends: list[float] = []
+        step, start, length, shortest = batch, self.clock, first, first
+        decode_context, decode_steps = 0, 0
+        while len(lead) < cfg.max_run_steps:
+            # `step` ends. Running nothing new, it is the running batch's first len(step).
+            for i in range(len(step)):
+                seq, num_new = step[i]
+                computed[i] += num_new
+                if computed[i] == seq.prompt_len + output[i]:
+                    output[i] += 1
+                    if output[i] >= seq.output_len:
+                        break
+            else:
+                nxt: list[tuple[Seq, int]] = []
+                budget, need, whole, decodes = limit, 0, True, True
+                for i in range(n):
+                    if budget <= 0:
+                        break
+                    seq, c = running[i], computed[i]
+                    num_new = seq.prompt_len + output[i] - c
+                    if num_new > budget:
+                        num_new, whole = budget, False
+                    need += (c + num_new + bs - 1) // bs - (c + bs - 1) // bs
+                    decodes = decodes and num_new == 1 and output[i] > 0
+                    nxt.append((seq, num_new))
+                    budget -= num_new
+                if need > free or decodes:
+                    break
+                free -= need
+                lead.append(step)
+                lead_ends.append(start + length)
+                step, start = nxt, start + length
+                length = cost.step_time(_shape_at(nxt, computed, output))
+                if length < shortest:
+                    shortest = length
+                if whole and len(nxt) == n:  # every sequence samples: a decode run follows
+                    left = cfg.max_run_steps
+                    for i in range(n):
+                        left = min(left, running[i].output_len - output[i])
+                        decode_context += computed[i] + nxt[i][1] + 1
+                    if n * (left // bs + 1) > free:
+                        after = [computed[i] + nxt[i][1] for i in range(n)]
+                        left = min(left, decode_steps_within(after, bs, free) + 1)
+                    decode_steps = left - 1
+                    break
+                continue
+            break  # a finish
+        rest = cost.run_ends(start, length, len(step), decode_context, decode_steps)
+        if not lead:
+            return _Run(batch, rest)
+        return _Run(step, _LeadEnds(lead_ends, rest, min(shortest, rest.shortest)), None, lead)
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.
@@ -755,12 +895,15 @@ class Engine:
 
     # ---------------------------------------------------------------- applying
 
-    def _apply_first_step(self, run: _Run) -> None:
-        now = self.event_time = run.ends.end(0)
+    def _apply_prefill_step(self, run: _Run) -> None:
+        """The run's next step that prefills; within its lead, the next step's blocks too,
+        taken as that step starts (as step-by-step planning takes them)."""
+        i = run.applied
+        now = self.event_time = run.ends.end(i)
         bs = self.config.block_size
         blocks, listener, local = self.blocks, self.listener, self.local
         computed_delta, sampled = 0, []
-        for seq, num_new in run.batch:
+        for seq, num_new in run.step_batch(i):
             start = seq.num_computed
             seq.num_computed = computed = start + num_new
             computed_delta += num_new
@@ -779,11 +922,17 @@ class Engine:
             listener.on_tokens(sampled, 1, now)
         self._tokens_computed += computed_delta
         self.tokens_processed += computed_delta
-        run.applied = 1
+        run.applied = i + 1
         self.num_steps += 1
+        if i < len(run.lead) and run.applied < run.ends.count:  # the next step starts
+            for seq, num_new in run.step_batch(i + 1):
+                need = (seq.num_computed + num_new + bs - 1) // bs - len(seq.table)
+                if need > 0:
+                    blocks.allocate(seq.table, need)
+            self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
 
     def _decode_in_sum_from_here(self, run: _Run) -> None:
-        """A run whose step 1 prefilled, that step applied: each sequence takes the blocks of
+        """A run whose first steps prefilled, those applied: each sequence takes the blocks of
         the step in progress, as step 1 of a decode run planned now would, so that its
         sequences form a cohort and the steps from here on can be applied in sum."""
         blocks, bs = self.blocks, self.config.block_size
@@ -833,7 +982,7 @@ class Engine:
         now = self.event_time = run.ends.end(run.applied + num_steps - 1)
         blocks = self.blocks
         cohort = run.cohort
-        if cohort is None:  # step 1 prefilled, and nothing was applied in sum since
+        if cohort is None:  # its first steps prefilled, and nothing was applied in sum since
             cohort = _Cohort([seq for seq, _ in run.batch], self.config.block_size)
         seqs, settled = cohort.seqs, cohort.lag
         steps = cohort.catch_up(blocks, num_steps)
@@ -855,7 +1004,7 @@ class Engine:
                 assert all(s.num_output < s.output_len for s, _ in run.batch), "finish mid-run"
             return
         now = run.ends.last
-        finished = [s for s, _ in run.batch if s.num_output >= s.output_len]
+        finished = [s for s, _ in run.step_batch(run.applied - 1) if s.num_output >= s.output_len]
         if not finished:
             return
         for seq in finished:

@@ -197,12 +197,24 @@ class TestPrefillThenDecodeRun:
         assert worker.steps == by_step.steps == 50
         assert (worker.events, by_step.events) == (1, 50)
 
-    def test_a_prompt_chunked_over_steps_runs_on_from_its_last_chunk(self) -> None:
+    def test_a_prompt_chunked_over_steps_is_one_event_with_its_decodes(self) -> None:
         reqs = [req(0, 0.0, list(range(5000)), 30)]
         fast, worker = self.records_and_events(reqs, True, max_num_batched_tokens=1024)
         slow, _ = self.records_and_events(reqs, False, max_num_batched_tokens=1024)
         assert fast == slow
-        assert worker.steps == 4 + 30 and worker.events == 4 + 1
+        assert worker.steps == 4 + 30 and worker.events == 1
+
+    def test_an_arrival_mid_prompt_cuts_its_run_at_the_next_chunk(self) -> None:
+        # b arrives while a's second chunk runs: the run is cut at that chunk's end, where b
+        # waits (a's chunks fill the budget) and is admitted into a's last step.
+        a = req(0, 0.0, list(range(5000)), 30)
+        lone, _ = self.records_and_events([a], False, max_num_batched_tokens=1024)
+        b = req(1, lone[0].first_token * 0.3, [7] * 300, 10)
+        fast, worker = self.records_and_events([a, b], True, max_num_batched_tokens=1024)
+        slow, by_step = self.records_and_events([a, b], False, max_num_batched_tokens=1024)
+        assert fast == slow
+        assert fast[1].arrival < fast[1].admitted < fast[0].first_token
+        assert worker.steps == by_step.steps and 1 < worker.events < by_step.events
 
     def test_prefilled_prefix_lets_the_waiting_request_in_at_step_2(self) -> None:
         # b waits for memory while a prefills; a's prompt blocks, cached once step 1 ends,

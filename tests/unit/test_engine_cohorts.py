@@ -55,6 +55,17 @@ def chat() -> Trace:
     )
 
 
+def long_prompts() -> Trace:
+    """Prompts of about 3,000 tokens, in chunks of a 512-token budget: a prompt's chunks lead
+    the run that decodes it when nothing waits, and arrivals cut such runs between chunks."""
+    return shared_prefix(
+        num_requests=80, num_tenants=4, prefix_tokens=400, question_tokens=2500,
+        output_tokens=60, rate=3,
+    )  # fmt: skip
+
+
+CHUNKS = {"max_num_batched_tokens": 512}
+
 # (what it covers, the trace, SimConfig fields, EngineConfig fields[, predictions exact])
 WORKLOADS = [
     # least_load reads every engine's load at each arrival: steps applied in sum mid-run.
@@ -109,6 +120,21 @@ WORKLOADS = [
         chat,
         {"num_workers": 2, "policy": "least_load"},
         {"max_num_batched_tokens": 256, "max_num_seqs": 8},
+    ),
+    ("chunks, least_load", long_prompts, {"num_workers": 2, "policy": "least_load"}, CHUNKS),
+    ("chunks, round_robin", long_prompts, {"num_workers": 2, "policy": "round_robin"}, CHUNKS),
+    ("chunks, vtc", long_prompts, {"num_workers": 2, "policy": "vtc"}, CHUNKS),
+    (
+        "chunks, KV events",
+        long_prompts,
+        {"num_workers": 2, "policy": "lpm", "index": "precise"},
+        CHUNKS,
+    ),
+    (
+        "chunks, preemption",
+        long_prompts,
+        {"num_workers": 2, "policy": "least_load"},
+        {**CHUNKS, "num_kv_blocks": 700},
     ),
     (
         "closed loop",
