@@ -53,8 +53,22 @@ def many_short() -> Trace:
     )
 
 
+def long_prompts() -> Trace:
+    """About 3,000 tokens a prompt: in chunks of 512, each run's first steps prefill."""
+    return shared_prefix(
+        num_requests=120, num_tenants=4, prefix_tokens=400, question_tokens=2500,
+        output_tokens=60, rate=8,
+    )  # fmt: skip
+
+
 CASES = [
     ("least_load, 16 workers", many_short, {"num_workers": 16, "policy": "least_load"}, {}),
+    (
+        "prompts in chunks",
+        long_prompts,
+        {"num_workers": 6, "policy": "least_load"},
+        {"max_num_batched_tokens": 512},
+    ),
     ("vtc counts tokens in each engine", many_short, {"num_workers": 12, "policy": "vtc"}, {}),
     (
         "preemptions: small KV",
