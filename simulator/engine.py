@@ -213,7 +213,9 @@ class _Run:
     (A plain class, not a dataclass: compiled, a dataclass's generated __init__ stays
     interpreted, and a run is planned several times per request.)"""
 
-    __slots__ = ("batch", "lead", "ends", "cohort", "prefills", "applied", "end_event")
+    __slots__ = (
+        "batch", "lead", "lead_tokens", "ends", "cohort", "prefills", "applied", "end_event"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -221,11 +223,14 @@ class _Run:
         ends: StepEnds,
         cohort: _Cohort | None = None,
         lead: list[list[tuple[Seq, int]]] | None = None,
+        lead_tokens: list[int] | None = None,
     ) -> None:
         self.batch = batch
         # Prefill steps ahead of `batch`'s: a prompt's chunks up to the step that ends it,
-        # when nothing waits to join them (`Engine._plan_chunks`).
+        # when nothing waits to join them (`Engine._plan_chunks`). Each samples a token of
+        # `lead_tokens` sequences that decode, or (-1) a prompt's first token.
         self.lead = lead if lead is not None else []
+        self.lead_tokens = lead_tokens if lead_tokens is not None else []
         self.ends = ends  # when each step ends
         # Every step of the run decodes one token per sequence, step 1 included (its blocks
         # were allocated while planning), or every step after the lead's and `batch`'s, once
@@ -241,6 +246,20 @@ class _Run:
     def step_batch(self, i: int) -> list[tuple[Seq, int]]:
         """(seq, tokens) of step `i` (decode steps: one token each of `batch`'s)."""
         return self.lead[i] if i < len(self.lead) else self.batch
+
+    def decoding_lead(self) -> tuple[int, int]:
+        """(steps, tokens each): the lead steps from the next one on that sample only the
+        tokens of sequences already decoding, as many each step, short of the run's last. To
+        a router they are decode steps: nothing starts or finishes, and load falls a token a
+        decoding sequence."""
+        i, tokens = self.applied, self.lead_tokens
+        if i >= len(tokens) or tokens[i] < 0:
+            return 0, 0
+        each, j = tokens[i], i + 1
+        stop = min(len(tokens), self.ends.count - 1)
+        while j < stop and tokens[j] == each:
+            j += 1
+        return max(0, min(j, stop) - i), each
 
     @property
     def is_multi_step(self) -> bool:
@@ -499,40 +518,48 @@ class Engine:
     @property
     def next_change(self) -> float | None:
         """When this engine next moves by more than decode steps in sum: the end of the
-        run's next step that prefills (first tokens, prompts done), else of the run (None:
-        nothing planned). Until then what it has left to do falls only as `decode_credit` says."""
+        run's next step that prefills and samples a first token or more than decoding
+        sequences' tokens, else of the run (None: nothing planned). Until then what it has
+        left to do falls only as `decode_credit` says."""
         run = self._run
         if run is None or run.applied == run.ends.count:
             return None
         if run.applied < run.prefills:
-            return run.ends.end(run.applied)
+            return run.ends.end(run.applied + run.decoding_lead()[0])
         return run.ends.last
 
     def decode_bound(self) -> tuple[float, float, int, int]:
-        """How the run's decode steps short of its last, not yet applied, will lower what the
-        engine has left to do before `next_change`: (when the first of them ends, a duration
-        no step of the run falls below, how many there are, the tokens each makes). A listener
-        hears exactly those tokens (`on_progress`) once the steps are applied. (inf, 1, 0, 0)
-        when there are none."""
+        """How the run's steps before `next_change`, not yet applied, will lower what the
+        engine has left to do, each sampling a token of every sequence it decodes: (when the
+        first of them ends, a duration no step of the run falls below, how many there are,
+        the tokens each makes). A listener hears exactly those tokens once the steps are
+        applied. (inf, 1, 0, 0) when there are none."""
         run = self._run
-        if run is None or run.applied < run.prefills:
+        if run is None:
             return _INF, 1.0, 0, 0
-        left = run.ends.count - 1 - run.applied  # the last step ends the run: heard then
+        if run.applied < run.prefills:
+            left, each = run.decoding_lead()
+        else:
+            left, each = run.ends.count - 1 - run.applied, len(run.batch)  # the last step
+            # ends the run: heard then
         if left <= 0:
             return _INF, 1.0, 0, 0
-        return run.ends.end(run.applied), run.ends.shortest, left, len(run.batch)
+        return run.ends.end(run.applied), run.ends.shortest, left, each
 
     def decode_credit(self, now: float) -> int:
         """The tokens `decode_bound`'s steps ended by `now` make: what applying them would
         take off the engine's outstanding tokens."""
         run = self._run
-        if run is None or run.applied < run.prefills:
+        if run is None:
             return 0
-        last = run.ends.count - 1
-        if run.applied >= last:
+        if run.applied < run.prefills:
+            left, each = run.decoding_lead()
+        else:
+            left, each = run.ends.count - 1 - run.applied, len(run.batch)
+        if left <= 0 or each == 0:
             return 0
-        done = run.ends.ended_by(now, run.applied, last)
-        return (done - run.applied) * len(run.batch)
+        done = run.ends.ended_by(now, run.applied, run.applied + left)
+        return (done - run.applied) * each
 
     def _tell(self) -> None:
         self._on_changed(self)
@@ -680,14 +707,17 @@ class Engine:
         free = self.blocks.num_free
         lead: list[list[tuple[Seq, int]]] = []
         lead_ends: list[float] = []
+        lead_tokens: list[int] = []
         step, start, length, shortest = batch, self.clock, first, first
         decode_context, decode_steps = 0, 0
         while len(lead) < cfg.max_run_steps:
             # `step` ends. Running nothing new, it is the running batch's first len(step).
+            sampled = 0
             for i in range(len(step)):
                 seq, num_new = step[i]
                 computed[i] += num_new
                 if computed[i] == seq.prompt_len + output[i]:
+                    sampled = sampled + 1 if output[i] > 0 and sampled >= 0 else -1
                     output[i] += 1
                     if output[i] >= seq.output_len:
                         break
@@ -710,6 +740,7 @@ class Engine:
                 free -= need
                 lead.append(step)
                 lead_ends.append(start + length)
+                lead_tokens.append(sampled)
                 step, start = nxt, start + length
                 length = cost.step_time(_shape_at(nxt, computed, output))
                 if length < shortest:
@@ -729,7 +760,8 @@ class Engine:
         rest = cost.run_ends(start, length, len(step), decode_context, decode_steps)
         if not lead:
             return _Run(batch, rest)
-        return _Run(step, _LeadEnds(lead_ends, rest, min(shortest, rest.shortest)), None, lead)
+        ends = _LeadEnds(lead_ends, rest, min(shortest, rest.shortest))
+        return _Run(step, ends, None, lead, lead_tokens)
 
     def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.

@@ -9,6 +9,7 @@ floors must have spared most of the work.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -135,15 +136,26 @@ def test_floors_are_used_only_where_they_hold(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize(
-    "level",
+    ("level", "workload", "engine"),
     [
-        pytest.param({}, id="default level"),
-        pytest.param({"headroom": 0.0, "min_headroom": 0.0}, id="level at the least key"),
-        pytest.param({"lower_by": 1.0, "crowd": 0}, id="level reset at every decision"),
-        pytest.param({"headroom": 1e9, "min_headroom": 1e9}, id="level above every worker"),
+        pytest.param({}, many_short, {}, id="default level"),
+        pytest.param(
+            {"headroom": 0.0, "min_headroom": 0.0}, many_short, {}, id="level at the least key"
+        ),
+        pytest.param(
+            {"lower_by": 1.0, "crowd": 0}, many_short, {}, id="level reset at every decision"
+        ),
+        pytest.param(
+            {"headroom": 1e9, "min_headroom": 1e9}, many_short, {}, id="level above every worker"
+        ),
+        # Runs that begin with a prompt's chunks: those that sample only decoding sequences'
+        # tokens count as decode steps.
+        pytest.param({}, long_prompts, {"max_num_batched_tokens": 512}, id="prompts in chunks"),
     ],
 )
-def test_every_floor_is_below_the_load_it_bounds(level: dict[str, float]) -> None:
+def test_every_floor_is_below_the_load_it_bounds(
+    level: dict[str, float], workload: Callable[[], Trace], engine: dict[str, int]
+) -> None:
     """At every arrival, each routable worker's floor is at most its tokens in flight as they
     would be with every step ended applied (the floors may only ever read too many workers),
     and the worker found is the one whose exact key is least, wherever the level is."""
@@ -170,6 +182,12 @@ def test_every_floor_is_below_the_load_it_bounds(level: dict[str, float]) -> Non
             assert floors.least(now) == min(exact_keys)[-1], now
             super().dispatch(req, rerouted)
 
-    config = SimConfig(num_workers=12, policy="least_load", outages=((1.0, 3.0, 5),))
-    result, _ = run(Audited, many_short(), config)
-    assert len(result.records) == 400 and checked > 4000
+    config = SimConfig(
+        num_workers=12,
+        policy="least_load",
+        outages=((1.0, 3.0, 5),),
+        engine=EngineConfig(**engine),  # type: ignore[arg-type]
+    )
+    trace = workload()
+    result, _ = run(Audited, trace, config)
+    assert len(result.records) == len(trace) and checked > 10 * len(trace)
