@@ -380,9 +380,6 @@ class Engine:
         self.clock = 0.0  # exact time of the last step boundary
         self._run: _Run | None = None
         self._start_pending = False
-        # Load accounting for the router's view, kept incrementally.
-        self._tokens_total = 0  # prompt + output tokens of every request here
-        self._tokens_computed = 0  # num_computed summed over running sequences
         # Statistics.
         self.num_steps = 0
         self.num_events = 0
@@ -409,7 +406,6 @@ class Engine:
         if self._local_counts_tokens:
             self._settle()  # the run is cut below: steps in sum count from its start
         self.waiting[req.id] = Seq(req, self.id, self.config.block_size, preloaded)
-        self._tokens_total += req.prompt_len + req.output_len
         self.local.push(req)
         if self._run is None:
             self._start_soon()
@@ -452,7 +448,6 @@ class Engine:
             self._settle()  # the discipline may read its counters (VTC's last departed)
             self._cut_run()
         self.local.remove(seq.req)
-        self._tokens_total -= seq.req.prompt_len + seq.req.output_len
         self._tell()
 
     def cached_blocks(self, req: Request) -> int:
@@ -858,7 +853,7 @@ class Engine:
             if seq.preloaded:  # the blocks it received are cached here from now on
                 blocks.commit_full_blocks(seq.table, seq.hashes, computed // cfg.block_size)
                 seq.preloaded = False
-            self._set_computed(seq, computed)
+            seq.num_computed = computed
             if seq.admitted_at is None:
                 seq.admitted_at = self.clock
                 seq.num_cached_tokens = cached
@@ -952,7 +947,6 @@ class Engine:
             local.on_tokens([seq.req for seq in sampled], 1)
         if sampled and self._listener_counts_tokens:
             listener.on_tokens(sampled, 1, now)
-        self._tokens_computed += computed_delta
         self.tokens_processed += computed_delta
         run.applied = i + 1
         self.num_steps += 1
@@ -987,7 +981,6 @@ class Engine:
         self.event_time = run.ends.end(run.applied - 1)
         cohort.advance(num_steps)
         tokens = num_steps * len(cohort.seqs)
-        self._tokens_computed += tokens
         self.tokens_processed += tokens
         self.num_steps += num_steps
         used = self.blocks.num_used + cohort.owed_blocks
@@ -1024,7 +1017,6 @@ class Engine:
             self.listener.on_tokens_settled(seqs, settled, now)
         if num_steps and self._listener_counts_tokens:
             self.listener.on_tokens(seqs, num_steps, now)
-        self._tokens_computed += num_steps * len(seqs)
         self.tokens_processed += num_steps * len(seqs)
         self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
         run.applied += num_steps
@@ -1043,8 +1035,7 @@ class Engine:
             self.running.remove(seq)
             self._use_adapter(seq, -1)
             self.blocks.free(seq.table)
-            self._set_computed(seq, 0)
-            self._tokens_total -= seq.req.prompt_len + seq.req.output_len
+            seq.num_computed = 0
             seq.finished_at = now
             if not self.hands_off:
                 self.local.on_finish(seq.req)
@@ -1053,15 +1044,11 @@ class Engine:
     def _preempt(self, seq: Seq) -> None:
         self._use_adapter(seq, -1)
         self.blocks.free(seq.table)
-        self._set_computed(seq, 0)
+        seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting[seq.req.id] = seq
         self.local.push_front(seq.req)
-
-    def _set_computed(self, seq: Seq, num_computed: int) -> None:
-        self._tokens_computed += num_computed - seq.num_computed
-        seq.num_computed = num_computed
 
     def check_integrity(self, between_steps: bool = False) -> None:
         self.blocks.check_integrity([s.table for s in self.running])
