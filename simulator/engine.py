@@ -247,6 +247,13 @@ class _Run:
         """(seq, tokens) of step `i` (decode steps: one token each of `batch`'s)."""
         return self.lead[i] if i < len(self.lead) else self.batch
 
+    def decoding_ahead(self) -> tuple[int, int]:
+        """(steps, tokens each): the steps from the next one on that only decode, short of
+        the next that prefills otherwise or ends the run (heard then)."""
+        if self.applied < self.prefills:
+            return self.decoding_lead()
+        return self.ends.count - 1 - self.applied, len(self.batch)
+
     def decoding_lead(self) -> tuple[int, int]:
         """(steps, tokens each): the lead steps from the next one on that sample only the
         tokens of sequences already decoding, as many each step, short of the run's last. To
@@ -532,11 +539,7 @@ class Engine:
         run = self._run
         if run is None:
             return _INF, 1.0, 0, 0
-        if run.applied < run.prefills:
-            left, each = run.decoding_lead()
-        else:
-            left, each = run.ends.count - 1 - run.applied, len(run.batch)  # the last step
-            # ends the run: heard then
+        left, each = run.decoding_ahead()
         if left <= 0:
             return _INF, 1.0, 0, 0
         return run.ends.end(run.applied), run.ends.shortest, left, each
@@ -547,10 +550,7 @@ class Engine:
         run = self._run
         if run is None:
             return 0
-        if run.applied < run.prefills:
-            left, each = run.decoding_lead()
-        else:
-            left, each = run.ends.count - 1 - run.applied, len(run.batch)
+        left, each = run.decoding_ahead()
         if left <= 0 or each == 0:
             return 0
         done = run.ends.ended_by(now, run.applied, run.applied + left)
