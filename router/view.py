@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from typing import Protocol
@@ -66,14 +66,16 @@ class _KeyedWorkers:
         self.pending: set[WorkerId] = set(workers)
         self._keys: dict[WorkerId, tuple] = {}
 
-    def _rekeyed(self, view: ClusterView) -> Iterator[tuple[tuple | None, tuple | None]]:
-        """The old and new key (None: not healthy) of each pending worker whose key moved."""
+    def _rekey(self, view: ClusterView) -> None:
+        """Re-key each pending worker; `_moved` hears of each key that moved (None: not
+        healthy). A loop calling a method, not a generator: compiled, each value a generator
+        yields costs more than the re-key itself."""
         if not self.pending:
             return
-        workers, keys = view.workers, self._keys
+        workers, keys, key = view.workers, self._keys, self.key
         for wid in self.pending:
             state = workers.get(wid)
-            new = self.key(view, state) if state is not None and state.healthy else None
+            new = key(view, state) if state is not None and state.healthy else None
             old = keys.get(wid)
             if new == old:
                 continue  # most changes move nothing this order reads (ids, queues)
@@ -81,8 +83,11 @@ class _KeyedWorkers:
                 del keys[wid]
             else:
                 keys[wid] = new
-            yield old, new
+            self._moved(old, new)
         self.pending.clear()
+
+    def _moved(self, old: tuple | None, new: tuple | None) -> None:
+        raise NotImplementedError
 
 
 class WorkerOrder(_KeyedWorkers):
@@ -96,13 +101,14 @@ class WorkerOrder(_KeyedWorkers):
         self.sorted: SortedList = SortedList()
 
     def refresh(self, view: ClusterView) -> SortedList:
-        ordered = self.sorted
-        for old, new in self._rekeyed(view):
-            if old is not None:
-                ordered.remove(old)
-            if new is not None:
-                ordered.add(new)
-        return ordered
+        self._rekey(view)
+        return self.sorted
+
+    def _moved(self, old: tuple | None, new: tuple | None) -> None:
+        if old is not None:
+            self.sorted.remove(old)
+        if new is not None:
+            self.sorted.add(new)
 
 
 class LeastFirst(_KeyedWorkers):
@@ -119,16 +125,18 @@ class LeastFirst(_KeyedWorkers):
 
     def refresh(self, view: ClusterView) -> list[tuple]:
         """The heap, its first entry the least key (an empty list: no healthy worker)."""
+        self._rekey(view)
         keys, heap = self._keys, self.heap
-        for _, new in self._rekeyed(view):
-            if new is not None:
-                heappush(heap, new)
         if len(heap) > 4 * len(keys) + 64:  # mostly stale entries below the top: start afresh
             heap[:] = keys.values()
             heapify(heap)
         while heap and keys.get(heap[0][-1]) != heap[0]:
             heappop(heap)
         return heap
+
+    def _moved(self, old: tuple | None, new: tuple | None) -> None:
+        if new is not None:
+            heappush(self.heap, new)
 
 
 @dataclass(slots=True)

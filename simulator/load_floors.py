@@ -40,8 +40,11 @@ SLACK = 1e-9
 # point, errs by far less.
 EARLY = 1e-6
 # The level is set this far above the least key it is set for, and reset once that key falls
-# below LOWER_BY of it with at least CROWD workers at or below it.
-HEADROOM, MIN_HEADROOM = 0.25, 16.0
+# below LOWER_BY of it with at least CROWD workers at or below it. A low level keeps few workers
+# in the low set each decision walks; resets, a pass over the fleet each, stay rare (tiled
+# Mooncake on 1,024 workers, least_load: about 100 workers walked per decision at a headroom of
+# 0.25, and 1.8 % fewer instructions in all at 0.05).
+HEADROOM, MIN_HEADROOM = 0.05, 16.0
 LOWER_BY, CROWD = 0.5, 64
 
 _INF: Final = float("inf")
@@ -136,17 +139,25 @@ class LoadFloors:
             at, wid = heappop(heap)
             if workers[wid].crossing == at:
                 low.add(wid)
-        maybe: list[tuple[float, int]] = []
+        floors: list[float] = []
+        wids: list[int] = []
         for wid in low:
             worker = workers[wid]
             floor = worker.floor(now)
             if floor <= least and floor < worker.tokens:
-                maybe.append((floor, wid))
-        # Lowest floor first: the first exact keys found usually rule out the rest.
-        maybe.sort()
-        for floor, wid in maybe:
-            if floor > least:
+                floors.append(floor)
+                wids.append(wid)
+        # Lowest floor first: the first exact keys found usually rule out the rest, so each is
+        # picked out by a pass over the floors rather than all of them sorted (the answer is
+        # the least exact key whatever the order: only the work depends on it).
+        while floors:
+            pick = _lowest(floors)
+            if floors[pick] > least:
                 break
+            wid = wids[pick]
+            floors[pick], wids[pick] = floors[-1], wids[-1]
+            floors.pop()
+            wids.pop()
             exact = self._exact(wid, now)
             if exact < best:
                 best = exact
@@ -175,3 +186,12 @@ class LoadFloors:
         key = self._key(self._view, self._view.workers[wid])
         credit = self._engines[wid].decode_credit(now)
         return (key[0] - credit, *key[1:]) if credit else key
+
+
+def _lowest(values: list[float]) -> int:
+    """Where the least of `values` (not empty) is: its first place."""
+    at, low = 0, values[0]
+    for i in range(1, len(values)):
+        if values[i] < low:
+            at, low = i, values[i]
+    return at

@@ -4,6 +4,7 @@ bound."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 from router.request import Request
@@ -109,14 +110,15 @@ class InfiniteCache:
         self.cached_tokens = 0
 
     def observe(self, request: Request) -> int:
+        hashes, seen = request.block_hashes, self._seen
         full = request.prompt_len // self.block_size
-        cap = min(len(request.block_hashes), request.reusable_blocks(self.block_size))
+        cap = min(len(hashes), request.reusable_blocks(self.block_size))
         n = 0
-        for h in request.block_hashes[:cap]:
-            if h not in self._seen:
-                break
+        while n < cap and hashes[n] in seen:
             n += 1
-        self._seen.update(request.block_hashes[:full])
+        # The blocks before the first miss are remembered already: adding them again would
+        # hash every block of every prompt, where a replay's prompts are mostly hits.
+        seen.update(itertools.islice(hashes, n, full))
         self.prompt_tokens += request.prompt_len
         self.cached_tokens += n * self.block_size
         return n * self.block_size
