@@ -515,7 +515,13 @@ class _RooflineRunEnds(StepEnds):
     """A roofline run's step ends, each worked out when first looked up. A run is planned up to
     its first finish, a hundred steps or more, and most are cut short by an arrival long
     before: boxing every step's end up front was most of planning one. Its last end is still
-    summed step by step (unboxed, compiled), so every end equals `decode_step_times` summed."""
+    summed step by step (unboxed, compiled), so every end equals `decode_step_times` summed.
+
+    Reads move forward with time, so a cursor walks the ends: the step it stands on and the one
+    before, unboxed. Asking which steps have ended by now, or the ends of the step just applied
+    and the one in progress, moves it and stores nothing; an end behind it is summed into `_ends`
+    (the ends from step 0, as far as they were asked for) from the last one there. Every sum
+    starts from an end summed the same way, so each end is the same float by either path."""
 
     def __init__(
         self,
@@ -537,6 +543,10 @@ class _RooflineRunEnds(StepEnds):
         # A step's context only grows, so the first decode step is the shortest of them.
         decode = self._sum(0.0, context_tokens, 1, None) if num_decodes else first
         self.shortest = min(first, decode)
+        # The cursor: step `_at` ends at `_at_end`, the step before at `_before` (if `_at`).
+        self._at = 0
+        self._at_end = self._ends[0]
+        self._before = 0.0
 
     def _sum(
         self,
@@ -544,10 +554,8 @@ class _RooflineRunEnds(StepEnds):
         context: float,
         num_steps: int,
         ends: list[float] | None,
-        until: float = _INF,
     ) -> float:
-        """`end` plus `num_steps` decode steps from `context`, each end appended to `ends`,
-        stopping early after the first end past `until`.
+        """`end` plus `num_steps` decode steps from `context`, each end appended to `ends`.
         RooflineCost.decode_step_times' arithmetic, operation for operation, on locals and with
         a range of constant step and a named counter (mypyc boxes `_`): an unboxed loop."""
         flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
@@ -559,39 +567,67 @@ class _RooflineRunEnds(StepEnds):
             end = end + (overhead + (compute if compute > memory else memory) + comm)
             if ends is not None:
                 ends.append(end)
-                if end > until:
-                    break
             context += num_seqs
         return end
 
-    def _extend(self, count: int, until: float = _INF) -> None:
-        """`_ends` holds the first `count` steps' ends (at most `self.count`), or those up to
-        the first one past `until`."""
+    def _advance(self, until: float, to: int) -> None:
+        """Move the cursor to step `to`, or to the first step after it ending past `until`
+        (never past the last step). `_sum`'s arithmetic, one step at a time."""
+        flops, comm, pair, kv = self._flops, self._comm, self._pair, self._kv
+        weights, overhead, num_seqs = self._weights, self._overhead, float(self._num_seqs)
+        at, end, before, last = self._at, self._at_end, self._before, self.count - 1
+        context = float(self._context + self._num_seqs * at)  # of step at + 1
+        while at < last and (at < to or end <= until):
+            compute, memory = flops + context * pair, weights + context * kv
+            before, end = end, end + (overhead + (compute if compute > memory else memory) + comm)
+            context += num_seqs
+            at += 1
+        self._at, self._at_end, self._before = at, end, before
+
+    def _extend(self, count: int) -> None:
+        """`_ends` holds the first `count` steps' ends (at most `self.count`)."""
         ends = self._ends
         context = self._context + self._num_seqs * (len(ends) - 1)
-        self._sum(ends[-1], context, min(count, self.count) - len(ends), ends, until)
+        self._sum(ends[-1], context, min(count, self.count) - len(ends), ends)
 
     def end(self, i: int) -> float:
+        at = self._at
+        if i == at:
+            return self._at_end
+        if i == at - 1:
+            return self._before
         ends = self._ends
-        if i >= len(ends):
-            if i == self.count - 1:
-                return self.last  # the same sum: a run applied at its end needs no other
-            self._extend(i + 1)
+        if i < len(ends):
+            return ends[i]
+        if i == self.count - 1:
+            return self.last  # the same sum: a run applied at its end needs no other
+        if i > at:
+            self._advance(-_INF, i)
+            return self._at_end
+        self._extend(i + 1)
         return ends[i]
 
     def ended_by(self, now: float, lo: int, hi: int) -> int:
         if now >= self.last:
             return hi  # every step has ended: none of the ends between need summing
-        # Only as far as asked: a run is planned up to its first finish, and most are cut
-        # short long before, so ends summed ahead of `now` are mostly never read.
-        ends = self._ends
-        if len(ends) < hi and ends[-1] <= now:
-            self._extend(hi, now)
-        return bisect_right(ends, now, lo, min(hi, len(ends)))
+        if self._at_end <= now:
+            self._advance(now, 0)  # stops on the first step ending past now
+        elif self._at and self._before > now:
+            # Asked of an earlier time than the cursor's: the ends up to it, stored.
+            self._extend(self._at + 1)
+            return bisect_right(self._ends, now, lo, min(hi, len(self._ends)))
+        # Step `_at` is the first to end past now.
+        return min(max(self._at, lo), hi)
 
     def cut(self, count: int) -> None:
-        self._extend(count)
-        super().cut(count)
+        last = self.end(count - 1)
+        if self._at >= count:  # the cursor back onto the new last step, from stored ends
+            self._extend(count)
+            ends = self._ends
+            self._at, self._at_end = count - 1, ends[count - 1]
+            self._before = ends[count - 2] if count > 1 else 0.0
+        del self._ends[count:]
+        self.count, self.last = count, last
 
 
 def roofline(model: str, gpu: str, tp: int | None = None) -> RooflineCost:
