@@ -180,6 +180,36 @@ class TestFastForward:
             ends.cut(keep)
             assert (ends.count, ends.last) == (keep, expected[keep - 1])
 
+    def test_step_ends_read_in_any_order_and_cut_are_the_sums(self) -> None:
+        """Reads, forward as a run's usually are or back, and cuts before or behind where the
+        reads got to, in random order: each answer is the plain sums' (a cursor walks the ends,
+        and ends behind it are stored)."""
+        rng = random.Random(7)
+        for cost in (COST, roofline("llama-3-70b", "h100")):
+            for _ in range(40):
+                num_decodes = rng.choice((1, 2, 30, 300))
+                times = [0.25, *cost.decode_step_times(7, 12_345, num_decodes)]
+                expected = list(itertools.accumulate(times, initial=1.5))[1:]
+                ends = cost.run_ends(1.5, 0.25, 7, 12_345, num_decodes)
+                for _ in range(30):
+                    count = len(expected)
+                    op = rng.random()
+                    if op < 0.4:
+                        i = rng.randrange(count)
+                        assert ends.end(i) == expected[i]
+                    elif op < 0.9:
+                        now = rng.uniform(1.4, expected[-1] + 0.1)
+                        lo = rng.randrange(count + 1)
+                        hi = rng.randrange(lo, count + 1)
+                        assert ends.ended_by(now, lo, hi) == bisect.bisect_right(
+                            expected, now, lo, hi
+                        )
+                    elif count > 1:
+                        keep = rng.randrange(1, count)
+                        ends.cut(keep)
+                        del expected[keep:]
+                    assert (ends.count, ends.last) == (len(expected), expected[-1])
+
 
 class TestPrefillThenDecodeRun:
     """A step that ends every prompt it prefills runs on into the decode steps after it, as
