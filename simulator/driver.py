@@ -55,7 +55,8 @@ from simulator.load_floors import LoadFloors
 from simulator.progress import RunProgress
 from simulator.results import WorkerRecord, summarize
 from simulator.scaling import Scaler
-from simulator.topology import KVTransfers, Transfer, kv_bytes
+from simulator.topology import kv_bytes
+from simulator.transfers import KVTransfers, Transfer
 from traces.schema import Trace
 from traces.transform import InfiniteCache
 

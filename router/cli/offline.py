@@ -162,12 +162,13 @@ def cmd_policies(args: argparse.Namespace) -> int:
 def cmd_kv_transfer(args: argparse.Namespace) -> int:
     """How long a prompt's KV cache takes to move between GPUs on a network: alone on the same
     host and across hosts, and with `--concurrent` prompts leaving one host for another at once
-    (sharing its links, as simulator.topology's transfers do)."""
+    (sharing its links, as simulator.transfers does)."""
     import simpy
 
     from dashboards.tables import format_table
     from router.cost_model import MODELS
-    from simulator.topology import KVTransfers, Topology, kv_bytes
+    from simulator.topology import Topology, kv_bytes
+    from simulator.transfers import KVTransfers
 
     try:
         topology = Topology.named(args.topology, args.gpus)

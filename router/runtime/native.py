@@ -51,6 +51,7 @@ MODULES = (
     "simulator/block_manager.py",
     "router/cost_model.py",
     "simulator/engine.py",
+    "simulator/transfers.py",
     "simulator/driver.py",
 )
 STAMP = "sources.json"

@@ -19,7 +19,7 @@ from router.runtime import native
 
 # Records of small runs that between them take every compiled path: the policies' reads of the
 # view and index, fast-forwarded decode runs, preemptions (a small KV cache), the precise
-# index's delayed events, the router's own queues, chunked prefill.
+# index's delayed events, the router's own queues, chunked prefill, a split fleet's KV transfers.
 RUNS = """
 import dataclasses, json, sys
 from simulator.config import SimConfig
@@ -37,6 +37,7 @@ configs = [
 ] + [
     SimConfig(num_workers=4, policy="lpm", index="precise", kv_event_delay=0.05),
     SimConfig(num_workers=4, policy="d2lpm", placement="router"),
+    SimConfig(num_workers=4, policy="lpm", prefill_workers=1, decode_workers=3),
 ]
 out = [[dataclasses.astuple(r) for r in simulate(trace, cost, c).records] for c in configs]
 json.dump(out, sys.stdout)
@@ -72,7 +73,7 @@ def test_compiled_and_plain_python_simulate_the_same() -> None:
     if native.native_root() is None:
         pytest.skip("no compiled build to compare")
     compiled, pure = run_records(pure=False), run_records(pure=True)
-    assert len(compiled) == len(pure) == 7
+    assert len(compiled) == len(pure) == 8
     for a, b in zip(compiled, pure, strict=True):
         assert len(a) == 240
         # As written: a time Python kept as the int 0 is written "0", compiled "0.0".

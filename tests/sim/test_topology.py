@@ -1,6 +1,6 @@
-"""The cluster network (simulator/topology.py): paths and transfer times on a hand-built graph,
-links shared max-min fairly by concurrent KV transfers, the presets, the YAML form's errors, and
-the issue's KV arithmetic."""
+"""The cluster network (simulator/topology.py) and the transfers over it (simulator/transfers.py):
+paths and transfer times on a hand-built graph, links shared max-min fairly by concurrent KV
+transfers, the presets, the YAML form's errors, and the issue's KV arithmetic."""
 
 from __future__ import annotations
 
@@ -13,14 +13,8 @@ import pytest
 import simpy
 
 from router.cost_model import MODELS
-from simulator.topology import (
-    GBPS,
-    PRESETS,
-    KVTransfers,
-    Topology,
-    fair_rates,
-    kv_bytes,
-)
+from simulator.topology import GBPS, PRESETS, Topology, kv_bytes
+from simulator.transfers import KVTransfers, fair_rates
 
 NV, NV_LAT = 450e9, 1e-6  # bytes/s each way, s per hop
 IB, IB_LAT = 50e9, 4e-6
