@@ -32,11 +32,17 @@ def fair_rates(
     flow is fixed. A link's share only grows as others fix, so a heap with stale entries skipped
     finds the next bottleneck: O(path links x log links)."""
     counts = counts if counts is not None else [1] * len(paths)
+    for i, links in enumerate(paths):
+        assert links and counts[i] > 0, f"path {i} crosses no link or carries no flow"
+    crossed = [link for links in paths for link in links]
+    if len(set(crossed)) == len(crossed):
+        # No link is shared (the usual case: a few transfers in flight, between different
+        # GPUs): each path's flows split its own bottleneck, as the filling below finds it.
+        return [min(float(capacity[k]) / counts[i] for k in p) for i, p in enumerate(paths)]
     rates = [0.0] * len(paths)
     users: dict[int, list[int]] = {}
     unfixed: dict[int, int] = {}  # link -> flows on it not yet fixed
     for i, links in enumerate(paths):
-        assert links and counts[i] > 0, f"path {i} crosses no link or carries no flow"
         for link in links:
             users.setdefault(link, []).append(i)
             unfixed[link] = unfixed.get(link, 0) + counts[i]

@@ -251,6 +251,23 @@ class TestFairRates:
             paths = [rng.sample(range(6), rng.randint(1, 3)) for _ in range(rng.randint(1, 8))]
             assert_max_min_fair(paths, capacity, fair_rates(paths, capacity))
 
+    def test_paths_sharing_no_link_get_the_fillings_rates_exactly(self) -> None:
+        """Such paths take a shortcut (each one's own bottleneck); with a pair that shares a
+        link beside them, the progressive filling runs, and must give them the same floats."""
+        rng = random.Random(2)
+        for _ in range(200):
+            links = rng.sample(range(12), 12)
+            cuts = sorted(rng.sample(range(1, 12), rng.randint(0, 5)))
+            paths = [links[a:b] for a, b in zip([0, *cuts], [*cuts, 12], strict=True)]
+            capacity = {link: rng.uniform(0.5, 50.0) for link in range(12)}
+            capacity |= {20: rng.uniform(0.5, 50.0), 21: rng.uniform(0.5, 50.0)}
+            counts = [rng.randint(1, 4) for _ in paths]
+            alone = fair_rates(paths, capacity, counts)
+            own = [min(capacity[k] / n for k in p) for p, n in zip(paths, counts, strict=True)]
+            assert alone == own
+            beside = fair_rates([*paths, [20], [20, 21]], capacity, [*counts, 1, 2])
+            assert beside[: len(paths)] == alone
+
 
 class TestPresets:
     @pytest.mark.parametrize("num_gpus", [1, 8, 9, 64])
