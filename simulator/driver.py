@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from heapq import heappop, heappush
 from typing import cast
@@ -44,16 +44,17 @@ from router.ledger import LedgerStore
 from router.planner import Planner
 from router.policy import GlobalPolicy, LeastLoaded, LocalPolicy
 from router.prefix_index import WorkerId
-from router.records import Refusal, RequestRecord
+from router.records import Refusal
 from router.request import BlockHash, Request
 from router.runtime.collector import paced_for_throughput
 from router.traits import IndexMode, Placement, Role
+from simulator.columns import RecordLog
 from simulator.config import SimConfig
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import check_requests
 from simulator.load_floors import LoadFloors
 from simulator.progress import RunProgress
-from simulator.results import WorkerRecord, summarize
+from simulator.results import SimResult, WorkerRecord, summarize
 from simulator.scaling import Scaler
 from simulator.topology import kv_bytes
 from simulator.transfers import KVTransfers, Transfer
@@ -64,16 +65,6 @@ from traces.transform import InfiniteCache
 # tiled Mooncake, instructions of a replay with floors against without, trace loading
 # included: 1.00 at 64 workers, 0.97 at 128, 0.89 at 256).
 LOAD_FLOORS_MIN_WORKERS = 128
-
-
-# An interpreted class in the compiled module: results cross to worker processes, and a compiled
-# dataclass is not unpickled field by field.
-@mypyc_attr(native_class=False)
-@dataclass
-class SimResult:
-    records: list[RequestRecord]
-    workers: list[WorkerRecord]
-    summary: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +130,7 @@ class SimCluster:
         in_router = config.placement is Placement.ROUTER
         self.precise = config.index is IndexMode.PRECISE
         self.classes = ClassTable(config.classes)
-        banded = bool(self.classes) or len({r.priority for r in trace.requests}) > 1
+        banded = bool(self.classes) or len(set(trace.column("priority"))) > 1
         bands = self.classes.priorities()
         # What waits inside an engine: the discipline itself (engine placement), or a stock
         # vLLM's order: arrival, by priority when it runs priority scheduling.
@@ -259,7 +250,7 @@ class SimCluster:
             else:
                 self._lazy = False
         self.bound = InfiniteCache(trace.block_size)
-        self.records: list[RequestRecord] = []
+        self.log = RecordLog()
         self.refusals: list[Refusal] = []
         self.budgets = Budgets(config.rate_limits) if config.rate_limits else None
         self._predicted_ttft: dict[int, float | None] = {}
@@ -329,7 +320,7 @@ class SimCluster:
                 return
 
     def _done(self) -> bool:
-        return len(self.records) + len(self.refusals) >= len(self.trace)
+        return len(self.log) + len(self.refusals) >= len(self.trace)
 
     # ----------------------------------------------------------------- driving
 
@@ -350,9 +341,9 @@ class SimCluster:
         self._progress.close(self.env.now)
         wall = time.perf_counter() - started
         workers = [self._worker_record(e) for e in self.engines]
-        self.records.sort(key=lambda r: r.id)
+        records = self.log.columns()
         summary = summarize(
-            self.records,
+            records,
             workers,
             total=len(self.trace),
             cache_bound=self.bound.hit_rate,
@@ -363,7 +354,10 @@ class SimCluster:
             refusals=self.refusals,
         )
         # Every worker holds a GPU from the start to the last answer, or as the planner had it.
-        end = max([r.finish for r in self.records] + [x.at for x in self.refusals], default=0.0)
+        ends = [x.at for x in self.refusals]
+        if len(records):
+            ends.append(float(records.finish.max()))
+        end = max(ends, default=0.0)
         if self.scaler is None:
             summary["gpu_seconds"] = self.config.num_workers * end
         else:
@@ -376,24 +370,33 @@ class SimCluster:
         summary["prefix_cache"]["predicted_hit_rate"] = (  # type: ignore[index]
             predicted / prompt if prompt else 0.0
         )
-        return SimResult(self.records, workers, summary)
+        return SimResult(records, workers, summary)
 
     def _arrivals(self) -> simpy.events.ProcessGenerator:
+        # Open loop, each request is read as it arrives (a tiled trace makes it then, and it
+        # is let go once answered); closed loop, a session's later turns wait in its queue.
+        first_turns: Iterable[Request] = self.trace.requests
+        if self.config.closed_loop:
+            first_turns = self._first_turns()
+        for req in first_turns:
+            if req.arrival > self.env.now:
+                yield self.env.timeout(req.arrival - self.env.now)
+            self.dispatch(req)
+
+    def _first_turns(self) -> list[Request]:
+        """Closed loop: the requests sent at their arrival; each session's later turns queued,
+        sent as the turn before finishes (`_next_turn`)."""
         first_turns = []
         for req in self.trace.requests:
-            if self.config.closed_loop and req.session is not None:
+            if req.session is not None:
                 queue = self._next_turns.setdefault(req.session, deque())
                 queue.append(req)
                 if len(queue) > 1:
                     continue
             first_turns.append(req)
-        if self.config.closed_loop:
-            for queue in self._next_turns.values():
-                queue.popleft()  # the first turn is dispatched from first_turns
-        for req in first_turns:
-            if req.arrival > self.env.now:
-                yield self.env.timeout(req.arrival - self.env.now)
-            self.dispatch(req)
+        for queue in self._next_turns.values():
+            queue.popleft()  # the first turn is dispatched from first_turns
+        return first_turns
 
     def _send_later(self, req: Request, delay: float) -> simpy.events.ProcessGenerator:
         yield self.env.timeout(delay)
@@ -641,26 +644,27 @@ class SimCluster:
         split = self._prefilled.pop(req.id, None) if self._prefilled else None
         if split is not None and self._stage_counts:
             self.engines[split.worker].local.on_finish(req)
-        self.records.append(
-            RequestRecord(
-                id=req.id,
-                client=req.client,
-                session=req.session,
-                worker=seq.worker,
-                arrival=req.arrival,
-                admitted=seq.admitted_at,
-                first_token=seq.first_token_at,
-                finish=now,
-                prompt_tokens=req.prompt_len,
-                cached_tokens=split.cached_tokens if split else seq.num_cached_tokens or 0,
-                output_tokens=seq.num_output,
-                preemptions=seq.num_preemptions + (split.preemptions if split else 0),
-                weight=req.weight,
-                priority=req.priority,
-                predicted_ttft=self._predicted_ttft.pop(req.id, None),
-                prefill_worker=None if split is None else split.worker,
-                kv_transfer=None if split is None else split.kv_transfer,
-                api=req.api,
+        # A record's fields in RequestRecord's order (simulator.columns keeps them as columns).
+        self.log.add(
+            (
+                req.id,
+                req.client,
+                req.session,
+                seq.worker,
+                req.arrival,
+                seq.admitted_at,
+                seq.first_token_at,
+                now,
+                req.prompt_len,
+                split.cached_tokens if split else seq.num_cached_tokens or 0,
+                seq.num_output,
+                seq.num_preemptions + (split.preemptions if split else 0),
+                req.weight,
+                req.priority,
+                self._predicted_ttft.pop(req.id, None),
+                None if split is None else split.worker,
+                None if split is None else split.kv_transfer,
+                req.api,
             )
         )
         if self.budgets is not None:

@@ -24,6 +24,7 @@ from router.classes import ClassTable, TrafficClass
 from router.cost_model import CostModel
 from router.records import Refusal, RequestRecord
 from router.runtime.ray_tasks import RayTasks
+from simulator.columns import RecordColumns, columns
 from simulator.config import SimConfig
 from simulator.driver import SimCluster
 from simulator.progress import map_runs
@@ -87,17 +88,18 @@ class Search:
 
 
 def goal_goodput(
-    records: Sequence[RequestRecord], refusals: Sequence[Refusal], goal: Goal
+    records: Sequence[RequestRecord] | RecordColumns, refusals: Sequence[Refusal], goal: Goal
 ) -> dict[str, object]:
     """simulator.results' fleet-wide attainment and goodput with the goal's targets on every
     priority: the share of requests (refused ones included) within both targets, and such
     requests per second of the run (first arrival to last answer)."""
-    priorities = {r.priority for r in records} | {x.priority for x in refusals}
+    cols = columns(records)
+    priorities = set(cols.priority.tolist()) | {x.priority for x in refusals}
     table = ClassTable(
         TrafficClass(f"priority {p}", p, ttft=goal.ttft, tpot=goal.tpot) for p in priorities
     )
-    span = max(r.finish for r in records) - min(r.arrival for r in records) if records else 0.0
-    return fleet_goodput(class_summary(records, refusals, table), span)
+    span = float(cols.finish.max() - cols.arrival.min()) if len(cols) else 0.0
+    return fleet_goodput(class_summary(cols, refusals, table), span)
 
 
 def smallest_meeting(
@@ -179,9 +181,9 @@ class Candidates:
         )
         cluster = SimCluster(self.trace, self.cost, config)
         result = cluster.run()
-        goodput = goal_goodput(result.records, cluster.refusals, self.goal)
+        goodput = goal_goodput(result.columns, cluster.refusals, self.goal)
         gpus = fleet.workers * self.gpus_per_worker
-        arrivals = [r.arrival for r in self.trace.requests]
+        arrivals = self.trace.column("arrival")
         outcome = Outcome(
             policy=policy,
             fleet=fleet,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 from router.classes import REFUSAL_REASONS, ClassTable
 from router.records import RecordWriter, Refusal, RequestRecord, weighted_tokens
-from simulator.columns import RecordColumns
+from simulator.columns import RecordColumns, columns
 from simulator.fairness import (
     jain_while_backlogged,
     max_service_gap,
@@ -35,6 +36,21 @@ class WorkerRecord:
     adapter_loads: int = 0
     group: str | None = None  # its model group, when the fleet was given as groups
     role: str = "mixed"  # router.traits.Role
+
+
+@dataclass
+class SimResult:
+    """A simulated run: its records (kept as columns; `records` makes them on first read), each
+    worker's record and the summary."""
+
+    columns: RecordColumns
+    workers: list[WorkerRecord]
+    summary: dict[str, object]
+
+    @cached_property
+    def records(self) -> list[RequestRecord]:
+        """By id."""
+        return self.columns.records()
 
 
 def _worker_dict(worker: WorkerRecord) -> dict[str, object]:
@@ -61,7 +77,7 @@ def _stats(values: Sequence[float] | np.ndarray) -> dict[str, float | None]:
 
 
 def summarize(
-    records: Sequence[RequestRecord],
+    records: Sequence[RequestRecord] | RecordColumns,
     workers: Sequence[WorkerRecord],
     *,
     total: int,
@@ -72,10 +88,10 @@ def summarize(
     classes: ClassTable | None = None,
     refusals: Sequence[Refusal] = (),
 ) -> dict[str, object]:
-    cols = RecordColumns(records)
+    cols = columns(records)
     prompt, cached = int(cols.prompt_tokens.sum()), int(cols.cached_tokens.sum())
     output = int(cols.output_tokens.sum())
-    span = float(cols.finish.max() - cols.arrival.min()) if records else 0.0
+    span = float(cols.finish.max() - cols.arrival.min()) if len(cols) else 0.0
     ttft, e2e = cols.first_token - cols.arrival, cols.finish - cols.arrival
     # The grid resolves the gap to a tenth of the run, or a second, whichever is finer.
     curves = service_curves(cols, step=min(1.0, max(span, 1e-3) / 10))
@@ -102,7 +118,7 @@ def summarize(
     per_client = {
         client: {
             "requests": len(at),
-            "weight": records[at[0]].weight,
+            "weight": float(cols.weight[at[0]]),
             # Summed one by one, in order, as a running total would be.
             "service": sum(weighted[at].tolist()),
             "prompt_tokens": int(cols.prompt_tokens[at].sum()),
@@ -118,21 +134,22 @@ def summarize(
     }
     group_of = {w.id: w.group for w in workers if w.group is not None}
     by_group: dict[str, list[int]] = {g: [] for g in dict.fromkeys(group_of.values())}
-    for i, r in enumerate(records):
-        if r.worker in group_of:
-            by_group[group_of[r.worker]].append(i)
+    if group_of:
+        for i, worker in enumerate(cols.worker.tolist()):
+            if worker in group_of:
+                by_group[group_of[worker]].append(i)
     work = [w.tokens_processed for w in workers]
     mean_work = float(np.mean(work)) if work else 0.0
     out = {
         "config": config,
-        "completed": len(records),
+        "completed": len(cols),
         "total": total,
         "ttft": _stats(ttft),
         "tpot": _stats(cols.tpot()),
         "e2e": _stats(e2e),
         "queue_time": _stats(cols.admitted - cols.arrival),
         "throughput": {
-            "requests_per_s": len(records) / span if span > 0 else None,
+            "requests_per_s": len(cols) / span if span > 0 else None,
             "output_tokens_per_s": output / span if span > 0 else None,
         },
         "tokens": {"prompt": prompt, "cached": cached, "output": output},
@@ -163,15 +180,15 @@ def summarize(
     }
     if any(w.role != "mixed" for w in workers):
         out["roles"] = role_summary(workers)
-        moved = [r.kv_transfer for r in records if r.kv_transfer is not None]
+        moved = cols.kv_transfer[~np.isnan(cols.kv_transfer)]
         out["kv_transfer"] = {"requests": len(moved), **_stats(moved)}
-    if classes or refusals or any(r.priority for r in records):
+    if classes or refusals or cols.priority.any():
         reasons = (*REFUSAL_REASONS, *sorted({x.reason for x in refusals} - {*REFUSAL_REASONS}))
         out["refusals"] = {reason: sum(1 for x in refusals if x.reason == reason)
                            for reason in reasons}  # fmt: skip
-        out["classes"] = by_class = class_summary(records, refusals, classes or ClassTable())
+        out["classes"] = by_class = class_summary(cols, refusals, classes or ClassTable())
         out["goodput"] = fleet_goodput(by_class, span)
-        out["ttft_prediction"] = ttft_prediction(records)
+        out["ttft_prediction"] = ttft_prediction(cols)
     return out
 
 
@@ -198,39 +215,50 @@ def role_summary(workers: Sequence[WorkerRecord]) -> dict[str, dict[str, object]
 
 
 def class_summary(
-    records: Sequence[RequestRecord],
+    records: Sequence[RequestRecord] | RecordColumns,
     refusals: Sequence[Refusal],
     classes: ClassTable,
 ) -> dict[str, dict[str, object]]:
     """Per traffic class, highest band first: what arrived, what was refused and why, SLO
     attainment (the share of the class's requests, refused ones included, that met both its
     targets) and goodput (such requests per second of the class's span)."""
-    priorities = sorted({r.priority for r in records} | {x.priority for x in refusals}
+    cols = columns(records)
+    priorities = sorted(set(cols.priority.tolist()) | {x.priority for x in refusals}
                         | set(classes.priorities()))  # fmt: skip
+    ttft = cols.first_token - cols.arrival
+    # RequestRecord.tpot, None for a single output token.
+    more = cols.output_tokens > 1
+    tpot = np.full(len(cols), np.nan)
+    tpot[more] = cols.tpot()
     out: dict[str, dict[str, object]] = {}
     for priority in priorities:
         traffic = classes.of_priority(priority)
-        done = [r for r in records if r.priority == priority]
+        done = cols.priority == priority
         refused = [x for x in refusals if x.priority == priority]
-        met = sum(1 for r in done if traffic.meets(r.ttft, r.tpot))
-        arrived = len(done) + len(refused)
+        met = sum(
+            1
+            for t, p in zip(ttft[done].tolist(), tpot[done].tolist(), strict=True)
+            if traffic.meets(t, None if p != p else p)  # NaN is not equal to itself
+        )
+        completed = int(done.sum())
+        arrived = completed + len(refused)
         # Over the class's own span (its first arrival to its last answer): a class served
         # in time is not charged for the time another's backlog took to drain.
-        own_span = max(r.finish for r in done) - min(r.arrival for r in done) if done else 0.0
+        own_span = float(cols.finish[done].max() - cols.arrival[done].min()) if completed else 0.0
         out[traffic.name] = {
             "priority": priority,
             "ttft_target": traffic.ttft,
             "tpot_target": traffic.tpot,
             "requests": arrived,
-            "completed": len(done),
+            "completed": completed,
             "refused": {
                 reason: sum(1 for x in refused if x.reason == reason) for reason in REFUSAL_REASONS
             },  # fmt: skip
             "met_targets": met,
             "attainment": met / arrived if arrived else None,
             "goodput": met / own_span if own_span > 0 else None,
-            "ttft": _stats([r.ttft for r in done]),
-            "tpot": _stats([t for r in done if (t := r.tpot) is not None]),
+            "ttft": _stats(ttft[done]),
+            "tpot": _stats(tpot[done & more]),
         }
     return out
 
@@ -246,22 +274,27 @@ def fleet_goodput(by_class: dict[str, dict[str, object]], span: float) -> dict[s
     }
 
 
-def ttft_prediction(records: Sequence[RequestRecord]) -> dict[str, object]:
+def ttft_prediction(records: Sequence[RequestRecord] | RecordColumns) -> dict[str, object]:
     """How far the router's predicted time to first token was from the actual: the error
     (predicted - actual, seconds) and its size relative to the actual."""
-    pairs = [(r.predicted_ttft, r.ttft) for r in records if r.predicted_ttft is not None]
+    cols = columns(records)
+    predicted = ~np.isnan(cols.predicted_ttft)
+    p, a = cols.predicted_ttft[predicted], (cols.first_token - cols.arrival)[predicted]
     return {
-        "requests": len(pairs),
-        "error": _stats([p - a for p, a in pairs]),
-        "relative_error": _stats([abs(p - a) / a for p, a in pairs if a > 0]),
+        "requests": int(predicted.sum()),
+        "error": _stats(p - a),
+        "relative_error": _stats(np.abs(p - a)[a > 0] / a[a > 0]),
     }
 
 
-def write_results(out: Path, summary: dict[str, object], records: Sequence[RequestRecord]) -> None:
+def write_results(
+    out: Path, summary: dict[str, object], records: Sequence[RequestRecord] | RecordColumns
+) -> None:
     """DIR/summary.json and DIR/requests.csv (one row per completed request)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     writer = RecordWriter(out / "requests.csv")
-    for r in records:
-        writer.write(r)
+    rows = records.rows() if isinstance(records, RecordColumns) else records
+    for r in rows:
+        writer.write(r if isinstance(r, RequestRecord) else RequestRecord(*r))  # type: ignore[arg-type]
     writer.close()

@@ -20,14 +20,15 @@ Every loader returns a `Trace`; every error names the file and line.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.request import Api, Request, cache_root, rekey_blocks
+from traces.tiled import TiledRequests
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -43,7 +44,8 @@ class TraceError(ValueError):
 
 @dataclass(slots=True)
 class Trace:
-    requests: list[Request]
+    # A list, or a tiled trace's copies made as they are read (traces.tiled.TiledRequests).
+    requests: Sequence[Request]
     block_size: int = DEFAULT_BLOCK_SIZE
     source: str = ""
     meta: dict[str, object] = field(default_factory=dict)
@@ -57,7 +59,13 @@ class Trace:
 
     @property
     def clients(self) -> list[str]:
-        return sorted({r.client for r in self.requests})
+        return sorted(set(self.column("client")))
+
+    def column(self, name: str) -> list[Any]:
+        """Every request's field `name`, in order (a tiled trace's without making its copies)."""
+        if isinstance(self.requests, TiledRequests):
+            return self.requests.column(name)
+        return [getattr(r, name) for r in self.requests]
 
 
 class TraceHeader(BaseModel):

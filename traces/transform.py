@@ -3,18 +3,23 @@ bound."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 
+import numpy as np
+
 from router.request import Request
-from traces.schema import Trace, finish, renumber
+from traces.schema import Trace, finish
+from traces.tiled import TiledRequests
 
 
 def scale_time(trace: Trace, factor: float) -> Trace:
     """Stretch every timestamp by `factor` (> 1 slows the trace down)."""
     if factor <= 0:
         raise ValueError(f"time scale must be positive, got {factor}")
+    if isinstance(trace.requests, TiledRequests):
+        trace.requests.scale_time(factor)
+        return trace
     for r in trace.requests:
         r.arrival *= factor
         if r.think_time is not None:
@@ -50,31 +55,12 @@ def tile(trace: Trace, copies: int) -> Trace:
     the rate grows by `copies` while each worker's load and history stay as they were (where
     `scale_rate` squeezes the same requests into less time). Copy k's prompts are its own
     (block hashes offset past the trace's largest) and its arrivals are rotated by k/copies of
-    the trace's span, so copies are not in lockstep; a session rotates as one, in order."""
+    the trace's span, so copies are not in lockstep; a session rotates as one, in order. The
+    copies are made as they are read (`traces.tiled`)."""
     if copies < 1:
         raise ValueError(f"copies must be at least 1, got {copies}")
-    span = trace.duration
-    stride = 1 + max((h for r in trace.requests for h in r.block_hashes), default=0)
-    session_start: dict[str, float] = {}
-    for r in trace.requests:
-        if r.session is not None:
-            session_start.setdefault(r.session, r.arrival)
-    out: list[Request] = []
-    for k in range(copies):
-        shift = k * span / copies
-        for r in trace.requests:
-            start = r.arrival if r.session is None else session_start[r.session]
-            back = span if start + shift >= span else 0.0
-            out.append(
-                dataclasses.replace(
-                    r,
-                    arrival=r.arrival + shift - back,
-                    block_hashes=[h + k * stride for h in r.block_hashes],
-                    session=None if r.session is None else f"{r.session}#{k}",
-                )
-            )
-    trace.requests = renumber(out)
-    return finish(trace)
+    trace.requests = TiledRequests(trace.requests, copies)
+    return trace
 
 
 def assign_tenants(trace: Trace, num_tenants: int, skew: float = 0.0, seed: int = 0) -> Trace:
@@ -85,13 +71,19 @@ def assign_tenants(trace: Trace, num_tenants: int, skew: float = 0.0, seed: int 
     names = [f"tenant-{k}" for k in range(num_tenants)]
     weights = [1 / (k + 1) ** skew for k in range(num_tenants)]
     by_session: dict[str, str] = {}
-    for r in trace.requests:
-        if r.session is not None and r.session in by_session:
-            r.client = by_session[r.session]
-            continue
-        r.client = rng.choices(names, weights)[0]
-        if r.session is not None:
-            by_session[r.session] = r.client
+    clients = []
+    for session in trace.column("session"):
+        client = by_session.get(session) if session is not None else None
+        if client is None:
+            client = rng.choices(names, weights)[0]
+            if session is not None:
+                by_session[session] = client
+        clients.append(client)
+    if isinstance(trace.requests, TiledRequests):
+        trace.requests.set_clients(clients)
+    else:
+        for r, client in zip(trace.requests, clients, strict=True):
+            r.client = client
     return trace
 
 
@@ -101,11 +93,19 @@ class InfiniteCache:
     `observe` returns the cached tokens a request would get, in the order requests are shown:
     its leading full blocks seen before, keeping at least one token to compute (as the engine
     does), then remembers its blocks.
+
+    It remembers every block it is shown, and a tiled replay shows few twice: a million requests
+    showed 15 million blocks, about a gigabyte as a set of Python ints. So blocks are remembered
+    in a set only until `COMPACT_AT` are, then moved into a sorted array of 64-bit keys (8 bytes
+    a block); a hash outside 64 bits stays in the set.
     """
+
+    COMPACT_AT = 1 << 20
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._seen: set[int] = set()
+        self._sorted = np.empty(0, dtype=np.uint64)  # older blocks, each once
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -114,15 +114,57 @@ class InfiniteCache:
         full = request.prompt_len // self.block_size
         cap = min(len(hashes), request.reusable_blocks(self.block_size))
         n = 0
-        while n < cap and hashes[n] in seen:
-            n += 1
+        if len(self._sorted):
+            n = self._leading_seen(hashes, cap)
+        else:
+            while n < cap and hashes[n] in seen:
+                n += 1
         # The blocks before the first miss are remembered already: adding them again would
         # hash every block of every prompt, where a replay's prompts are mostly hits.
         seen.update(itertools.islice(hashes, n, full))
+        if len(seen) >= self.COMPACT_AT:
+            self._compact()
         self.prompt_tokens += request.prompt_len
         self.cached_tokens += n * self.block_size
         return n * self.block_size
 
+    def _leading_seen(self, hashes: list[int], cap: int) -> int:
+        """How many of `hashes`' first `cap` are remembered, from the first on."""
+        if cap == 0:
+            return 0
+        head, old = hashes[:cap], self._sorted
+        try:
+            keys = np.array(head, dtype=np.uint64)
+        except OverflowError:  # a hash outside 64 bits: asked one by one
+            found = [0 <= h < _KEYS and _has(old, np.uint64(h)) for h in head]
+        else:
+            at = np.minimum(np.searchsorted(old, keys), len(old) - 1)
+            found = (old[at] == keys).tolist()
+        seen, n = self._seen, 0
+        while n < cap and (found[n] or head[n] in seen):
+            n += 1
+        return n
+
+    def _compact(self) -> None:
+        seen = self._seen
+        keys = np.fromiter((h for h in seen if 0 <= h < _KEYS), dtype=np.uint64)
+        keys.sort()
+        # Two sorted runs: a stable sort merges them in one pass. A block may be in both (seen
+        # again after an earlier miss in the same prompt): kept once.
+        merged = np.sort(np.concatenate((self._sorted, keys)), kind="stable")
+        if len(merged) > 1:
+            merged = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
+        self._sorted = merged
+        self._seen = {h for h in seen if not 0 <= h < _KEYS}
+
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+_KEYS = 1 << 64
+
+
+def _has(keys: np.ndarray, key: np.uint64) -> bool:
+    at = int(np.searchsorted(keys, key))
+    return at < len(keys) and keys[at] == key

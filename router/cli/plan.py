@@ -102,7 +102,7 @@ def lone_request_times(cost, prompt_len: int, step_tokens: int) -> tuple[float, 
 
 def check_reachable(args: argparse.Namespace, trace, cost) -> None:
     """Targets no fleet can meet: below what the trace's median prompt takes alone."""
-    median = int(statistics.median(r.prompt_len for r in trace.requests))
+    median = int(statistics.median(trace.column("prompt_len")))
     prefill, step = lone_request_times(cost, median, args.max_num_batched_tokens)
     gpu = cost.name if args.cost else args.gpu
     if args.ttft < prefill:

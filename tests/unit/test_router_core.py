@@ -497,7 +497,7 @@ def test_both_drivers_refuse_the_same_requests_for_the_same_reasons() -> None:
     assert refusals[("batch", "queue_time")], refusals
     timers = {c[3] for c in sim_calls if c[0] == "time_out"}
     assert timers == {True, False}, "some timed out queued, others had been released"
-    assert cluster.records, "some were answered"
+    assert len(cluster.log), "some were answered"
 
     live_recorder, live = replay_live(sim_calls, config, cost, trace)
     assert without_reports(live_recorder.calls) == without_reports(sim_calls)
