@@ -53,6 +53,10 @@ class TiledRequests(Sequence[Request]):
         if len(arrival) and arrival[0] != 0:
             arrival -= arrival[0]
         self._originals = originals
+        # Each original's fields in Request's order, a copy's made from them.
+        names = [f.name for f in dataclasses.fields(Request) if f.init]
+        self._field_at = {name: i for i, name in enumerate(names)}
+        self._templates = [tuple(getattr(r, name) for name in names) for r in originals]
         self._arrival = arrival
         self._original = (order % n).astype(np.int32) if n else order.astype(np.int32)
         self._copy = (order // n).astype(np.int32) if n else order.astype(np.int32)
@@ -89,20 +93,22 @@ class TiledRequests(Sequence[Request]):
         return self._make(int(self._original[i]), int(self._copy[i]), float(self._arrival[i]))
 
     def _make(self, j: int, k: int, arrival: float) -> Request:
-        r = self._originals[j]
-        offset = k * self._stride
+        # The original's fields with a copy's own put in (as dataclasses.replace would, which
+        # takes three times as long, a tenth of a large tiled run's time).
+        r, at = self._originals[j], self._field_at
+        fields = list(self._templates[j])
         id = k * len(self._originals) + j
-        changes: dict[str, object] = {
-            "id": id,
-            "arrival": arrival,
-            "block_hashes": [h + offset for h in r.block_hashes],
-            "session": None if r.session is None else f"{r.session}#{k}",
-        }
+        fields[at["id"]] = id
+        fields[at["arrival"]] = arrival
+        offset = k * self._stride
+        fields[at["block_hashes"]] = [h + offset for h in r.block_hashes]
+        if r.session is not None:
+            fields[at["session"]] = f"{r.session}#{k}"
         if self._clients is not None:
-            changes["client"] = self._clients[id]
+            fields[at["client"]] = self._clients[id]
         if self._time_factors and r.think_time is not None:
-            changes["think_time"] = self._think_time(r.think_time)
-        return dataclasses.replace(r, **changes)  # type: ignore[arg-type]
+            fields[at["think_time"]] = self._think_time(r.think_time)
+        return Request(*fields)
 
     def _think_time(self, think_time: float) -> float:
         for factor in self._time_factors:  # one multiplication per scaling, as in place
