@@ -4,6 +4,7 @@ it counts as (the fairness definitions every layer shares)."""
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -75,6 +76,12 @@ def service(record: RequestRecord) -> float:
 # Columns written after the derived ones (queue_time ... e2e): added later, so a reader that
 # takes the earlier columns by position finds them where they were.
 TRAILING = ("api",)
+DERIVED = ("queue_time", "ttft", "tpot", "e2e")  # RequestRecord's properties of those names
+CSV_COLUMNS = (
+    *(f.name for f in fields(RequestRecord) if f.name not in TRAILING),
+    *DERIVED,
+    *TRAILING,
+)
 
 
 class RecordWriter:
@@ -83,17 +90,18 @@ class RecordWriter:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._names = [f.name for f in fields(RequestRecord) if f.name not in TRAILING]
         self._file = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
         self._csv = csv.writer(self._file)
-        self._csv.writerow([*self._names, "queue_time", "ttft", "tpot", "e2e", *TRAILING])
+        self._csv.writerow(CSV_COLUMNS)
 
     def write(self, r: RequestRecord, flush: bool = False) -> None:
-        row = [getattr(r, n) for n in self._names]
-        tail = [getattr(r, n) for n in TRAILING]
-        self._csv.writerow([*row, r.queue_time, r.ttft, r.tpot, r.e2e, *tail])
+        self._csv.writerow([getattr(r, name) for name in CSV_COLUMNS])
         if flush:
             self._file.flush()
+
+    def write_rows(self, rows: Iterable[Sequence[object]]) -> None:
+        """Rows of values already in `CSV_COLUMNS` order."""
+        self._csv.writerows(rows)
 
     def close(self) -> None:
         self._file.close()

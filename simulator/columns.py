@@ -20,7 +20,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from router.records import RequestRecord
+from router.records import CSV_COLUMNS, RequestRecord
 
 _CHUNK = 4096
 
@@ -129,6 +129,23 @@ class RecordColumns:
                 *(_values(name, getattr(self, name)[chunk]) for name in FIELDS), strict=True
             )
 
+    def csv_rows(self) -> Iterator[tuple[object, ...]]:
+        """Each record's requests.csv row (router.records.CSV_COLUMNS), the derived columns
+        computed on the arrays with RequestRecord's arithmetic: the same values, without a
+        record made for each row."""
+        derived = {
+            "queue_time": self.admitted - self.arrival,
+            "ttft": self.first_token - self.arrival,
+            "tpot": self.tpot_or_nan(),
+            "e2e": self.finish - self.arrival,
+        }
+        for at in range(0, len(self), _CHUNK):
+            chunk = slice(at, at + _CHUNK)
+            values = {name: _values(name, getattr(self, name)[chunk]) for name in FIELDS}
+            for name, column in derived.items():
+                values[name] = [None if v != v else v for v in column[chunk].tolist()]
+            yield from zip(*(values[name] for name in CSV_COLUMNS), strict=True)
+
     def records(self) -> list[RequestRecord]:
         """The records, made again from the columns: the same values as were put in."""
         return [RequestRecord(*row) for row in self.rows()]  # type: ignore[arg-type]
@@ -145,6 +162,12 @@ class RecordColumns:
         """RequestRecord.tpot of those that have one (more than one output token)."""
         more = self.output_tokens > 1
         return (self.finish[more] - self.first_token[more]) / (self.output_tokens[more] - 1)
+
+    def tpot_or_nan(self) -> np.ndarray:
+        """RequestRecord.tpot of every record, NaN where it is None."""
+        out = np.full(len(self), np.nan)
+        out[self.output_tokens > 1] = self.tpot()
+        return out
 
 
 def columns(records: Sequence[RequestRecord] | RecordColumns) -> RecordColumns:

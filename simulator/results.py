@@ -225,11 +225,7 @@ def class_summary(
     cols = columns(records)
     priorities = sorted(set(cols.priority.tolist()) | {x.priority for x in refusals}
                         | set(classes.priorities()))  # fmt: skip
-    ttft = cols.first_token - cols.arrival
-    # RequestRecord.tpot, None for a single output token.
-    more = cols.output_tokens > 1
-    tpot = np.full(len(cols), np.nan)
-    tpot[more] = cols.tpot()
+    ttft, tpot = cols.first_token - cols.arrival, cols.tpot_or_nan()
     out: dict[str, dict[str, object]] = {}
     for priority in priorities:
         traffic = classes.of_priority(priority)
@@ -258,7 +254,7 @@ def class_summary(
             "attainment": met / arrived if arrived else None,
             "goodput": met / own_span if own_span > 0 else None,
             "ttft": _stats(ttft[done]),
-            "tpot": _stats(tpot[done & more]),
+            "tpot": _stats(tpot[done & ~np.isnan(tpot)]),
         }
     return out
 
@@ -294,7 +290,9 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     writer = RecordWriter(out / "requests.csv")
-    rows = records.rows() if isinstance(records, RecordColumns) else records
-    for r in rows:
-        writer.write(r if isinstance(r, RequestRecord) else RequestRecord(*r))  # type: ignore[arg-type]
+    if isinstance(records, RecordColumns):
+        writer.write_rows(records.csv_rows())
+    else:
+        for r in records:
+            writer.write(r)
     writer.close()

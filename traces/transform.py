@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import random
 
-import numpy as np
-
 from router.request import Request
 from traces.schema import Trace, finish
 from traces.tiled import TiledRequests
@@ -93,19 +91,11 @@ class InfiniteCache:
     `observe` returns the cached tokens a request would get, in the order requests are shown:
     its leading full blocks seen before, keeping at least one token to compute (as the engine
     does), then remembers its blocks.
-
-    It remembers every block it is shown, and a tiled replay shows few twice: a million requests
-    showed 15 million blocks, about a gigabyte as a set of Python ints. So blocks are remembered
-    in a set only until `COMPACT_AT` are, then moved into a sorted array of 64-bit keys (8 bytes
-    a block); a hash outside 64 bits stays in the set.
     """
-
-    COMPACT_AT = 1 << 20
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._seen: set[int] = set()
-        self._sorted = np.empty(0, dtype=np.uint64)  # older blocks, each once
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -114,57 +104,15 @@ class InfiniteCache:
         full = request.prompt_len // self.block_size
         cap = min(len(hashes), request.reusable_blocks(self.block_size))
         n = 0
-        if len(self._sorted):
-            n = self._leading_seen(hashes, cap)
-        else:
-            while n < cap and hashes[n] in seen:
-                n += 1
+        while n < cap and hashes[n] in seen:
+            n += 1
         # The blocks before the first miss are remembered already: adding them again would
         # hash every block of every prompt, where a replay's prompts are mostly hits.
         seen.update(itertools.islice(hashes, n, full))
-        if len(seen) >= self.COMPACT_AT:
-            self._compact()
         self.prompt_tokens += request.prompt_len
         self.cached_tokens += n * self.block_size
         return n * self.block_size
 
-    def _leading_seen(self, hashes: list[int], cap: int) -> int:
-        """How many of `hashes`' first `cap` are remembered, from the first on."""
-        if cap == 0:
-            return 0
-        head, old = hashes[:cap], self._sorted
-        try:
-            keys = np.array(head, dtype=np.uint64)
-        except OverflowError:  # a hash outside 64 bits: asked one by one
-            found = [0 <= h < _KEYS and _has(old, np.uint64(h)) for h in head]
-        else:
-            at = np.minimum(np.searchsorted(old, keys), len(old) - 1)
-            found = (old[at] == keys).tolist()
-        seen, n = self._seen, 0
-        while n < cap and (found[n] or head[n] in seen):
-            n += 1
-        return n
-
-    def _compact(self) -> None:
-        seen = self._seen
-        keys = np.fromiter((h for h in seen if 0 <= h < _KEYS), dtype=np.uint64)
-        keys.sort()
-        # Two sorted runs: a stable sort merges them in one pass. A block may be in both (seen
-        # again after an earlier miss in the same prompt): kept once.
-        merged = np.sort(np.concatenate((self._sorted, keys)), kind="stable")
-        if len(merged) > 1:
-            merged = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
-        self._sorted = merged
-        self._seen = {h for h in seen if not 0 <= h < _KEYS}
-
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-_KEYS = 1 << 64
-
-
-def _has(keys: np.ndarray, key: np.uint64) -> bool:
-    at = int(np.searchsorted(keys, key))
-    return at < len(keys) and keys[at] == key

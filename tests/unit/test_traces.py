@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.request import Request, hash_token_blocks
+from router.request import hash_token_blocks
 from traces import transform
 from traces.generators import GENERATORS, _Shared, agent_loops, chat_sessions, shared_prefix
 from traces.loaders import detect_format, load_trace
@@ -269,32 +269,3 @@ def test_a_shared_prefix_hashed_once_gives_every_prompt_its_own_hashes(
     for _ in range(2):  # the second prompt reuses the prefix's hashes
         prompt = np.concatenate([prefix, rng.integers(0, 4000, size=rest_len, dtype=np.uint32)])
         assert shared.hash_prompt(prompt, root) == hash_token_blocks(prompt, block_size, root)
-
-
-def test_the_cache_bound_kept_compact_remembers_what_a_set_would() -> None:
-    """Blocks moved into the sorted array answer as the set did, hashes outside 64 bits too."""
-    rng = np.random.default_rng(11)
-    block = 16
-    prefixes = [[int(h) for h in rng.integers(0, 2**63, size=40)] for _ in range(30)]
-    prefixes += [[2**64 + int(h) for h in rng.integers(0, 2**20, size=40)]]  # a tiled copy's
-    prefixes += [[-int(h) - 1 for h in rng.integers(0, 2**20, size=40)]]
-    requests = []
-    for i in range(2_000):
-        shared = prefixes[int(rng.integers(len(prefixes)))][: int(rng.integers(0, 41))]
-        own = [
-            int(h) for h in rng.integers(0, 2**64, size=int(rng.integers(0, 12)), dtype=np.uint64)
-        ]
-        hashes = shared + own
-        prompt = len(hashes) * block + int(rng.integers(0, block))
-        requests.append(Request(i, 0.0, max(prompt, 1), 4, hashes))
-    compact = transform.InfiniteCache(block)
-    compact.COMPACT_AT = 64
-    seen: set[int] = set()
-    for r in requests:
-        full, n = r.prompt_len // block, 0
-        cap = min(len(r.block_hashes), r.reusable_blocks(block))
-        while n < cap and r.block_hashes[n] in seen:
-            n += 1
-        seen.update(r.block_hashes[:full])
-        assert compact.observe(r) == n * block, r.id
-    assert len(compact._sorted) > 1_000, "most blocks were moved"
