@@ -121,13 +121,9 @@ class RecordColumns:
         return len(self.client)
 
     def rows(self) -> Iterator[tuple[object, ...]]:
-        """Each record's fields, in `FIELDS` order; read a chunk at a time, as a million rows'
-        values at once would take more memory than the columns."""
-        for at in range(0, len(self), _CHUNK):
-            chunk = slice(at, at + _CHUNK)
-            yield from zip(
-                *(_values(name, getattr(self, name)[chunk]) for name in FIELDS), strict=True
-            )
+        """Each record's fields, in `FIELDS` order."""
+        for values in self._chunks({}):
+            yield from zip(*(values[name] for name in FIELDS), strict=True)
 
     def csv_rows(self) -> Iterator[tuple[object, ...]]:
         """Each record's requests.csv row (router.records.CSV_COLUMNS), the derived columns
@@ -139,12 +135,18 @@ class RecordColumns:
             "tpot": self.tpot_or_nan(),
             "e2e": self.finish - self.arrival,
         }
+        for values in self._chunks(derived):
+            yield from zip(*(values[name] for name in CSV_COLUMNS), strict=True)
+
+    def _chunks(self, more: dict[str, np.ndarray]) -> Iterator[dict[str, list[object]]]:
+        """Every field's values and `more`'s (NaN as None), a chunk of rows at a time: a
+        million rows' values at once would take more memory than the columns."""
         for at in range(0, len(self), _CHUNK):
             chunk = slice(at, at + _CHUNK)
             values = {name: _values(name, getattr(self, name)[chunk]) for name in FIELDS}
-            for name, column in derived.items():
+            for name, column in more.items():
                 values[name] = [None if v != v else v for v in column[chunk].tolist()]
-            yield from zip(*(values[name] for name in CSV_COLUMNS), strict=True)
+            yield values
 
     def records(self) -> list[RequestRecord]:
         """The records, made again from the columns: the same values as were put in."""
@@ -180,19 +182,17 @@ class RecordLog:
 
     def __init__(self) -> None:
         self._rows: list[tuple[object, ...]] = []
-        self._parts: list[RecordColumns] = []
-        self._count = 0
+        self._parts: list[RecordColumns] = []  # each of _CHUNK records
 
     def add(self, row: tuple[object, ...]) -> None:
         """One record's fields, in RequestRecord's order (`FIELDS`)."""
         self._rows.append(row)
-        self._count += 1
         if len(self._rows) >= _CHUNK:
             self._parts.append(RecordColumns.from_rows(self._rows))
             self._rows = []
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._parts) * _CHUNK + len(self._rows)
 
     def columns(self) -> RecordColumns:
         """Every record so far, by id."""

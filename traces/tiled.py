@@ -61,7 +61,7 @@ class TiledRequests(Sequence[Request]):
         self._original = (order % n).astype(np.int32) if n else order.astype(np.int32)
         self._copy = (order // n).astype(np.int32) if n else order.astype(np.int32)
         self._time_factors: tuple[float, ...] = ()
-        self._clients: list[str] | None = None  # by id
+        self._clients: list[str] | None = None  # in arrival order, as read
 
     def __len__(self) -> int:
         return len(self._arrival)
@@ -86,26 +86,26 @@ class TiledRequests(Sequence[Request]):
             chunk = slice(at, at + _CHUNK)
             rows = zip(self._original[chunk].tolist(), self._copy[chunk].tolist(),
                        self._arrival[chunk].tolist(), strict=True)  # fmt: skip
-            for j, k, arrival in rows:
-                yield self._make(j, k, arrival)
+            for i, (j, k, arrival) in enumerate(rows, at):
+                yield self._make(i, j, k, arrival)
 
     def _at(self, i: int) -> Request:
-        return self._make(int(self._original[i]), int(self._copy[i]), float(self._arrival[i]))
+        return self._make(i, int(self._original[i]), int(self._copy[i]), float(self._arrival[i]))
 
-    def _make(self, j: int, k: int, arrival: float) -> Request:
+    def _make(self, i: int, j: int, k: int, arrival: float) -> Request:
+        """The i-th request: copy k of the j-th original."""
         # The original's fields with a copy's own put in (as dataclasses.replace would, which
         # takes three times as long, a tenth of a large tiled run's time).
         r, at = self._originals[j], self._field_at
         fields = list(self._templates[j])
-        id = k * len(self._originals) + j
-        fields[at["id"]] = id
+        fields[at["id"]] = k * len(self._originals) + j
         fields[at["arrival"]] = arrival
         offset = k * self._stride
         fields[at["block_hashes"]] = [h + offset for h in r.block_hashes]
         if r.session is not None:
             fields[at["session"]] = f"{r.session}#{k}"
         if self._clients is not None:
-            fields[at["client"]] = self._clients[id]
+            fields[at["client"]] = self._clients[i]
         if self._time_factors and r.think_time is not None:
             fields[at["think_time"]] = self._think_time(r.think_time)
         return Request(*fields)
@@ -124,7 +124,7 @@ class TiledRequests(Sequence[Request]):
         if name == "arrival":
             return self._arrival.tolist()
         if name == "client" and self._clients is not None:
-            return [self._clients[id] for id in self.column("id")]
+            return list(self._clients)
         if name == "block_hashes":
             return [r.block_hashes for r in self]
         originals, copies = self._originals, self._copy.tolist()
@@ -142,7 +142,4 @@ class TiledRequests(Sequence[Request]):
     def set_clients(self, clients: Sequence[str]) -> None:
         if len(clients) != len(self):
             raise ValueError(f"{len(clients)} clients for {len(self)} requests")
-        by_id: list[str] = [""] * len(self)
-        for id, client in zip(self.column("id"), clients, strict=True):
-            by_id[id] = client
-        self._clients = by_id
+        self._clients = list(clients)
