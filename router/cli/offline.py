@@ -287,7 +287,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "interval, cooldown, step_down, history, headroom, high_water, low_water, tpot, initial "
         "(docs/experiments.md, Autoscaling a ramp)",
     )
-    p.set_defaults(func=cmd_simulate)
+    p.set_defaults(func=cmd_simulate, simulates=True)
 
     p = sub.add_parser("compare", help="run several policies on one trace, then a report")
     add_trace_args(p)
@@ -296,7 +296,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="folder for the runs and report.html")
     p.add_argument("--jobs", type=int, default=2, help="parallel processes (without Ray)")
     p.add_argument("--ray-address", help="run the policies as Ray tasks on this cluster")
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(func=cmd_compare, simulates=True)
 
     p = sub.add_parser(
         "plan", help="the fewest workers that serve a trace within TTFT and TPOT targets"
@@ -304,7 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_trace_args(p)
     add_sim_args(p)
     add_plan_args(p)
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, simulates=True)
 
     sub.add_parser("policies", help="list routing policies").set_defaults(func=cmd_policies)
 
@@ -341,7 +341,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the smallest configuration, where an experiment has one (priority: lpm only, "
         "1x and 10x the capacity, 20 s of arrivals; pd and agents: fewer requests and runs)",
     )
-    p.set_defaults(func=cmd_experiment)
+    p.set_defaults(func=cmd_experiment, simulates=True)
 
     p = sub.add_parser(
         "demo",
@@ -352,4 +352,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="build/demo", help="folder for the runs and reports (build/demo)"
     )
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, simulates=True)

@@ -54,6 +54,9 @@ MODULES = (
     "simulator/transfers.py",
     "simulator/driver.py",
 )
+# C extensions built beside them, by name (each lands in the shared folder, a top-level module).
+EXTENSIONS = {"fairway_huge_arenas": "router/runtime/huge_arenas.c"}
+SOURCES = (*MODULES, *EXTENSIONS.values())
 STAMP = "sources.json"
 # mypyc's shared library is a top-level module, so its folder goes on sys.path; a folder of its
 # own, since build/native's package folders there would shadow the real packages (an import
@@ -72,12 +75,12 @@ def rebuilt(frozen: Any) -> tuple[type, tuple]:
 def fingerprint(root: Path = ROOT) -> dict[str, object]:
     """What a build must match to be used: the interpreter and every compiled source's hash;
     each source's size and modification time too, so that a check at import needs only stats."""
-    sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in MODULES}
+    sources = {m: hashlib.sha256((root / m).read_bytes()).hexdigest() for m in SOURCES}
     return {
         "python": sys.implementation.cache_tag,
         "layout": LAYOUT,
         "sources": sources,
-        "stats": {m: _stat(root / m) for m in MODULES},
+        "stats": {m: _stat(root / m) for m in SOURCES},
     }
 
 
@@ -106,7 +109,7 @@ def up_to_date(root: Path = ROOT, native: Path = NATIVE) -> bool:
         return all(
             _stat(root / m) == stamp["stats"][m]
             or hashlib.sha256((root / m).read_bytes()).hexdigest() == stamp["sources"][m]
-            for m in MODULES
+            for m in SOURCES
         )
     except (OSError, ValueError, KeyError, TypeError):
         return False  # not built, or not run from a source checkout
@@ -132,7 +135,7 @@ def build() -> Path:
     importing meanwhile finds the old build, the new one or none (and runs plain Python), never
     half of one."""
     from mypyc.build import mypycify
-    from setuptools import Distribution
+    from setuptools import Distribution, Extension
 
     NATIVE.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="native-", dir=NATIVE.parent))
@@ -142,6 +145,7 @@ def build() -> Path:
         extensions = mypycify(
             [*MODULES, "--ignore-missing-imports"], opt_level="3", target_dir=str(work / "c")
         )
+        extensions += [Extension(name, [source]) for name, source in EXTENSIONS.items()]
         dist = Distribution({"name": "fairway-native", "ext_modules": extensions})
         command = dist.get_command_obj("build_ext")
         command.build_lib = str(work / "lib")  # type: ignore[attr-defined]
@@ -154,7 +158,8 @@ def build() -> Path:
         os.chdir(cwd)
     built = work / "lib"
     (built / SHARED).mkdir()
-    for library in built.glob("*__mypyc*"):
+    libraries = [*built.glob("*__mypyc*"), *(p for n in EXTENSIONS for p in built.glob(n + ".*"))]
+    for library in libraries:
         library.rename(built / SHARED / library.name)
     (built / STAMP).write_text(json.dumps(fingerprint(), indent=1) + "\n")
     old = NATIVE.with_name("native-old")
@@ -171,5 +176,5 @@ def main() -> int:
     if up_to_date():
         print(f"{NATIVE}: up to date")
         return 0
-    print(f"compiling {len(MODULES)} modules with mypyc into {build()}")
+    print(f"compiling {len(MODULES)} modules with mypyc and {len(EXTENSIONS)} in C into {build()}")
     return 0

@@ -28,6 +28,7 @@ from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from router.request import Request
 from router.runtime import native
+from router.runtime.arenas import OFF
 from router.runtime.processes import memory_mib
 from router.view import ClusterView, WorkerState
 from simulator.config import SimConfig
@@ -71,12 +72,16 @@ def run_json(command: list[str], env: dict[str, str] | None = None) -> tuple[Any
     return json.loads(done.stdout.strip().splitlines()[-1]), cpu
 
 
-def _in_subprocess(code: str, pure: bool) -> object:
-    """What `code` prints (JSON), run in a fresh interpreter: compiled, or plain Python."""
-    env = {k: v for k, v in os.environ.items() if k != "FAIRWAY_PURE"}
+def _in_subprocess(code: str, pure: bool, huge_pages: bool = True) -> object:
+    """What `code` prints (JSON), run in a fresh interpreter: compiled, or plain Python; with
+    the huge-page arenas the `fairway` command installs before a simulation, or without."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FAIRWAY_PURE", OFF)}
     if pure:
         env["FAIRWAY_PURE"] = "1"
-    return run_json([sys.executable, "-c", code], env)[0]
+    if not huge_pages:
+        env[OFF] = "0"
+    prologue = "from router.runtime.arenas import use_huge_page_arenas; use_huge_page_arenas()\n"
+    return run_json([sys.executable, "-c", prologue + code], env)[0]
 
 
 def compiled_vs_pure(path: Path, rounds: int) -> list[dict[str, object]]:
@@ -89,7 +94,9 @@ def compiled_vs_pure(path: Path, rounds: int) -> list[dict[str, object]]:
     rates: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for pure in (False, True):
-            rates[pure].append(float(_in_subprocess(code, pure)))  # type: ignore[arg-type]
+            # Small pages on both sides: the figure is what compiling buys, nothing else.
+            rate = _in_subprocess(code, pure, huge_pages=False)
+            rates[pure].append(float(rate))  # type: ignore[arg-type]
     compiled, pure = statistics.median(rates[False]), statistics.median(rates[True])
     return [
         {
@@ -285,18 +292,23 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def large_replays(path: Path, runs: tuple[tuple[int, str, bool], ...]) -> list[dict[str, object]]:
-    """`tiled_replay` of each (workers, policy, load floors), each in a fresh interpreter (so
-    that its peak memory is its own), compiled if a compiled build is in use."""
+def large_replays(
+    path: Path, runs: tuple[tuple[int, str, bool, bool], ...]
+) -> list[dict[str, object]]:
+    """`tiled_replay` of each (workers, policy, load floors, huge-page arenas), each in a fresh
+    interpreter (so that its peak memory is its own), compiled if a compiled build is in use."""
     pure = native.native_root() is None
     rows = []
-    for workers, policy, floors in runs:
+    for workers, policy, floors, huge_pages in runs:
         code = (
             "import json; from pathlib import Path; from simulator.bench import speed\n"
             f"print(json.dumps(speed.tiled_replay({workers}, {policy!r}, "
             f"Path({str(path)!r}), floors={floors})))"
         )
-        rows.append(_in_subprocess(code, pure))
+        row = _in_subprocess(code, pure, huge_pages)
+        if not huge_pages:
+            row["policy"] += ", small pages"  # type: ignore[index]
+        rows.append(row)
     return rows  # type: ignore[return-value]
 
 
@@ -680,7 +692,12 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print("llama-3-8b on H100 (`fairway simulate --window 0:120 --tile W/8 --workers W`);")
     print("least_load again with every engine brought up to date per decision (--no-load-floors):")
     size = 512 if quick else 1024
-    runs = ((size, "least_load", True), (size, "least_load", False), (size, "round_robin", True))
+    runs = (
+        (size, "least_load", True, True),
+        (size, "least_load", True, False),
+        (size, "least_load", False, True),
+        (size, "round_robin", True, True),
+    )
     print(format_table(large_replays(path, runs)))
 
     print("\nRouting decision time: 8k-token prompt, index of 1M blocks over 16 workers:")

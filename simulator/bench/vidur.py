@@ -138,6 +138,8 @@ FAIRWAY_RUN = """\
 import json, os, sys, time
 started = time.process_time()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the fairway command runs
+from router.runtime.arenas import use_huge_page_arenas
+use_huge_page_arenas()  # as the fairway command does before it reads a trace
 from router.cost_model import roofline
 from simulator.config import SimConfig
 from simulator.driver import simulate

@@ -82,7 +82,7 @@ def test_compiled_and_plain_python_simulate_the_same() -> None:
 
 def test_a_build_is_used_only_for_the_source_it_was_built_from(tmp_path: Path) -> None:
     root, built = tmp_path / "src", tmp_path / "native"
-    for path in native.MODULES:
+    for path in native.SOURCES:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(native.ROOT / path, root / path)
     built.mkdir()
