@@ -7,10 +7,10 @@ compiled helper (`router/runtime/huge_arenas.c`, built by `make` with the compil
 pymalloc its arenas from 2 MiB-aligned reservations advised for huge pages instead. Measured on
 the first 120 s of the Mooncake trace tiled onto 1,024 workers: docs/benchmarks.md.
 
-It is process-wide and for good: installed, it stays until the process exits, and freed arenas
-are kept for reuse rather than returned to the system. So only commands that simulate install
-it, as early as they can (what is allocated before keeps its small pages). The live proxy does
-not: a huge page fault may stop to compact memory, and a decision must not wait on that.
+It is process-wide and for good: installed, it stays until the process exits. So only commands
+that simulate install it, as early as they can (what is allocated before keeps its small
+pages). The live proxy does not: a huge page fault may stop to compact memory, and a decision
+must not wait on that.
 """
 
 from __future__ import annotations

@@ -690,7 +690,8 @@ def run_bench(trace: str | None = None, quick: bool = False) -> int:
     print(format_table(tiled))
     print("\nOne large replay each, in a fresh process: the first 120 s tiled to the fleet,")
     print("llama-3-8b on H100 (`fairway simulate --window 0:120 --tile W/8 --workers W`);")
-    print("least_load again with every engine brought up to date per decision (--no-load-floors):")
+    print("least_load again on pymalloc's own arenas (FAIRWAY_HUGE_PAGES=0), and with every")
+    print("engine brought up to date per decision (--no-load-floors):")
     size = 512 if quick else 1024
     runs = (
         (size, "least_load", True, True),
