@@ -19,7 +19,7 @@ import importlib
 import os
 import sys
 
-from router.runtime.native import SHARED, native_root
+from router.runtime.native import native_root, put_shared_on_path
 
 OFF = "FAIRWAY_HUGE_PAGES"  # set to 0 to keep pymalloc's own arenas
 
@@ -30,8 +30,7 @@ def use_huge_page_arenas() -> bool:
     root = native_root()
     if os.environ.get(OFF) == "0" or not sys.platform.startswith("linux") or root is None:
         return False
-    if str(root / SHARED) not in sys.path:
-        sys.path.append(str(root / SHARED))
+    put_shared_on_path(root)
     try:
         helper = importlib.import_module("fairway_huge_arenas")
     except ImportError:

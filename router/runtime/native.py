@@ -121,9 +121,14 @@ def prefer_native(package_path: list[str], package: str) -> None:
     root = native_root()
     if root is None:
         return
+    put_shared_on_path(root)
+    package_path.insert(0, str(root / package))
+
+
+def put_shared_on_path(root: Path) -> None:
+    """Make the build's shared folder (mypyc's library, the C extensions) importable, once."""
     if str(root / SHARED) not in sys.path:
         sys.path.append(str(root / SHARED))
-    package_path.insert(0, str(root / package))
 
 
 def is_native(module: object) -> bool:

@@ -24,8 +24,8 @@ pytestmark = [
 ]
 
 # Fill the heap with small objects past one reservation (64 MiB), then free them: the memory
-# must go back to the system (a fresh page costs less than a reused one), and the reservations
-# be in the process's map, 2 MiB-aligned, advised for huge pages ("hg").
+# must go back to the system, as with pymalloc's own arenas, and the reservations be in the
+# process's map, 2 MiB-aligned, advised for huge pages ("hg").
 ARENAS = """
 import json, re
 from router.runtime.arenas import reserved_bytes, use_huge_page_arenas
@@ -57,7 +57,7 @@ def run(code: str, *args: str, huge_pages: bool = True) -> subprocess.CompletedP
     if not huge_pages:
         env[OFF] = "0"
     done = subprocess.run(
-        [sys.executable, *(["-c", code] if code else []), *args],
+        [sys.executable, "-c", code, *args],
         env=env,
         capture_output=True,
         text=True,
