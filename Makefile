@@ -61,8 +61,13 @@ $(SYSTEM_STAMP): Makefile
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium redis-server; }
 	mkdir -p build && touch $(SYSTEM_STAMP)
 
-test: native $(TINY_MODEL) $(SYSTEM_STAMP) lint
-	FAIRWAY_REQUIRE_NATIVE=1 $(PY) -m pytest
+# The set-up's independent parts (Fairway's venv and compiled modules, vLLM's venv and the tiny
+# model, the Debian packages) are built side by side. The tests then run on two workers: those
+# that start servers on one, one after another, the rest on the other (tests/conftest.py).
+TEST_WORKERS ?= 2
+test:
+	$(MAKE) --no-print-directory -j3 native $(TINY_MODEL) $(SYSTEM_STAMP) lint
+	FAIRWAY_REQUIRE_NATIVE=1 $(PY) -m pytest -n $(TEST_WORKERS)
 
 # Unit, simulator and in-process proxy tests: no server, Redis, vLLM or compiler is started
 # (the compiled build is used if it matches the source, else plain Python).

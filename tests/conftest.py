@@ -24,6 +24,30 @@ SHARED_TRACES = ROOT.parent / "shared" / "traces"
 os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / "build" / "vllm-cache"))
 
 
+# `make test` runs the suite on two pytest-xdist workers. The tests that start servers run on
+# one of them, one after another as without workers: they wait on servers much of the time,
+# each vLLM server takes a core of its own, and the session's shared vLLM pair starts once. The
+# simulator, unit and in-process proxy tests run on the other worker beside them.
+SERVER_TESTS = (
+    "tests/system/",
+    "tests/live/test_split_proxy.py::test_fairway_serve_fronts_a_split_vllm_fleet",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServersOnOneWorker(LoadScopeScheduling):
+        """Every server test in one unit of work (the largest, so it starts first); any other
+        test a unit of its own."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return "servers" if nodeid.startswith(SERVER_TESTS) else nodeid
+
+    return ServersOnOneWorker(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _no_process_unless_slow(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     if request.node.get_closest_marker("slow") is None:
