@@ -152,6 +152,29 @@ class TestSimulateCommand:
         for name in ("llama-3-8b", "llama-2-13b", "mistral-7b", "llama-3-70b", "h200", "l40s"):
             assert name in models
 
+    @pytest.mark.slow  # the command as a process: it freezes its heap before exiting
+    def test_the_command_writes_everything_before_it_exits(self, tmp_path: Path) -> None:
+        """`fairway simulate` leaves its fleet to the OS at exit (router.cli.run): its output
+        files are complete, what it prints is flushed, and an error keeps its exit status."""
+        out = tmp_path / "out"
+        argv = [sys.executable, "-m", "router.cli", "simulate", "--trace", str(SAMPLE)]
+        done = subprocess.run(
+            [*argv, "--limit", "300", "--workers", "4", "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "300/300" in done.stdout
+        rows = (out / "requests.csv").read_text().splitlines()
+        assert len(rows) == 301  # the header and every request
+        assert json.loads((out / "summary.json").read_text())["completed"] == 300
+        failed = subprocess.run(
+            [*argv, "--workers", "0"], capture_output=True, text=True, timeout=300
+        )
+        assert failed.returncode == 2
+        assert failed.stderr.startswith("fairway: error:")
+
     @pytest.mark.slow  # a process of its own: BLAS starts its threads when numpy is imported
     def test_the_command_starts_no_blas_threads(self) -> None:
         """OpenBLAS's idle threads spin for a tenth of a second of CPU after numpy is imported;
