@@ -177,6 +177,10 @@ class SimCluster:
             and not counting_queues
             and not self._stage_counts
         )
+        # Nothing counts a request's tokens at all: each step's are credited to its worker's
+        # load in sum, and a request's own count is settled once, at its finish. A run's end
+        # then costs no pass over the batch in the router.
+        self._tokens_in_sum = self.defers_tokens and not traits.counts_tokens
         self.engines: list[Engine] = []
         self.roles = config.roles
         self._prefills = [role is Role.PREFILL for role in self.roles]
@@ -608,6 +612,9 @@ class SimCluster:
     def on_tokens(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         if self._prefills[seqs[0].worker]:  # one engine's batch
             return
+        if self._tokens_in_sum:
+            self.router.work_done_on(seqs[0].worker, num_tokens * len(seqs))
+            return
         if self._stage_counts:
             self._charge_prefill_stage(seqs, num_tokens)
         if not self._owner:
@@ -628,6 +635,8 @@ class SimCluster:
             heappush(self._due, (next_step_end, engine.id))
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
+        if self._tokens_in_sum:
+            return  # credited to the worker as they were made; settled at the finish
         self.router.tokens_many([seq.req for seq in seqs], num_tokens, now, credited=True)
 
     def _router_of(self, req: Request) -> Router:
@@ -670,6 +679,8 @@ class SimCluster:
         if self.budgets is not None:
             self.budgets.charge_output(req.client, seq.num_output, now)
         router = self._owner.pop(req.id, self.router) if self._owner else self.router
+        if self._tokens_in_sum:  # its tokens, each credited to its worker already
+            router.tokens_many((req,), seq.num_output, now, credited=True)
         self._submit_all(seq.worker, router.finish(req, now))
         if self.scaler is not None:
             self.scaler.finished(seq.worker)
