@@ -24,28 +24,48 @@ SHARED_TRACES = ROOT.parent / "shared" / "traces"
 os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / "build" / "vllm-cache"))
 
 
-# `make test` runs the suite on two pytest-xdist workers. The tests that start servers run on
-# one of them, one after another as without workers: they wait on servers much of the time,
-# each vLLM server takes a core of its own, and the session's shared vLLM pair starts once. The
-# simulator, unit and in-process proxy tests run on the other worker beside them.
-SERVER_TESTS = (
-    "tests/system/",
+# `make test` runs the suite on two pytest-xdist workers. The tests that start vLLM run on one
+# of them, one after another as without workers: each vLLM server takes a core of its own, a
+# start under load takes several times as long, and the session's shared vLLM pair starts once.
+# Every other module of tests/system (the proxy, emulated workers, Redis, Prometheus) is a unit
+# of its own, its tests on one worker so that its module's servers start once; the simulator,
+# unit and in-process proxy tests are units of one test. tests/unit/test_suite_split.py checks
+# that every module naming a vLLM backend is listed here.
+VLLM_TESTS = (
+    "tests/system/test_faults.py",
+    "tests/system/test_lora_live.py",
+    "tests/system/test_validate.py",
+    "tests/system/test_vllm_agents.py",
+    "tests/system/test_vllm_drift.py",
+    "tests/system/test_vllm_kv_connector.py",
+    "tests/system/test_vllm_live.py",
+    "tests/system/test_vllm_priority.py",
+    "tests/system/test_vllm_profile.py",
     "tests/live/test_split_proxy.py::test_fairway_serve_fronts_a_split_vllm_fleet",
 )
+SERVER_MODULES = "tests/system/"
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to (see VLLM_TESTS): tests of one unit share a worker."""
+    if nodeid.startswith(VLLM_TESTS):
+        return "vllm"
+    if nodeid.startswith(SERVER_MODULES):
+        return nodeid.split("::", 1)[0]
+    return nodeid
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class ServersOnOneWorker(LoadScopeScheduling):
-        """Every server test in one unit of work (the largest, so it starts first); any other
-        test a unit of its own."""
+    class ByWorkUnit(LoadScopeScheduling):
+        """Units as `work_unit` names them, largest first (xdist's order)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "servers" if nodeid.startswith(SERVER_TESTS) else nodeid
+            return work_unit(nodeid)
 
-    return ServersOnOneWorker(config, log)
+    return ByWorkUnit(config, log)
 
 
 @pytest.fixture(autouse=True)
