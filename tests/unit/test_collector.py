@@ -7,6 +7,7 @@ import gc
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,27 @@ class TestPacedForThroughput:
             assert 0 < gc.get_freeze_count() <= frozen
         finally:
             gc.unfreeze()
+
+    def test_an_earlier_runs_fleet_is_collected_not_frozen(self) -> None:
+        """A dropped run's fleet lives on in reference cycles until a collection: the next
+        run in the process (a plan's next candidate) must free it, not freeze it again."""
+        from router.cost_model import roofline
+        from simulator.config import SimConfig
+        from simulator.driver import SimCluster
+        from traces.generators import shared_prefix
+
+        class Cluster(SimCluster):
+            pass  # an interpreted subclass takes a weak reference
+
+        def run() -> weakref.ref:
+            trace = shared_prefix(num_requests=40, num_tenants=2, prefix_tokens=300, rate=20)
+            cluster = Cluster(trace, roofline("llama-3-8b", "a100-80g"), SimConfig(num_workers=2))
+            cluster.run()
+            return weakref.ref(cluster)
+
+        first = run()
+        run()
+        assert first() is None, "the first run's fleet outlived the second run"
 
     def test_restored_when_the_run_fails(self) -> None:
         thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
