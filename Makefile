@@ -63,7 +63,7 @@ $(SYSTEM_STAMP): Makefile
 
 # The set-up's independent parts (Fairway's venv and compiled modules, vLLM's venv and the tiny
 # model, the Debian packages) are built side by side. The tests then run on two workers: those
-# that start servers on one, one after another, the rest on the other (tests/conftest.py).
+# that start vLLM on one, one after another, the rest beside them (tests/conftest.py).
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j3 native $(TINY_MODEL) $(SYSTEM_STAMP) lint
@@ -74,7 +74,9 @@ test:
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-bench: native $(TINY_MODEL) $(SYSTEM_STAMP) $(VIDUR_STAMP)
+# Its set-up built side by side as the tests' is, Vidur's venv with it.
+bench:
+	$(MAKE) --no-print-directory -j3 native $(TINY_MODEL) $(SYSTEM_STAMP) $(VIDUR_STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check sglang-router==0.3.2
 	$(VENV)/bin/fairway bench
 	$(VENV)/bin/fairway bench-vidur
