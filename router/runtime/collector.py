@@ -109,11 +109,12 @@ def paced_for_throughput() -> Iterator[None]:
     freeze is left alone: unfreezing would undo it)."""
     thresholds = gc.get_threshold()
     freezes = gc.get_freeze_count() == 0
+    # What an earlier run in this process left is a fleet in reference cycles: collected now,
+    # or frozen with the living, or left in a generation the run never walks, and carried into
+    # every later run (a plan simulates candidate after candidate in one process). The heap is
+    # small between runs, and what a caller froze is not walked.
+    gc.collect()
     if freezes:
-        # What an earlier run in this process left is a fleet in reference cycles: collected
-        # now, or frozen with the living and carried into every later run (a plan simulates
-        # candidate after candidate in one process). The heap is small between runs.
-        gc.collect()
         gc.freeze()
     gc.set_threshold(*BATCH_THRESHOLDS)
     try:
