@@ -91,6 +91,20 @@ class BlockManager:
         # num_free inlined: the engine reads this on every decode catch-up.
         return self.num_blocks - self._num_empty - self._num_free_cached
 
+    def forget(self) -> None:
+        """Every cached block forgotten, once no sequence holds one (a finished run). The free
+        LRU links its blocks both ways, so left in it they could be freed only by the
+        collector's walk; out of it, reference counting frees them."""
+        if self.num_used:
+            raise RuntimeError(f"forget: sequences hold {self.num_used} blocks")
+        end = self._lru
+        for block in self._blocks.values():
+            block.older = block.newer = end
+        end.older = end.newer = end
+        self._blocks.clear()
+        self._num_free_cached = 0
+        self._num_empty = self.num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -376,6 +376,15 @@ class SimCluster:
         )
         return SimResult(records, workers, summary)
 
+    def release(self) -> None:
+        """Let the fleet go, once nothing reads its engines' caches again: dropped, the cluster
+        is then freed by reference counting. Left as it is, its engines' cached blocks (a
+        million at 1,024 workers, in a free LRU linked both ways) wait for the collector to
+        walk them all, and the next run in the process (a plan's next candidate) freezes them
+        with the living at its start, to carry them to the process's end."""
+        for engine in self.engines:
+            engine.blocks.forget()
+
     def _arrivals(self) -> simpy.events.ProcessGenerator:
         # Open loop, each request is read as it arrives (a tiled trace makes it then, and it
         # is let go once answered); closed loop, a session's later turns wait in its queue.
@@ -796,4 +805,7 @@ class DelayedKVEvents:
 
 def simulate(trace: Trace, cost: CostModel | None, config: SimConfig) -> SimResult:
     """Replay `trace`; `cost` may be None when `config.groups` give each group's."""
-    return SimCluster(trace, cost, config).run()
+    cluster = SimCluster(trace, cost, config)
+    result = cluster.run()
+    cluster.release()
+    return result

@@ -16,6 +16,7 @@ every split is simulated, so no split of n - 1 workers meets the goal either.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -182,6 +183,11 @@ class Candidates:
         cluster = SimCluster(self.trace, self.cost, config)
         result = cluster.run()
         goodput = goal_goodput(result.columns, cluster.refusals, self.goal)
+        # The next candidate runs in this process: what is left of this one's fleet (its
+        # router's index, its engines), in cycles, goes now, not carried on frozen.
+        cluster.release()
+        del cluster
+        gc.collect()
         gpus = fleet.workers * self.gpus_per_worker
         arrivals = self.trace.column("arrival")
         outcome = Outcome(

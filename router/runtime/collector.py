@@ -33,13 +33,14 @@ and frees the rest by reference counting: the simulator's own objects make no cy
 while it runs (tests/unit/test_collector.py checks each policy and feature). So the collector's
 walks are pure cost, and a walk costs each object it visits a cache miss or two: the default
 collector walks a growing heap again and again, 23 % of the CPU of a 2,048-worker run
-(least_load, tiled). `paced_for_throughput` collects what an earlier run left and freezes
-everything alive at the start (no pass walks it), runs a young pass only once a million objects
-more are alive, and never collects what survived one until the run is over. Each object that
-lives on is then walked once: the first 120 s tiled onto 1,024 workers (about a million cached
-blocks) spends about 0.7 s in the collector, where young passes every 50,000 allocations and
-older ones every 50 of those spent about 1.7 s. A pass every million still bounds the garbage a
-policy's own cycles could pile up.
+(least_load, tiled). `paced_for_throughput` freezes everything alive at the start (no pass walks
+it), runs a young pass only once a million objects more are alive, and never collects what
+survived one until the run is over. Each object that lives on is then walked once: the first
+120 s tiled onto 1,024 workers (about a million cached blocks) spends about 0.7 s in the collector,
+where young passes every 50,000 allocations and older ones every 50 of those spent about 1.7 s.
+A pass every million still bounds the garbage a policy's own cycles could pile up. A run's fleet
+is freed by reference counting once it is dropped (`SimCluster.release`): left in cycles, the
+next run in the process would freeze it with the living.
 """
 
 from __future__ import annotations
@@ -109,11 +110,6 @@ def paced_for_throughput() -> Iterator[None]:
     freeze is left alone: unfreezing would undo it)."""
     thresholds = gc.get_threshold()
     freezes = gc.get_freeze_count() == 0
-    # What an earlier run in this process left is a fleet in reference cycles: collected now,
-    # or frozen with the living, or left in a generation the run never walks, and carried into
-    # every later run (a plan simulates candidate after candidate in one process). The heap is
-    # small between runs, and what a caller froze is not walked.
-    gc.collect()
     if freezes:
         gc.freeze()
     gc.set_threshold(*BATCH_THRESHOLDS)

@@ -188,6 +188,7 @@ def _run_one(day: Day, run: Run) -> tuple[Run, dict[str, object]]:
         elif run.kind == "oracle":
             cluster.scaler.planner = OraclePlanner(settings, cost, seqs, needs, day.window)
     result = cluster.run()
+    cluster.release()
     summary = result.summary
     summary["missed_arrivals"] = _missed(result.records)
     summary["requests"] = len(trace)

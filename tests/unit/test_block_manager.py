@@ -153,3 +153,19 @@ def test_matches_the_model_operation_by_operation(seed: int) -> None:
     manager.allocate(table, manager.num_free)
     model.admit([[], 0], [], 0, model.empty + len(model.free_cached))
     assert events.log == model.events.log
+
+
+def test_forget_empties_the_cache_once_no_sequence_holds_a_block() -> None:
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    table = BlockTable()
+    blocks.allocate(table, 3)
+    blocks.commit_full_blocks(table, [11, 12, 13], 3)
+    with pytest.raises(RuntimeError, match="hold 3 blocks"):
+        blocks.forget()
+    blocks.free(table)
+    assert blocks.is_cached(11) and blocks.num_free == 8
+    blocks.forget()
+    assert not blocks.is_cached(11) and blocks.num_empty == 8 and blocks.num_used == 0
+    again = BlockTable()
+    blocks.allocate(again, 2)  # usable as before
+    assert blocks.num_used == 2

@@ -7,7 +7,6 @@ import gc
 import json
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -63,26 +62,36 @@ class TestPacedForThroughput:
         finally:
             gc.unfreeze()
 
-    def test_an_earlier_runs_fleet_is_collected_not_frozen(self) -> None:
-        """A dropped run's fleet lives on in reference cycles until a collection: the next
-        run in the process (a plan's next candidate) must free it, not freeze it again."""
+    def test_a_simulation_leaves_its_cached_blocks_to_reference_counting(self) -> None:
+        """A run's engines keep their cached blocks in a free LRU linked both ways: dropped as
+        they are, only the collector's walk frees them, and the next run in the process (a
+        plan's next candidate) would freeze them with the living. `simulate` releases them."""
         from router.cost_model import roofline
+        from simulator.block_manager import CachedBlock
         from simulator.config import SimConfig
-        from simulator.driver import SimCluster
+        from simulator.driver import SimCluster, simulate
         from traces.generators import shared_prefix
 
-        class Cluster(SimCluster):
-            pass  # an interpreted subclass takes a weak reference
+        def blocks_left_to_the_collector(run) -> int:
+            gc.collect()
+            gc.disable()
+            try:
+                trace = shared_prefix(num_requests=60, num_tenants=3, prefix_tokens=400, rate=20)
+                run(trace, roofline("llama-3-8b", "a100-80g"), SimConfig(num_workers=3))
+                gc.set_debug(gc.DEBUG_SAVEALL)
+                gc.collect()
+                # Each manager's LRU end is a block of no hash, linked to itself.
+                return sum(isinstance(o, CachedBlock) and o.hash is not None for o in gc.garbage)
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                gc.enable()
 
-        def run() -> weakref.ref:
-            trace = shared_prefix(num_requests=40, num_tenants=2, prefix_tokens=300, rate=20)
-            cluster = Cluster(trace, roofline("llama-3-8b", "a100-80g"), SimConfig(num_workers=2))
-            cluster.run()
-            return weakref.ref(cluster)
+        def unreleased(trace, cost, config) -> None:
+            SimCluster(trace, cost, config).run()
 
-        first = run()
-        run()
-        assert first() is None, "the first run's fleet outlived the second run"
+        assert blocks_left_to_the_collector(unreleased) > 50
+        assert blocks_left_to_the_collector(simulate) == 0
 
     def test_restored_when_the_run_fails(self) -> None:
         thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
