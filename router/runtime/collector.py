@@ -38,9 +38,9 @@ it), runs a young pass only once a million objects more are alive, and never col
 survived one until the run is over. Each object that lives on is then walked once: the first
 120 s tiled onto 1,024 workers (about a million cached blocks) spends about 0.7 s in the collector,
 where young passes every 50,000 allocations and older ones every 50 of those spent about 1.7 s.
-A pass every million still bounds the garbage a policy's own cycles could pile up. A run's fleet
-is freed by reference counting once it is dropped (`SimCluster.release`): left in cycles, the
-next run in the process would freeze it with the living.
+A pass every million still bounds the garbage a policy's own cycles could pile up. A finished
+run's cached blocks are released to reference counting (`SimCluster.release`): left in their
+cycles, the next run in the process would freeze them with the living.
 """
 
 from __future__ import annotations
