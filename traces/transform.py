@@ -1,5 +1,9 @@
 """Reshaping a loaded trace: time scaling, windows, limits, tiling, tenant assignment, cache
-bound."""
+bound.
+
+Each transform changes the trace it is given and returns that same trace, for chaining. So a
+trace tiled twice holds the product of both tilings (128 x 128 copies of a window tiled 128
+times twice); to shape a trace anew, load it again."""
 
 from __future__ import annotations
 
