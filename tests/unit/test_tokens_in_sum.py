@@ -9,8 +9,6 @@ flight at the end.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from router.cost_model import roofline
@@ -51,9 +49,7 @@ def trace() -> Trace:
 
 
 def run(kind: type[Watched], config: SimConfig) -> tuple[Watched, SimResult]:
-    t = trace()
-    copy = Trace([dataclasses.replace(r) for r in t.requests], t.block_size)
-    cluster = kind(copy, COST, config)
+    cluster = kind(trace(), COST, config)  # a trace of its own: a run changes its requests
     return cluster, cluster.run()
 
 
