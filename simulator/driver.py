@@ -20,7 +20,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from heapq import heappop, heappush
 from typing import cast
 
 import simpy
@@ -56,6 +55,7 @@ from simulator.load_floors import LoadFloors
 from simulator.progress import RunProgress
 from simulator.results import SimResult, WorkerRecord, summarize
 from simulator.scaling import Scaler
+from simulator.time_heap import TimeHeap
 from simulator.topology import kv_bytes
 from simulator.transfers import KVTransfers, Transfer
 from traces.schema import Trace
@@ -197,7 +197,7 @@ class SimCluster:
             self._kv_bytes_per_token = model.kv_bytes_per_token
         self._prefilled: dict[int, _Prefilled] = {}  # split requests past their prefill
         self._split_originals: dict[int, Request] = {}  # at their prefill, by id
-        self._due: list[tuple[float, int]] = []  # (step end, engine): see _sync
+        self._due = TimeHeap()  # (step end, engine): see _sync
         self._last_due: list[float | None] = [None] * config.num_workers  # its newest entry
         for i, placement in enumerate(placements):
             # Precise: every replica subscribes to every engine's KV events.
@@ -441,11 +441,12 @@ class SimCluster:
         if not self._lazy:
             # Every engine with a step ended is due here, so a stale entry (its run replanned,
             # or a duplicate) syncs one with nothing left to apply: cheaper than spotting it.
-            while due and due[0][0] <= now:
-                engines[heappop(due)[1]].sync(now)
+            while due and due.first_at() <= now:
+                engines[due.pop()].sync(now)
             return
-        while due and due[0][0] <= now:
-            end, wid = heappop(due)
+        while due and due.first_at() <= now:
+            end = due.first_at()
+            wid = due.pop()
             if self._due_at(engines[wid]) == end:  # else stale: syncing would apply mid-run
                 engines[wid].sync(now)
 
@@ -609,7 +610,7 @@ class SimCluster:
         end = self._due_at(engine)
         if end is not None and end != self._last_due[engine.id]:  # a tell may leave it be
             self._last_due[engine.id] = end
-            heappush(self._due, (end, engine.id))
+            self._due.push(end, engine.id)
         if self._floors is not None:
             self._floors.changed(engine.id)
 
@@ -641,7 +642,7 @@ class SimCluster:
             self._floors.changed(engine.id)
         if not self._lazy:  # lazily synced, an engine is due at its run's end, noted already
             self._last_due[engine.id] = next_step_end
-            heappush(self._due, (next_step_end, engine.id))
+            self._due.push(next_step_end, engine.id)
 
     def on_tokens_settled(self, seqs: list[Seq], num_tokens: int, now: float) -> None:
         if self._tokens_in_sum:

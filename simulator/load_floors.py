@@ -27,11 +27,11 @@ work depends on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from heapq import heapify, heappop, heappush
 from typing import Final
 
 from router.view import ClusterView, OrderKey
 from simulator.engine import Engine
+from simulator.time_heap import TimeHeap
 
 # Step ends are sums of durations, rounded: a floor that shortens each step by this fraction
 # still holds after thousands of steps.
@@ -92,7 +92,7 @@ class LoadFloors:
         self.headroom, self.min_headroom = HEADROOM, MIN_HEADROOM
         self.lower_by, self.crowd = LOWER_BY, CROWD
         self._level = 0.0
-        self._heap: list[tuple[float, int]] = []  # (crossing, worker), stale ones included
+        self._heap = TimeHeap()  # (crossing, worker), stale ones included
         self._low: set[int] = set()  # workers whose floor reached the level
 
     def changed(self, wid: int) -> None:
@@ -113,7 +113,7 @@ class LoadFloors:
         worker.batch = batch
         at = worker.crossing = worker.crossing_time(self._level)
         if at < _INF:
-            heappush(self._heap, (at, wid))
+            self._heap.push(at, wid)
             if len(self._heap) > 4 * len(self._workers) + 64:  # mostly stale entries
                 self._rebuild_heap()
 
@@ -135,8 +135,9 @@ class LoadFloors:
         if least > self._level or (least < self.lower_by * self._level and len(low) >= self.crowd):
             self._relevel(least)
         heap = self._heap
-        while heap and heap[0][0] <= now:
-            at, wid = heappop(heap)
+        while heap and heap.first_at() <= now:
+            at = heap.first_at()
+            wid = heap.pop()
             if workers[wid].crossing == at:
                 low.add(wid)
         floors: list[float] = []
@@ -174,13 +175,13 @@ class LoadFloors:
 
     def _rebuild_heap(self) -> None:
         low = self._low
-        heap = [
-            (worker.crossing, wid)
-            for wid, worker in enumerate(self._workers)
-            if worker.crossing < _INF and wid not in low
-        ]
-        heapify(heap)
-        self._heap = heap
+        self._heap.rebuild(
+            [
+                (worker.crossing, wid)
+                for wid, worker in enumerate(self._workers)
+                if worker.crossing < _INF and wid not in low
+            ]
+        )
 
     def _exact(self, wid: int, now: float) -> tuple:
         key = self._key(self._view, self._view.workers[wid])

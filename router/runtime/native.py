@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "build" / "native"
 MODULES = (
     "router/view.py",
+    "simulator/time_heap.py",
     "simulator/load_floors.py",
     "router/core.py",
     "router/roster.py",
