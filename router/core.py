@@ -409,7 +409,7 @@ class Router:
         if state is None or not state.healthy:
             self.roster.count(wid)
             return []
-        out = list(self.queues[wid].release(self.indexes.held, self.view.block_size))
+        out = self.queues[wid].release(self.indexes.held, self.view.block_size)
         for request in out:
             self._flights[request.id].released = True
             self.indexes.computed(request, wid, now)  # the worker computes it from now on

@@ -15,8 +15,6 @@ would make an interactive request wait for a batch request to finish.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from router.bands import Banded
 from router.ledger import Ledger, ledgers_of
 from router.policy import LocalPolicy
@@ -43,9 +41,11 @@ class DispatchQueue:
         self.discipline.push(request)
         self.queued_tokens += request.prompt_len + request.output_len
 
-    def release(self, held: PrefixIndex, block_size: int) -> Iterator[Request]:
+    def release(self, held: PrefixIndex, block_size: int) -> list[Request]:
         """The requests to send now, in the discipline's order, while the window has room.
-        Locality-aware disciplines order by what `held` says the worker has computed."""
+        Locality-aware disciplines order by what `held` says the worker has computed. A list,
+        not a generator: compiled, a generator's frame and each value it yields cost more than
+        what most calls release (one request)."""
         matched: dict[int, int] = {}  # the index does not change while requests are released
 
         def cached_blocks(r: Request) -> int:
@@ -53,20 +53,22 @@ class DispatchQueue:
                 matched[r.id] = held.match_of(r.block_hashes, self.worker)
             return matched[r.id]
 
+        released: list[Request] = []
         window, by = self.window, self._in_flight_by
         while window is None or by is not None or self.in_flight < window:
             request = self.discipline.peek(cached_blocks)
             if request is None:
-                return
+                break
             if by is not None and window is not None:
                 p = request.priority
                 if sum(n for q, n in by.items() if q <= p) >= window:
-                    return  # lower bands come after this one: they would wait too
+                    break  # lower bands come after this one: they would wait too
                 by[p] = by.get(p, 0) + 1
             self.discipline.pop(request, cached_blocks(request) * block_size)
             self.queued_tokens -= request.prompt_len + request.output_len
             self.in_flight += 1
-            yield request
+            released.append(request)
+        return released
 
     def done(self, request: Request) -> None:
         """A released request finished (answered, failed, or never sent): free its slot."""
