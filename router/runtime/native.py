@@ -1,8 +1,9 @@
 """Compiled builds (mypyc) of the modules a simulation spends its time in.
 
 The same source, compiled to C by mypyc: the engine, its block manager, the cost model, the
-simulator's driver, the cluster view and the load floors read from it, the dispatch queues, the
-prefix index, the router core and the fairness policies' service meter. `make` builds them into
+simulator's driver, the cluster view and the load floors read from it (with their heap of
+(time, worker) pairs), the dispatch queues, the prefix index, the router core and the fairness
+policies' service meter. `make` builds them into
 build/native (`router.runtime.native.main`), with one C extension beside them (EXTENSIONS: the
 huge-page arena allocator, router/runtime/arenas.py), and the `router`, `simulator` and `policies`
 packages put that folder first on their import path only while it was built from the very
