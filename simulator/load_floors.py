@@ -166,16 +166,12 @@ class LoadFloors:
         return best[-1]
 
     def _relevel(self, least: float) -> None:
-        """A level above `least`, each worker's crossing of it anew (in one pass: at 1,024
-        workers a lightly loaded fleet sets a new level every few dozen decisions)."""
+        """A level above `least`, each worker's crossing of it anew."""
         level = self._level = least + max(self.headroom * least, self.min_headroom)
         self._low.clear()
-        crossings: list[tuple[float, int]] = []
-        for wid, worker in enumerate(self._workers):
-            at = worker.crossing = worker.crossing_time(level)
-            if at < _INF:
-                crossings.append((at, wid))
-        self._heap.rebuild(crossings)
+        for worker in self._workers:
+            worker.crossing = worker.crossing_time(level)
+        self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
         low = self._low
