@@ -19,7 +19,7 @@ from router.view import ClusterView
 class RoundRobin(GlobalPolicy):
     """Each healthy worker in turn, in id order."""
 
-    traits = PolicyTraits(counts_tokens=False)
+    traits = PolicyTraits(counts_tokens=False, reads_prefixes=False)
 
     def progress_read(self, request: Request, view: ClusterView) -> tuple[()]:
         return ()  # the turn or a draw reads no load
@@ -44,7 +44,7 @@ class RoundRobin(GlobalPolicy):
 class Random(GlobalPolicy):
     """A uniformly random healthy worker."""
 
-    traits = PolicyTraits(counts_tokens=False)
+    traits = PolicyTraits(counts_tokens=False, reads_prefixes=False)
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -63,7 +63,7 @@ _FEWEST_TOKENS = LeastLoaded(least_tokens)  # asked at every arrival: one answer
 class LeastLoad(GlobalPolicy):
     """The worker with the fewest outstanding tokens (unprefilled prompt + ungenerated output)."""
 
-    traits = PolicyTraits(counts_tokens=False)
+    traits = PolicyTraits(counts_tokens=False, reads_prefixes=False)
 
     def progress_read(self, request: Request, view: ClusterView) -> LeastLoaded:
         return _FEWEST_TOKENS  # only who has the fewest tokens in flight
@@ -76,7 +76,7 @@ class LeastLoad(GlobalPolicy):
 class PowerOfTwo(GlobalPolicy):
     """The less loaded of two workers drawn at random (Mitzenmacher's power of two choices)."""
 
-    traits = PolicyTraits(counts_tokens=False)
+    traits = PolicyTraits(counts_tokens=False, reads_prefixes=False)
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)

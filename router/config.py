@@ -35,6 +35,11 @@ class RouterConfig:
     # the workers' KV events fill the index; `keep_approximate` keeps the other beside it.
     index: IndexMode = IndexMode.APPROXIMATE
     keep_approximate: bool = False
+    # Estimate each routed request's cached prefix from the index of what was routed even when
+    # routing reads no index (a load-only policy, no classes): someone reads the estimates (the
+    # proxy's metrics, an autoscaler's demand). False: such a router keeps no index of what it
+    # routed, and reports no estimate.
+    estimate_hits: bool = True
     kv_capacity_blocks: int = 1 << 20  # a worker's, until it is told its own
     strict: bool = True  # a policy hook that raises stops the run (live: logged and counted)
     # LoRA adapters: seconds to load one where it is not held (the router weighs that against

@@ -103,6 +103,11 @@ class Router:
             config.keep_approximate,
             tracks_held=config.window is not None and not config.is_precise,
         )
+        # What was routed is believed held there while anything reads it: the policy, classes'
+        # TTFT predictions (by hit), or the users of the hit estimates (`estimate_hits`).
+        self.indexes.believes_routed = (
+            policy.traits.reads_prefixes or config.is_banded or config.estimate_hits
+        )
         self.latency = LatencyTargets(self.view, config)
         self.load = Load(self.view)
         self.adapters = AdapterSlots(config.adapter_load_time, config.adapter_affinity)

@@ -45,11 +45,21 @@ class Indexes:
         self.level_changes: list[tuple[float, IndexLevel, IndexLevel]] = []  # (time, from, to)
         # A replica among several logs what it routed, for the others' approximate indexes.
         self.routing_log: list[RoutedBlocks] | None = None
+        # Whether a routed prompt is believed held where it went (the router decides: off
+        # only when nothing reads the approximate index or its estimates).
+        self.believes_routed = True
+
+    @property
+    def estimates(self) -> bool:
+        """Whether routing a request estimates its cached prefix (on either index)."""
+        return self.precise or self.believes_routed or self.routing_log is not None
 
     def routed(self, request: Request, wid: WorkerId, now: float) -> tuple[int, int]:
         """`request` is routed to `wid`: the approximate index believes it holds the prompt
         from now on, and a precise one counts the reuse as a hit. Returns the blocks each
-        expected `wid` to hold already (precise, approximate)."""
+        expected `wid` to hold already (precise, approximate); nothing if nothing reads them."""
+        if not self.estimates:
+            return 0, 0
         hashes = request.prompt_blocks(self.view.block_size)
         approximate = self.believe(hashes, wid, now)
         precise = self._by_level[IndexLevel.PRECISE].touch(hashes, wid, now) if self.precise else 0

@@ -75,10 +75,14 @@ class PolicyTraits:
     tokens_read_at_finish: what `on_token` keeps is read only by `on_finish` (a time per output
         token), never by `route` or `on_dispatch`. A driver may then deliver a request's tokens
         late and summed, stamped with the last one's time, as long as it does before the finish.
+    reads_prefixes: `route` or `on_dispatch` reads what workers hold (`view.index`). False lets
+        a router keep no index of what it routed when nothing else reads it either (its hit
+        estimates are then not made); a policy saying False may find that index empty.
     """
 
     counts_tokens: bool = True
     tokens_read_at_finish: bool = False
+    reads_prefixes: bool = True
 
 
 @dataclass(frozen=True, slots=True)

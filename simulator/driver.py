@@ -150,6 +150,7 @@ class SimCluster:
             latency_routing=config.latency_routing,
             admission=config.admission,
             step_tokens=config.engine.max_num_batched_tokens,
+            estimate_hits=config.autoscale is not None,  # its planner's demand reads them
         )
         self.routers = [
             self._new_router(
@@ -371,8 +372,9 @@ class SimCluster:
         summary["decisions"] = dict(sorted(decisions.items(), key=lambda kv: -kv[1]))
         prompt = summary["tokens"]["prompt"]  # type: ignore[index]
         predicted = sum(r.predicted_hit_tokens for r in self.routers)
+        estimated = any(r.indexes.estimates for r in self.routers)  # else None: not estimated
         summary["prefix_cache"]["predicted_hit_rate"] = (  # type: ignore[index]
-            predicted / prompt if prompt else 0.0
+            (predicted / prompt if prompt else 0.0) if estimated else None
         )
         return SimResult(records, workers, summary)
 

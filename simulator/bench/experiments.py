@@ -378,7 +378,8 @@ def experiment_row(label: str, summary: dict[str, object]) -> dict[str, object]:
         for name in ("steady", "late"):
             row[f"{name} TTFT s"] = clients[name]["ttft"]["mean"]  # type: ignore[index]
     row["gap (k tok)"] = summary["fairness"]["max_service_gap"] / 1000  # type: ignore[index]
-    row["promised hit %"] = 100 * summary["prefix_cache"]["predicted_hit_rate"]  # type: ignore[index]
+    promised = summary["prefix_cache"]["predicted_hit_rate"]  # type: ignore[index]
+    row["promised hit %"] = None if promised is None else 100 * promised  # type: ignore[operator]
     if summary["config"].get("groups"):  # type: ignore[attr-defined]
         row["TTFT p50 s"] = summary["ttft"]["p50"]  # type: ignore[index]
         minutes = summary["simulated_seconds"] / 60  # type: ignore[operator]

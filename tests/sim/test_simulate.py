@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from router.classes import TrafficClass
 from router.cli import main
+from router.core import Router
 from router.cost_model import roofline
 from router.prefix_index import PrefixIndex
 from simulator.config import SimConfig
@@ -249,6 +252,37 @@ class TestIndexModes:
         summary = self.run()[1].summary
         assert summary["config"]["index"] == "approximate"
         assert 0 < summary["prefix_cache"]["predicted_hit_rate"] <= 1
+
+    @pytest.mark.parametrize("policy", ["round_robin", "random", "least_load", "power_of_two"])
+    def test_a_policy_reading_no_index_routes_the_same_without_one(self, policy: str) -> None:
+        """A policy whose traits say it reads no prefix index routes as it would with the index
+        of what was routed kept (as the proxy keeps it, for its metrics); the simulator skips
+        it, and says it made no estimate."""
+
+        class Estimating(SimCluster):
+            def _new_router(self, policy, local):
+                return Router(policy, local, replace(self.router_config, estimate_hits=True))
+
+        trace = shared_prefix(num_requests=300, num_tenants=6, rate=30.0, seed=3)
+        config = SimConfig(num_workers=3, policy=policy, engine=EngineConfig(num_kv_blocks=1500))
+        skipped = SimCluster(trace, COST, config)
+        kept = Estimating(shared_prefix(num_requests=300, num_tenants=6, rate=30.0, seed=3),
+                          COST, config)  # fmt: skip
+        without, with_index = skipped.run(), kept.run()
+        assert without.records == with_index.records
+        held = [
+            sum(len(self.held_blocks(c.view.index, w)) for w in range(3)) for c in (skipped, kept)
+        ]
+        assert held[0] == 0 < held[1]
+        assert without.summary["prefix_cache"]["predicted_hit_rate"] is None
+        assert with_index.summary["prefix_cache"]["predicted_hit_rate"] > 0
+
+    def test_classes_keep_the_index_their_predictions_read(self) -> None:
+        trace = shared_prefix(num_requests=100, num_tenants=4, rate=20.0, seed=3)
+        classes = (TrafficClass("interactive", 0),)
+        config = SimConfig(num_workers=3, policy="least_load", classes=classes)
+        summary = simulate(trace, COST, config).summary
+        assert summary["prefix_cache"]["predicted_hit_rate"] > 0
 
     def test_bad_mode_is_named(self) -> None:
         with pytest.raises(ValueError, match="index: 'approximate' or 'precise'"):

@@ -343,9 +343,11 @@ def run_recorded(trace, cost, config: SimConfig) -> tuple[SimCluster, list[tuple
 
 
 def replay_live(
-    sim_calls: list[tuple], config: SimConfig, cost, trace
+    sim_calls: list[tuple], config: SimConfig, cost, trace, estimate_hits: bool
 ) -> tuple[Recorder, LiveCluster]:
-    """Feed the simulator's events to the live driver, as the proxy and monitor would."""
+    """Feed the simulator's events to the live driver, as the proxy and monitor would. With
+    the simulator's `estimate_hits`: the proxy makes hit estimates for its metrics whatever
+    the policy, a simulation only where they are read, and the estimates are compared too."""
     clock = FakeClock()
     glob = policies.global_policies.build(config.policy, config.policy_params, config.seed)
     local = config.local_policy or glob.default_local
@@ -361,6 +363,7 @@ def replay_live(
             latency_routing=config.latency_routing,
             admission=config.admission,
             step_tokens=config.engine.max_num_batched_tokens,
+            estimate_hits=estimate_hits,
         ),
         clock=clock,
     )
@@ -458,7 +461,9 @@ def test_simulator_and_proxy_drivers_make_the_same_decisions(name: str) -> None:
     assert any(c[0] == "worker_down" and c[3] for c in sim_calls), "the outage withdrew requests"
     assert len({c[3][0].worker for c in sim_calls if c[0] == "route"}) == 3
 
-    live_recorder, live = replay_live(sim_calls, config, cost, trace)
+    live_recorder, live = replay_live(
+        sim_calls, config, cost, trace, cluster.router_config.estimate_hits
+    )
     assert without_reports(live_recorder.calls) == without_reports(sim_calls)
     assert counters(live.router) == counters(cluster.router)
     assert live.router.predicted_hit_tokens == cluster.router.predicted_hit_tokens
@@ -499,7 +504,9 @@ def test_both_drivers_refuse_the_same_requests_for_the_same_reasons() -> None:
     assert timers == {True, False}, "some timed out queued, others had been released"
     assert len(cluster.log), "some were answered"
 
-    live_recorder, live = replay_live(sim_calls, config, cost, trace)
+    live_recorder, live = replay_live(
+        sim_calls, config, cost, trace, cluster.router_config.estimate_hits
+    )
     assert without_reports(live_recorder.calls) == without_reports(sim_calls)
     assert live.router.refusals == refusals
     assert counters(live.router) == counters(cluster.router)
@@ -542,7 +549,9 @@ def test_both_drivers_route_and_hand_off_a_split_fleet_alike(policy: str) -> Non
     assert {c[3][0].worker for c in sim_calls if c[0] == "route"} == {0, 1}
     assert any(c[0] == "worker_down" and c[3] for c in sim_calls), "the outage withdrew some"
 
-    live_recorder, live = replay_live(sim_calls, config, cost, trace)
+    live_recorder, live = replay_live(
+        sim_calls, config, cost, trace, cluster.router_config.estimate_hits
+    )
     assert without_reports(live_recorder.calls) == without_reports(sim_calls)
     assert counters(live.router) == counters(cluster.router)
     for wid, state in live.view.workers.items():

@@ -574,6 +574,8 @@ class TestPrintConfig:
         assert (sim["window"], live["window"]) == ("None", "8")
         assert (sim["strict"], live["strict"]) == ("True", "False")
         assert sim["step_tokens"] == "8192" and live["step_tokens"] == "2048"
+        # The proxy exports hit estimates for any policy; a simulation makes them when read.
+        assert (sim["estimate_hits"], live["estimate_hits"]) == ("False", "True")
 
     def test_the_proxy_reads_the_step_budget_from_the_workers_vllm_arguments(self) -> None:
         from router.proxy.service.config import validate_config

@@ -21,7 +21,9 @@ from simulator.config import SimConfig
 
 class TestTraits:
     def test_a_policy_that_declares_nothing_skips_nothing(self) -> None:
-        assert GlobalPolicy.traits == PolicyTraits(counts_tokens=True, tokens_read_at_finish=False)
+        assert GlobalPolicy.traits == PolicyTraits(
+            counts_tokens=True, tokens_read_at_finish=False, reads_prefixes=True
+        )
         assert LocalPolicy.traits == DisciplineTraits(True, ReordersOn.TOKENS)
 
     @pytest.mark.parametrize(
