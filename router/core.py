@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
@@ -56,6 +57,13 @@ from router.request import Request
 from router.roster import Roster
 from router.traits import IndexLevel, Role
 from router.view import ClusterView
+
+# The enum members a decision reads, as module constants: an Enum class's attribute is looked
+# up through its metaclass's __getattr__ hook (about 800 instructions a read, compiled or not).
+_PRECISE: Final = IndexLevel.PRECISE
+_APPROXIMATE: Final = IndexLevel.APPROXIMATE
+_MIXED: Final = Role.MIXED
+_PREFILL: Final = Role.PREFILL
 
 
 @mypyc_attr(native_class=False)  # compiled, a class may not extend a builtin exception
@@ -195,7 +203,7 @@ class Router:
         excluded = set(exclude)
         if self.pools.is_split and not self.pools.has_decode(request):
             # No decode worker to hand a prefill worker's requests to: mixed workers only.
-            excluded.update(w for w, s in candidates.workers.items() if s.role != Role.MIXED)
+            excluded.update(w for w, s in candidates.workers.items() if s.role != _MIXED)
         if excluded:
             candidates = candidates.among(
                 {k: v for k, v in candidates.workers.items() if k not in excluded}
@@ -218,17 +226,17 @@ class Router:
         precise, approximate = self.indexes.routed(request, wid, now)
         # Capped as an engine caps a hit: the last prompt token is always computed.
         bs, cap = view.block_size, request.reusable_blocks(view.block_size)
-        predicted_hits: dict[str, int] = {IndexLevel.APPROXIMATE: min(approximate, cap) * bs}
+        predicted_hits: dict[str, int] = {_APPROXIMATE: min(approximate, cap) * bs}
         if self.indexes.precise:
-            predicted_hits[IndexLevel.PRECISE] = min(precise, cap) * bs
-        hits = {IndexLevel.PRECISE: precise, IndexLevel.APPROXIMATE: approximate}
-        hit = hits.get(self.indexes.level, 0)
+            predicted_hits[_PRECISE] = min(precise, cap) * bs
+        level = self.indexes.level
+        hit = precise if level is _PRECISE else approximate if level is _APPROXIMATE else 0
         self.predicted_hit_tokens += min(hit, cap) * bs
 
         queue = self.queues[wid]
-        split = state.role == Role.PREFILL
+        split = state.role == _PREFILL
         work = request.prompt_len if split else request.prompt_len + request.output_len
-        best = predicted_hits.get(IndexLevel.PRECISE, predicted_hits[IndexLevel.APPROXIMATE])
+        best = predicted_hits.get(_PRECISE, predicted_hits[_APPROXIMATE])
         flight = Flight(request, wid, queue, work, predicted_hits, best, wid, split)
         if self.banded:
             flight.predicted_ttft = ttft
