@@ -48,7 +48,7 @@ from router.indexes import Indexes
 from router.latency import LatencyTargets
 from router.ledger import Ledger
 from router.load import Load
-from router.policy import GlobalPolicy, LocalPolicy
+from router.policy import GlobalPolicy, LocalPolicy, overridden_hook
 from router.pools import Pools
 from router.prefix_index import PrefixIndex, WorkerId
 from router.progress import Progress
@@ -116,6 +116,9 @@ class Router:
         self.indexes.believes_routed = (
             policy.traits.reads_prefixes or config.is_banded or config.estimate_hits
         )
+        # The policy's per-request hooks, None where it keeps GlobalPolicy's no-op.
+        self._on_dispatch = overridden_hook(policy, "on_dispatch")
+        self._on_finish = overridden_hook(policy, "on_finish")
         self.latency = LatencyTargets(self.view, config)
         self.load = Load(self.view)
         self.adapters = AdapterSlots(config.adapter_load_time, config.adapter_affinity)
@@ -244,7 +247,8 @@ class Router:
         self._flights[request.id] = flight
         self.load.add(wid, work)
         load = request.adapter is not None and not self.adapters.use(wid, request.adapter)
-        self.hooks.run(self.policy.on_dispatch, request, wid, view)
+        if self._on_dispatch is not None:
+            self.hooks.run(self._on_dispatch, request, wid, view)
         queue.push(request)
         released = self._release(wid, now)
         approximate_hit = approximate if self.indexes.approximate is not None else hit
@@ -349,7 +353,7 @@ class Router:
         if not flight.released:
             self.withdraw(request, now)
             return []
-        return self._end(flight, now, self.policy.on_finish)
+        return self._end(flight, now, self._on_finish)
 
     def withdraw(self, request: Request, now: float) -> bool:
         """Take back a request that was routed but never released (its caller gave up, or its
@@ -402,10 +406,14 @@ class Router:
                 self.indexes.set_level(level, now)
 
     def _end(
-        self, flight: Flight, now: float, hook: Callable[[Request, WorkerId, ClusterView], None]
+        self,
+        flight: Flight,
+        now: float,
+        hook: Callable[[Request, WorkerId, ClusterView], None] | None,
     ) -> list[Request]:
         """A released request is gone from its worker: its work, prompt and slot freed, the
-        policy told by `hook`; returns what the worker's queue releases next."""
+        policy told by `hook` (None: nothing to tell); returns what the worker's queue
+        releases next."""
         request = flight.request
         del self._flights[request.id]
         self.progress.done(flight, flight.remaining)
@@ -414,7 +422,8 @@ class Router:
         if flight.prefill_queue is not None:
             self.hooks.run(flight.prefill_queue.done_elsewhere, request)
         self.view.now = now
-        self.hooks.run(hook, request, flight.charged_to, self.view)
+        if hook is not None:
+            self.hooks.run(hook, request, flight.charged_to, self.view)
         return self._release(flight.worker, now)
 
     def _release(self, wid: WorkerId, now: float) -> list[Request]:

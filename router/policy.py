@@ -59,6 +59,19 @@ class Decision:
     reason: str = ""
 
 
+_NO_OP_HOOKS = frozenset({"on_dispatch", "on_first_token", "on_finish"})
+
+
+def overridden_hook(policy: GlobalPolicy, name: str) -> Callable[..., None] | None:
+    """`policy`'s bound hook `name`, or None where it is GlobalPolicy's own that does nothing
+    (on_dispatch, on_first_token, on_finish). The router calls each once a request, and a call
+    that does nothing still costs a bound method and an interpreted frame."""
+    if name in _NO_OP_HOOKS and getattr(type(policy), name) is getattr(GlobalPolicy, name):
+        return None
+    hook: Callable[..., None] = getattr(policy, name)
+    return hook
+
+
 class GlobalPolicy:
     """Base class with no-op hooks; subclasses implement `route`."""
 

@@ -19,7 +19,7 @@ from router.flight import Flight
 from router.hooks import Hooks
 from router.latency import LatencyTargets
 from router.load import Load
-from router.policy import GlobalPolicy
+from router.policy import GlobalPolicy, overridden_hook
 from router.prefix_index import WorkerId
 from router.request import Request
 
@@ -39,6 +39,7 @@ class Progress:
         self.latency = latency
         self.hooks = hooks
         self._policy_counts_tokens = policy.traits.counts_tokens
+        self._on_first_token = overridden_hook(policy, "on_first_token")
         self._queues_count_tokens = False  # any worker's queue discipline
 
     def queue_added(self, queue: DispatchQueue) -> None:
@@ -58,7 +59,8 @@ class Progress:
         if not flight.handed_off:  # its prompt is done (a decode worker had none to do)
             self.done(flight, min(request.prompt_len, flight.remaining))
         self.latency.prefilled(flight)
-        self.hooks.run(self.policy.on_first_token, request, flight.charged_to, now)
+        if self._on_first_token is not None:
+            self.hooks.run(self._on_first_token, request, flight.charged_to, now)
 
     def work_done_on(self, wid: WorkerId, num_tokens: int, kv_used_blocks: int | None) -> None:
         self.load.credit(wid, num_tokens, kv_used_blocks)

@@ -7,7 +7,7 @@ import pytest
 import policies
 from policies.service_cost import LinearCost
 from policies.service_params import ServiceCostParams
-from router.policy import GlobalPolicy, LocalPolicy
+from router.policy import GlobalPolicy, LocalPolicy, overridden_hook
 from router.traits import (
     DisciplineTraits,
     IndexLevel,
@@ -61,6 +61,24 @@ class TestTraits:
             class AlsoWrong(policies.global_policies.get("least_load")):
                 def on_token(self, request, worker, num_tokens, now) -> None:
                     pass
+
+    def test_the_router_skips_only_hooks_that_do_nothing(self) -> None:
+        least_load = policies.global_policies.get("least_load")
+
+        class Told(least_load):
+            def on_finish(self, request, worker, view) -> None:
+                pass
+
+        plain, told = least_load(), Told()
+        assert overridden_hook(plain, "on_dispatch") is None
+        assert overridden_hook(plain, "on_finish") is None
+        assert overridden_hook(told, "on_finish") == told.on_finish
+        # GlobalPolicy's on_withdraw tells on_finish: never skipped.
+        assert overridden_hook(plain, "on_withdraw") == plain.on_withdraw
+        vtc = policies.global_policies.build("vtc", {}, 0)
+        preble = policies.global_policies.build("preble", {}, 0)
+        assert overridden_hook(preble, "on_dispatch") is not None
+        assert overridden_hook(vtc, "on_first_token") is None
 
     def test_reorders_on_is_taken_from_its_string(self) -> None:
         assert DisciplineTraits(reorders_on="cache").reorders_on is ReordersOn.CACHE
