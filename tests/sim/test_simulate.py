@@ -260,8 +260,8 @@ class TestIndexModes:
         it, and says it made no estimate."""
 
         class Estimating(SimCluster):
-            def _new_router(self, policy, local):
-                return Router(policy, local, replace(self.router_config, estimate_hits=True))
+            def _new_router(self, glob, local):
+                return Router(glob, local, replace(self.router_config, estimate_hits=True))
 
         trace = shared_prefix(num_requests=300, num_tenants=6, rate=30.0, seed=3)
         config = SimConfig(num_workers=3, policy=policy, engine=EngineConfig(num_kv_blocks=1500))
