@@ -110,11 +110,11 @@ class Router:
             config.is_precise,
             config.keep_approximate,
             tracks_held=config.window is not None and not config.is_precise,
-        )
-        # What was routed is believed held there while anything reads it: the policy, classes'
-        # TTFT predictions (by hit), or the users of the hit estimates (`estimate_hits`).
-        self.indexes.believes_routed = (
-            policy.traits.reads_prefixes or config.is_banded or config.estimate_hits
+            # What was routed is believed held there while anything reads it: the policy,
+            # classes' TTFT predictions (by hit), or the hit estimates' users (`estimate_hits`).
+            believes_routed=(
+                policy.traits.reads_prefixes or config.is_banded or config.estimate_hits
+            ),
         )
         # The policy's per-request hooks, None where it keeps GlobalPolicy's no-op.
         self._on_dispatch = overridden_hook(policy, "on_dispatch")

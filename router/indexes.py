@@ -24,10 +24,18 @@ RoutedBlocks = tuple[list[BlockHash], WorkerId, float]
 
 class Indexes:
     def __init__(
-        self, view: ClusterView, precise: bool, keep_approximate: bool, tracks_held: bool
+        self,
+        view: ClusterView,
+        precise: bool,
+        keep_approximate: bool,
+        tracks_held: bool,
+        believes_routed: bool = True,
     ) -> None:
         self.view = view
         self.precise = precise
+        # Whether a routed prompt is believed held where it went: off only when nothing reads
+        # the approximate index or its estimates (the router knows).
+        self.believes_routed = believes_routed
         # Precise: KV events fill view.index; an approximate one is kept beside it on request
         # (the proxy exports both estimates). Approximate: view.index is the approximate one.
         self.approximate: PrefixIndex | None = (
@@ -45,9 +53,6 @@ class Indexes:
         self.level_changes: list[tuple[float, IndexLevel, IndexLevel]] = []  # (time, from, to)
         # A replica among several logs what it routed, for the others' approximate indexes.
         self.routing_log: list[RoutedBlocks] | None = None
-        # Whether a routed prompt is believed held where it went (the router decides: off
-        # only when nothing reads the approximate index or its estimates).
-        self.believes_routed = True
 
     @property
     def estimates(self) -> bool:
