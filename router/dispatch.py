@@ -36,10 +36,14 @@ class DispatchQueue:
         # Banded: in flight by priority, for each band's own window.
         self._in_flight_by: dict[int, int] | None = {} if banded and window is not None else None
         self.queued_tokens = 0  # prompt + output tokens of the requests waiting here
+        # How many wait here, counted as they come and go: the discipline's own __len__ is
+        # interpreted (users write disciplines), and the load is counted at every change.
+        self._waiting = 0
 
     def push(self, request: Request) -> None:
         self.discipline.push(request)
         self.queued_tokens += request.prompt_len + request.output_len
+        self._waiting += 1
 
     def release(self, held: PrefixIndex, block_size: int) -> list[Request]:
         """The requests to send now, in the discipline's order, while the window has room.
@@ -66,6 +70,7 @@ class DispatchQueue:
                 by[p] = by.get(p, 0) + 1
             self.discipline.pop(request, cached_blocks(request) * block_size)
             self.queued_tokens -= request.prompt_len + request.output_len
+            self._waiting -= 1
             self.in_flight += 1
             released.append(request)
         return released
@@ -95,6 +100,7 @@ class DispatchQueue:
     def withdraw(self, request: Request) -> None:
         """Take a request that was never released out of the queue, charging nothing."""
         self.queued_tokens -= request.prompt_len + request.output_len
+        self._waiting -= 1
         self.discipline.remove(request)
 
     def on_token(self, request: Request, num_tokens: int) -> None:
@@ -115,4 +121,4 @@ class DispatchQueue:
         }
 
     def __len__(self) -> int:
-        return len(self.discipline)
+        return self._waiting

@@ -7,6 +7,8 @@ these pin each part's own contract on hand-built views.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import policies
@@ -307,6 +309,30 @@ class Parts:
         self.flights[request.id] = flight
         self.load.add(wid, work)
         return flight
+
+
+class TestDispatchQueue:
+    @pytest.mark.parametrize("name", ["fcfs", "lpm", "vtc", "dlpm"])
+    def test_it_counts_what_its_discipline_holds(self, name: str) -> None:
+        # Its length is counted as requests come and go, not asked of the discipline: random
+        # pushes, releases and withdrawals, and the two agree after each.
+        rng = random.Random(name)
+        for window in (None, 1, 3):
+            queue = DispatchQueue(0, policies.local_policies.build(name, {}, 0), window)
+            waiting: list[Request] = []
+            for i in range(300):
+                move = rng.random()
+                if move < 0.5:
+                    request = make_req(i, [rng.randrange(4), i], client=rng.choice("ab"))
+                    queue.push(request)
+                    waiting.append(request)
+                elif move < 0.7 and waiting:
+                    queue.withdraw(waiting.pop(rng.randrange(len(waiting))))
+                else:
+                    for request in queue.release(PrefixIndex(), BS):
+                        waiting.remove(request)
+                        queue.done(request)
+                assert len(queue) == len(queue.discipline) == len(waiting)
 
 
 class TestRoster:
