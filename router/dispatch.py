@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from router.bands import Banded
 from router.ledger import Ledger, ledgers_of
-from router.policy import LocalPolicy
+from router.policy import LocalPolicy, overridden_hook
 from router.prefix_index import PrefixIndex, WorkerId
 from router.request import Request
 
@@ -30,6 +30,7 @@ class DispatchQueue:
             raise ValueError(f"window: must be at least 1, got {window}")
         self.worker = worker
         self.discipline = discipline
+        self._on_finish = overridden_hook(discipline, "on_finish")  # None: a no-op
         self.counts_tokens = discipline.traits.counts_tokens
         self.window = window
         self.in_flight = 0
@@ -80,7 +81,8 @@ class DispatchQueue:
         self.in_flight -= 1
         if self._in_flight_by is not None:
             self._in_flight_by[request.priority] -= 1
-        self.discipline.on_finish(request)
+        if self._on_finish is not None:
+            self._on_finish(request)
 
     def handed_off(self, request: Request) -> None:
         """A split request's prompt is computed here and it decodes elsewhere: its slot frees
@@ -90,12 +92,12 @@ class DispatchQueue:
         self.in_flight -= 1
         if self._in_flight_by is not None:
             self._in_flight_by[request.priority] -= 1
-        if not self.counts_tokens:
-            self.discipline.on_finish(request)
+        if not self.counts_tokens and self._on_finish is not None:
+            self._on_finish(request)
 
     def done_elsewhere(self, request: Request) -> None:
-        if self.counts_tokens:
-            self.discipline.on_finish(request)
+        if self.counts_tokens and self._on_finish is not None:
+            self._on_finish(request)
 
     def withdraw(self, request: Request) -> None:
         """Take a request that was never released out of the queue, charging nothing."""

@@ -59,14 +59,18 @@ class Decision:
     reason: str = ""
 
 
-_NO_OP_HOOKS = frozenset({"on_dispatch", "on_first_token", "on_finish"})
+_NO_OP_HOOKS = frozenset({"on_dispatch", "on_first_token", "on_finish"})  # GlobalPolicy's
+_NO_OP_DISCIPLINE_HOOKS = frozenset({"on_finish"})  # LocalPolicy's
 
 
-def overridden_hook(policy: GlobalPolicy, name: str) -> Callable[..., None] | None:
-    """`policy`'s bound hook `name`, or None where it is GlobalPolicy's own that does nothing
-    (on_dispatch, on_first_token, on_finish). The router calls each once a request, and a call
-    that does nothing still costs a bound method and an interpreted frame."""
-    if name in _NO_OP_HOOKS and getattr(type(policy), name) is getattr(GlobalPolicy, name):
+def overridden_hook(policy: GlobalPolicy | LocalPolicy, name: str) -> Callable[..., None] | None:
+    """`policy`'s bound hook `name`, or None where it is its base class's own that does
+    nothing: GlobalPolicy's on_dispatch, on_first_token and on_finish, a discipline's
+    (LocalPolicy's) on_finish. Each is called once a request or more, and a call that does
+    nothing still costs a bound method and an interpreted frame."""
+    base: type = GlobalPolicy if isinstance(policy, GlobalPolicy) else LocalPolicy
+    no_ops = _NO_OP_HOOKS if base is GlobalPolicy else _NO_OP_DISCIPLINE_HOOKS
+    if name in no_ops and getattr(type(policy), name) is getattr(base, name):
         return None
     hook: Callable[..., None] = getattr(policy, name)
     return hook

@@ -29,7 +29,7 @@ from typing import Final, Protocol
 import simpy
 
 from router.cost_model import CostModel, StepEnds, StepShape
-from router.policy import LocalPolicy
+from router.policy import LocalPolicy, overridden_hook
 from router.request import Request
 from router.runtime.native import rebuilt
 from router.traits import ReordersOn
@@ -371,6 +371,7 @@ class Engine:
         # Read once: skip per-token hooks nobody listens to (they run once per sequence per
         # step), and call the listener's hot methods bound.
         self._local_counts_tokens = local.traits.counts_tokens
+        self._local_on_finish = overridden_hook(local, "on_finish")  # None: a no-op
         self._listener_counts_tokens = listener.counts_tokens
         # No steps in sum with KV events: the evictions a decode step makes are events, each
         # at its own time.
@@ -1037,8 +1038,8 @@ class Engine:
             self.blocks.free(seq.table)
             seq.num_computed = 0
             seq.finished_at = now
-            if not self.hands_off:
-                self.local.on_finish(seq.req)
+            if not self.hands_off and self._local_on_finish is not None:
+                self._local_on_finish(seq.req)
             self.listener.on_finish(seq, now)
 
     def _preempt(self, seq: Seq) -> None:

@@ -7,6 +7,7 @@ import pytest
 import policies
 from policies.service_cost import LinearCost
 from policies.service_params import ServiceCostParams
+from router.bands import Banded
 from router.policy import GlobalPolicy, LocalPolicy, overridden_hook
 from router.traits import (
     DisciplineTraits,
@@ -79,6 +80,14 @@ class TestTraits:
         preble = policies.global_policies.build("preble", {}, 0)
         assert overridden_hook(preble, "on_dispatch") is not None
         assert overridden_hook(vtc, "on_first_token") is None
+        # A discipline's: FCFS keeps LocalPolicy's no-op on_finish, VTC's and bands' act.
+        local = policies.local_policies
+        assert overridden_hook(local.build("fcfs", {}, 0), "on_finish") is None
+        vtc_queue = local.build("vtc", {}, 0)
+        assert overridden_hook(vtc_queue, "on_finish") == vtc_queue.on_finish
+        bands = Banded(local.get("fcfs"), [0, 10])
+        assert overridden_hook(bands, "on_finish") == bands.on_finish
+        assert overridden_hook(vtc_queue, "on_token") == vtc_queue.on_token
 
     def test_reorders_on_is_taken_from_its_string(self) -> None:
         assert DisciplineTraits(reorders_on="cache").reorders_on is ReordersOn.CACHE
