@@ -60,7 +60,8 @@ class DispatchQueue:
 
         released: list[Request] = []
         window, by = self.window, self._in_flight_by
-        while window is None or by is not None or self.in_flight < window:
+        # Nothing waiting: the discipline is not asked (an interpreted call that finds nothing).
+        while self._waiting and (window is None or by is not None or self.in_flight < window):
             request = self.discipline.peek(cached_blocks)
             if request is None:
                 break
