@@ -5,9 +5,7 @@ from __future__ import annotations
 import bisect
 import random
 
-from sortedcontainers import SortedList
-
-from router.load import least_tokens, worker_id
+from router.load import least_tokens
 from router.policy import Decision, GlobalPolicy, LeastLoaded
 from router.registry import global_policies
 from router.request import Request
@@ -28,14 +26,11 @@ class RoundRobin(GlobalPolicy):
         self._next = 0
 
     def route(self, request: Request, view: ClusterView) -> Decision:
-        ids = view.ordered(worker_id)  # kept sorted across decisions: no pass over the fleet
+        ids = view.healthy_ids()  # kept sorted until the roster changes: no pass over the fleet
         if not ids:
             raise RuntimeError("no healthy worker to route to")
-        # A kept order bisects itself: the bisect module would index it ~log2(W) times, each a
-        # Python call into the sorted list.
-        nxt = (self._next,)
-        at = ids.bisect_left(nxt) if isinstance(ids, SortedList) else bisect.bisect_left(ids, nxt)
-        worker = ids[at if at < len(ids) else 0][-1]
+        at = bisect.bisect_left(ids, self._next)
+        worker = ids[at] if at < len(ids) else ids[0]
         self._next = worker + 1
         return Decision(worker, "turn")
 

@@ -24,10 +24,6 @@ def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]
     return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
 
 
-def worker_id(view: ClusterView, worker: WorkerState) -> tuple[int]:
-    return (worker.id,)
-
-
 class Load:
     def __init__(self, view: ClusterView) -> None:
         self.view = view
