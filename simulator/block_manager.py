@@ -110,7 +110,7 @@ class BlockManager:
 
     def num_cached_prefix(self, hashes: list[BlockHash], limit: int) -> int:
         """Leading blocks of `hashes` (at most `limit`) present in the cache."""
-        blocks, keys = self._blocks, _as_keys(hashes)
+        blocks, keys = self._blocks, as_keys(hashes)
         n = 0
         for h in keys[:limit]:
             if h not in blocks:
@@ -120,7 +120,7 @@ class BlockManager:
 
     def num_free_after_hit(self, hashes: list[BlockHash], num_hit: int) -> int:
         """Free blocks left once the first `num_hit` cached blocks of `hashes` are pinned."""
-        blocks, keys = self._blocks, _as_keys(hashes)
+        blocks, keys = self._blocks, as_keys(hashes)
         pinned = 0
         for h in keys[:num_hit]:
             if blocks[h].ref == 0:
@@ -140,7 +140,7 @@ class BlockManager:
         """Share the first `num_hit` cached blocks of `hashes` with a new sequence."""
         assert not len(table), "a prefix is pinned before anything else is allocated"
         blocks, hashed = self._blocks, table.hashed
-        for h in _as_keys(hashes)[:num_hit]:
+        for h in as_keys(hashes)[:num_hit]:
             block = blocks[h]
             if block.ref == 0:
                 self._unlink(block)
@@ -167,7 +167,7 @@ class BlockManager:
         If another sequence computed the same block meanwhile, ours stays anonymous (a
         duplicate, as in vLLM) and the hashed run of this table ends there.
         """
-        blocks, hashed, lru, keys = self._blocks, table.hashed, self._lru, _as_keys(hashes)
+        blocks, hashed, lru, keys = self._blocks, table.hashed, self._lru, as_keys(hashes)
         start = len(hashed)
         # Two at a time: compiled, a min of three is a call into the interpreter.
         stop = min(min(num_computed_blocks, len(keys)), start + table.num_anonymous)
@@ -245,7 +245,7 @@ class BlockManager:
         assert self._num_empty >= 0, "negative empty count"
 
 
-def _as_keys(hashes: list[BlockHash]) -> list[Hashable]:
+def as_keys(hashes: list[BlockHash]) -> list[Hashable]:
     """`hashes` read as the dictionary keys they are: compiled, an int read from a list is
     converted to a machine integer and back to a new object at every lookup."""
     return cast(list[Hashable], hashes)

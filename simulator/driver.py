@@ -51,6 +51,7 @@ from simulator.columns import RecordLog
 from simulator.config import SimConfig
 from simulator.engine import Engine, EngineConfig, Seq
 from simulator.fleet import check_requests
+from simulator.hit_bound import InfiniteCache
 from simulator.load_floors import LoadFloors
 from simulator.progress import RunProgress
 from simulator.results import SimResult, WorkerRecord, summarize
@@ -59,7 +60,6 @@ from simulator.time_heap import TimeHeap
 from simulator.topology import kv_bytes
 from simulator.transfers import KVTransfers, Transfer
 from traces.schema import Trace
-from traces.transform import InfiniteCache
 
 # Below this many workers the floors cost about what the engines they spare do (compiled,
 # tiled Mooncake, instructions of a replay with floors against without, trace loading

@@ -7,10 +7,8 @@ times twice); to shape a trace anew, load it again."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
-from router.request import Request
 from traces.schema import Trace, finish
 from traces.tiled import TiledRequests
 
@@ -87,36 +85,3 @@ def assign_tenants(trace: Trace, num_tenants: int, skew: float = 0.0, seed: int 
         for r, client in zip(trace.requests, clients, strict=True):
             r.client = client
     return trace
-
-
-class InfiniteCache:
-    """The prefix-cache hit bound: one unbounded cache shared by all workers.
-
-    `observe` returns the cached tokens a request would get, in the order requests are shown:
-    its leading full blocks seen before, keeping at least one token to compute (as the engine
-    does), then remembers its blocks.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._seen: set[int] = set()
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-
-    def observe(self, request: Request) -> int:
-        hashes, seen = request.block_hashes, self._seen
-        full = request.prompt_len // self.block_size
-        cap = min(len(hashes), request.reusable_blocks(self.block_size))
-        n = 0
-        while n < cap and hashes[n] in seen:
-            n += 1
-        # The blocks before the first miss are remembered already: adding them again would
-        # hash every block of every prompt, where a replay's prompts are mostly hits.
-        seen.update(itertools.islice(hashes, n, full))
-        self.prompt_tokens += request.prompt_len
-        self.cached_tokens += n * self.block_size
-        return n * self.block_size
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

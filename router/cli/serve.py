@@ -125,9 +125,9 @@ def serve_config(args: argparse.Namespace):  # -> ClusterConfig
 def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
+    from simulator.hit_bound import InfiniteCache
     from simulator.results import summarize, write_results
     from traces.replay import replay
-    from traces.transform import InfiniteCache
 
     trace = load_workload(args)
     out = Path(args.out)

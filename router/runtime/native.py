@@ -2,13 +2,14 @@
 
 The same source, compiled to C by mypyc: the engine, its block manager, the cost model, the
 simulator's driver, the cluster view and the load floors read from it (with their heap of
-(time, worker) pairs), the dispatch queues, the prefix index, the router core and the fairness
-policies' service meter. `make` builds them into build/native (`router.runtime.native.main`),
-with one C extension beside them (EXTENSIONS: the huge-page arena allocator,
-router/runtime/arenas.py), and the `router`, `simulator` and `policies` packages put that folder
-first on their import path only while it was built from the very source on disk, for this
-Python: edit a module and it runs as plain Python until the next build, never stale. Set
-FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no frames inside compiled code).
+(time, worker) pairs), the dispatch queues, the prefix index, the router core, the hit bound
+every run reports and the fairness policies' service meter. `make` builds them into
+build/native (`router.runtime.native.main`), with one C extension beside them (EXTENSIONS: the
+huge-page arena allocator, router/runtime/arenas.py), and the `router`, `simulator` and
+`policies` packages put that folder first on their import path only while it was built from
+the very source on disk, for this Python: edit a module and it runs as plain Python until the
+next build, never stale. Set FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no
+frames inside compiled code).
 
 A compiled class accepts no attribute it does not declare, and an interpreted subclass only if
 it says so (`mypyc_attr(allow_interpreted_subclasses=True)`: the driver's SimCluster and the
@@ -54,6 +55,7 @@ MODULES = (
     "router/cost_model.py",
     "simulator/engine.py",
     "simulator/transfers.py",
+    "simulator/hit_bound.py",
     "simulator/driver.py",
 )
 # C extensions built beside them, by name (each lands in the shared folder, a top-level module).

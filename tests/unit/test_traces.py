@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.request import hash_token_blocks
+from simulator.hit_bound import InfiniteCache
 from traces import transform
 from traces.generators import GENERATORS, _Shared, agent_loops, chat_sessions, shared_prefix
 from traces.loaders import detect_format, load_trace
@@ -65,7 +66,7 @@ class TestMooncake:
     def test_whole_public_trace(self, mooncake_path: Path) -> None:
         trace = load_trace(mooncake_path)
         assert len(trace) == 12031
-        bound = transform.InfiniteCache(trace.block_size)
+        bound = InfiniteCache(trace.block_size)
         for r in trace.requests:
             bound.observe(r)
         # The shared README measures 37.4 % of prompt tokens in blocks seen before; counting

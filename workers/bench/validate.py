@@ -49,11 +49,12 @@ from router.runtime.processes import wait_healthy
 from simulator.config import SimConfig
 from simulator.driver import simulate
 from simulator.engine import EngineConfig
+from simulator.hit_bound import InfiniteCache
 from simulator.results import summarize, write_results
 from traces.generators import shared_prefix
 from traces.replay import replay
 from traces.schema import Trace, write_native
-from traces.transform import InfiniteCache, scale_rate
+from traces.transform import scale_rate
 from workers.bench import validate_report as report
 from workers.launch import (
     CPU_MAX_NUM_BATCHED_TOKENS,
