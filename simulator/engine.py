@@ -23,6 +23,7 @@ building its view) sees what step-by-step simulation would show.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -363,6 +364,9 @@ class Engine:
         kv_events: KVEventSink | None = None,
     ) -> None:
         self.env = env
+        # Bound once: each run's end is a Timeout with this callback.
+        self._timeout = env.timeout
+        self._run_end_callback: Callable[[simpy.Event], None] = self._on_run_end
         self.id = worker_id
         self.cost = cost
         self.config = config
@@ -371,6 +375,7 @@ class Engine:
         # Read once: skip per-token hooks nobody listens to (they run once per sequence per
         # step), and call the listener's hot methods bound.
         self._local_counts_tokens = local.traits.counts_tokens
+        self._local_reorders_on = local.traits.reorders_on
         self._local_on_finish = overridden_hook(local, "on_finish")  # None: a no-op
         self._listener_counts_tokens = listener.counts_tokens
         # No steps in sum with KV events: the evictions a decode step makes are events, each
@@ -574,7 +579,7 @@ class Engine:
         """Idle with work: start at this instant, once every arrival of this instant is in."""
         if not self._start_pending:
             self._start_pending = True
-            self.env.timeout(0).callbacks.append(self._on_start)
+            self._timeout(0).callbacks.append(self._on_start)
 
     def _on_start(self, _event: simpy.Event) -> None:
         self._start_pending = False
@@ -590,8 +595,8 @@ class Engine:
 
     def _schedule_end(self, run: _Run) -> None:
         self.num_events += 1
-        run.end_event = self.env.timeout(run.ends.last - self.env.now)
-        run.end_event.callbacks.append(self._on_run_end)
+        run.end_event = end = self._timeout(run.ends.last - self.env.now)
+        end.callbacks.append(self._run_end_callback)
 
     def _on_run_end(self, event: simpy.Event) -> None:
         run = self._run
@@ -629,7 +634,7 @@ class Engine:
         # Decode steps free no sequence slot and no memory, so a head blocked for either stays
         # blocked while they run, unless the discipline reorders: as tokens are served (after
         # any step), or by what is cached (after a step that evicts).
-        reorders = self.local.traits.reorders_on
+        reorders = self._local_reorders_on
         stays_blocked = stopped_by in ("seqs", "adapters") or (
             stopped_by == "memory" and reorders is not ReordersOn.TOKENS
         )
