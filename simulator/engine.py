@@ -25,7 +25,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, final
 
 import simpy
 
@@ -208,8 +208,25 @@ class _Cohort:
         return steps
 
 
+@final
+class _Step:
+    """One step's batch: `seqs[i]` computes `tokens[i]` new tokens. Two lists, not one of
+    (seq, tokens) pairs: compiled, each pair kept in a list is a tuple made and freed, about
+    40 a request on the Mooncake replay."""
+
+    __slots__ = ("seqs", "tokens")
+
+    def __init__(self) -> None:
+        self.seqs: list[Seq] = []
+        self.tokens: list[int] = []
+
+    def add(self, seq: Seq, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.tokens.append(num_new)
+
+
 class _Run:
-    """Steps planned as one event: `batch` is (seq, tokens) of the step after the `lead`
+    """Steps planned as one event: `batch` is (seqs, tokens) of the step after the `lead`
     steps' (each a batch of its own, usually none); later steps decode.
     (A plain class, not a dataclass: compiled, a dataclass's generated __init__ stays
     interpreted, and a run is planned several times per request.)"""
@@ -220,10 +237,10 @@ class _Run:
 
     def __init__(
         self,
-        batch: list[tuple[Seq, int]],
+        batch: _Step,
         ends: StepEnds,
         cohort: _Cohort | None = None,
-        lead: list[list[tuple[Seq, int]]] | None = None,
+        lead: list[_Step] | None = None,
         lead_tokens: list[int] | None = None,
     ) -> None:
         self.batch = batch
@@ -244,8 +261,8 @@ class _Run:
         # The Timeout that ends the run; replaced if cut short.
         self.end_event: simpy.Event | None = None
 
-    def step_batch(self, i: int) -> list[tuple[Seq, int]]:
-        """(seq, tokens) of step `i` (decode steps: one token each of `batch`'s)."""
+    def step_batch(self, i: int) -> _Step:
+        """Step `i`'s batch (decode steps: one token each of `batch`'s)."""
         return self.lead[i] if i < len(self.lead) else self.batch
 
     def decoding_ahead(self) -> tuple[int, int]:
@@ -253,7 +270,7 @@ class _Run:
         the next that prefills otherwise or ends the run (heard then)."""
         if self.applied < self.prefills:
             return self.decoding_lead()
-        return self.ends.count - 1 - self.applied, len(self.batch)
+        return self.ends.count - 1 - self.applied, len(self.batch.seqs)
 
     def decoding_lead(self) -> tuple[int, int]:
         """(steps, tokens each): the lead steps from the next one on that sample only the
@@ -333,13 +350,14 @@ def decode_steps_within(computed: list[int], block_size: int, free: int) -> int:
     return rounds * block_size + rooms[left]
 
 
-def _shape_at(batch: list[tuple[Seq, int]], computed: list[int], output: list[int]) -> StepShape:
+def _shape_at(batch: _Step, computed: list[int], output: list[int]) -> StepShape:
     """`Engine._shape` of a step planned ahead, the i-th of `batch` the running batch's i-th
     with `computed` and `output` tokens then: the same sums in the same order."""
     num_tokens = kv_read = num_decodes = 0
     pairs = 0.0
-    for i in range(len(batch)):
-        num_new, context = batch[i][1], computed[i]
+    tokens = batch.tokens
+    for i in range(len(tokens)):
+        num_new, context = tokens[i], computed[i]
         num_tokens += num_new
         pairs += num_new * context + num_new * (num_new + 1) / 2
         kv_read += context + num_new
@@ -626,7 +644,7 @@ class Engine:
     def _plan(self) -> _Run:
         cfg, blocks = self.config, self.blocks
         self.event_time = self.clock
-        batch: list[tuple[Seq, int]] = []
+        batch = _Step()
         budget, preempted = self._schedule_running(batch, cfg.max_num_batched_tokens)
         stopped_by = None
         if not preempted:
@@ -640,7 +658,7 @@ class Engine:
         )
         free = blocks.num_empty if stopped_by == "memory" and reorders is ReordersOn.CACHE else None
 
-        if not batch:
+        if not batch.seqs:
             raise RuntimeError(
                 f"worker {self.id}: nothing can run; a request needs more KV blocks than the "
                 f"worker has ({blocks.num_blocks} blocks of {cfg.block_size} tokens)"
@@ -656,8 +674,9 @@ class Engine:
         # nothing waits at all, or waits only for a sequence slot; one that waits for memory
         # could fit once step 1 caches its prompt blocks.
         if stays_blocked or not self.waiting:
-            decodes, context = len(batch) == cfg.max_num_batched_tokens - budget, 0
-            for seq, num_new in batch:
+            decodes, context = len(batch.seqs) == cfg.max_num_batched_tokens - budget, 0
+            for i in range(len(batch.seqs)):
+                seq, num_new = batch.seqs[i], batch.tokens[i]
                 computed = seq.num_computed + num_new
                 if computed != seq.prompt_len + seq.num_output:
                     break  # a prefill chunk short of the prompt's end: it samples nothing
@@ -668,13 +687,13 @@ class Engine:
             else:
                 if decodes:
                     decode_steps = self._plan_decode_run(batch, free) - 1
-                    first = self.cost.decode_time(len(batch), context - len(batch))
+                    first = self.cost.decode_time(len(batch.seqs), context - len(batch.seqs))
                     decode_context = context
-                    decoding = [seq for seq, _ in batch]
+                    decoding = batch.seqs.copy()
                 elif (
                     stopped_by != "memory"
-                    and len(batch) == len(self.running)  # step 2 has budget for the rest
-                    and len(batch) <= cfg.max_num_batched_tokens
+                    and len(batch.seqs) == len(self.running)  # step 2 has budget for the rest
+                    and len(batch.seqs) <= cfg.max_num_batched_tokens
                 ):
                     decode_steps = self._plan_decode_run(batch) - 1
                     decode_context = context
@@ -685,11 +704,11 @@ class Engine:
             self._load_due = 0.0
         if decode_steps == 0 and decoding is None and not self.waiting and cfg.fast_forward:
             return self._plan_chunks(batch, first)
-        ends = self.cost.run_ends(self.clock, first, len(batch), decode_context, decode_steps)
+        ends = self.cost.run_ends(self.clock, first, len(batch.seqs), decode_context, decode_steps)
         cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
         return _Run(batch, ends, cohort)
 
-    def _plan_chunks(self, batch: list[tuple[Seq, int]], first: float) -> _Run:
+    def _plan_chunks(self, batch: _Step, first: float) -> _Run:
         """Step 1 (`batch`, lasting `first`) leaves a prompt short of its end, or a running
         sequence out, and nothing waits: each step after it is the running batch's alone, as
         `_schedule_running` will plan it when it starts, so it is planned now on the tokens
@@ -706,7 +725,7 @@ class Engine:
         computed = [seq.num_computed for seq in running]
         output = [seq.num_output for seq in running]
         free = self.blocks.num_free
-        lead: list[list[tuple[Seq, int]]] = []
+        lead: list[_Step] = []
         lead_ends: list[float] = []
         lead_tokens: list[int] = []
         step, start, length, shortest = batch, self.clock, first, first
@@ -714,8 +733,8 @@ class Engine:
         while len(lead) < cfg.max_run_steps:
             # `step` ends. Running nothing new, it is the running batch's first len(step).
             sampled = 0
-            for i in range(len(step)):
-                seq, num_new = step[i]
+            for i in range(len(step.seqs)):
+                seq, num_new = step.seqs[i], step.tokens[i]
                 computed[i] += num_new
                 if computed[i] == seq.prompt_len + output[i]:
                     sampled = sampled + 1 if output[i] > 0 and sampled >= 0 else -1
@@ -723,7 +742,7 @@ class Engine:
                     if output[i] >= seq.output_len:
                         break
             else:
-                nxt: list[tuple[Seq, int]] = []
+                nxt = _Step()
                 budget, need, whole, decodes = limit, 0, True, True
                 for i in range(n):
                     if budget <= 0:
@@ -734,7 +753,7 @@ class Engine:
                         num_new, whole = budget, False
                     need += (c + num_new + bs - 1) // bs - (c + bs - 1) // bs
                     decodes = decodes and num_new == 1 and output[i] > 0
-                    nxt.append((seq, num_new))
+                    nxt.add(seq, num_new)
                     budget -= num_new
                 if need > free or decodes:
                     break
@@ -746,25 +765,25 @@ class Engine:
                 length = cost.step_time(_shape_at(nxt, computed, output))
                 if length < shortest:
                     shortest = length
-                if whole and len(nxt) == n:  # every sequence samples: a decode run follows
+                if whole and len(nxt.seqs) == n:  # every sequence samples: a decode run follows
                     left = cfg.max_run_steps
                     for i in range(n):
                         left = min(left, running[i].output_len - output[i])
-                        decode_context += computed[i] + nxt[i][1] + 1
+                        decode_context += computed[i] + nxt.tokens[i] + 1
                     if n * (left // bs + 1) > free:
-                        after = [computed[i] + nxt[i][1] for i in range(n)]
+                        after = [computed[i] + nxt.tokens[i] for i in range(n)]
                         left = min(left, decode_steps_within(after, bs, free) + 1)
                     decode_steps = left - 1
                     break
                 continue
             break  # a finish
-        rest = cost.run_ends(start, length, len(step), decode_context, decode_steps)
+        rest = cost.run_ends(start, length, len(step.seqs), decode_context, decode_steps)
         if not lead:
             return _Run(batch, rest)
         ends = _LeadEnds(lead_ends, rest, min(shortest, rest.shortest))
         return _Run(step, ends, None, lead, lead_tokens)
 
-    def _schedule_running(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, batch: _Step, budget: int) -> tuple[int, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.
         Returns the budget left and whether anything was preempted."""
         blocks, bs = self.blocks, self.config.block_size
@@ -798,13 +817,13 @@ class Engine:
                     return budget, True
                 blocks.allocate(seq.table, need)
                 free -= need
-            batch.append((seq, num_new))
+            batch.add(seq, num_new)
             budget -= num_new
             i += 1
         return budget, preempted
 
     def _preempt_by_priority(
-        self, seq: Seq, need: int, batch: list[tuple[Seq, int]], budget: int, i: int
+        self, seq: Seq, need: int, batch: _Step, budget: int, i: int
     ) -> tuple[int, int]:
         """vLLM's priority victims for `seq` (at `i` in the running list) needing `need` blocks:
         the lowest-priority running sequence, again while blocks are short. A victim already
@@ -820,14 +839,14 @@ class Engine:
                 return budget, -1
             if j < i:
                 i -= 1
-                for k, (scheduled, tokens) in enumerate(batch):
+                for k, scheduled in enumerate(batch.seqs):
                     if scheduled is victim:
-                        del batch[k]
-                        budget += tokens
+                        del batch.seqs[k]
+                        budget += batch.tokens.pop(k)
                         break
         return budget, i
 
-    def _admit_waiting(self, batch: list[tuple[Seq, int]], budget: int) -> tuple[int, str | None]:
+    def _admit_waiting(self, batch: _Step, budget: int) -> tuple[int, str | None]:
         """Step 2: waiting requests in the local policy's order, each from its longest cached
         prefix. Returns the budget left and what stopped admission with requests still
         waiting: "seqs" (no sequence slot), "memory", or None."""
@@ -865,7 +884,7 @@ class Engine:
                 seq.num_cached_tokens = cached
             self.running.append(seq)
             self._use_adapter(seq, 1)
-            batch.append((seq, num_new))
+            batch.add(seq, num_new)
             budget -= num_new
         return budget, None
 
@@ -894,7 +913,7 @@ class Engine:
         if adapter is not None and self.config.adapter_slots:
             self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + delta
 
-    def _plan_decode_run(self, batch: list[tuple[Seq, int]], free: int | None = None) -> int:
+    def _plan_decode_run(self, batch: _Step, free: int | None = None) -> int:
         """How many steps, step 1 then decode steps, can run with this batch before something
         must change, taking at most `free` new blocks (default: every free block) beyond step
         1's, which are allocated."""
@@ -902,20 +921,23 @@ class Engine:
             return 1
         # Two at a time: compiled, a min over a generator is a call into the interpreter.
         limit = self.config.max_run_steps
-        for seq, _ in batch:
+        for seq in batch.seqs:
             limit = min(limit, seq.output_len - seq.num_output)
         bs = self.config.block_size
         if free is None:
             free = self.blocks.num_free
-        if len(batch) * (limit // bs + 1) <= free:
+        if len(batch.seqs) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
-        computed = [seq.num_computed + num_new for seq, num_new in batch]
+        seqs, tokens = batch.seqs, batch.tokens
+        computed = [seqs[i].num_computed + tokens[i] for i in range(len(seqs))]
         return min(limit, decode_steps_within(computed, bs, free) + 1)
 
-    def _shape(self, batch: list[tuple[Seq, int]]) -> StepShape:
+    def _shape(self, batch: _Step) -> StepShape:
         num_tokens = kv_read = num_decodes = 0
         pairs = 0.0
-        for seq, num_new in batch:
+        seqs, tokens = batch.seqs, batch.tokens
+        for i in range(len(seqs)):
+            seq, num_new = seqs[i], tokens[i]
             context = seq.num_computed
             num_tokens += num_new
             pairs += num_new * context + num_new * (num_new + 1) / 2
@@ -936,7 +958,9 @@ class Engine:
         bs = self.config.block_size
         blocks, listener, local = self.blocks, self.listener, self.local
         computed_delta, sampled = 0, []
-        for seq, num_new in run.step_batch(i):
+        step = run.step_batch(i)
+        for k in range(len(step.seqs)):
+            seq, num_new = step.seqs[k], step.tokens[k]
             start = seq.num_computed
             seq.num_computed = computed = start + num_new
             computed_delta += num_new
@@ -957,7 +981,9 @@ class Engine:
         run.applied = i + 1
         self.num_steps += 1
         if i < len(run.lead) and run.applied < run.ends.count:  # the next step starts
-            for seq, num_new in run.step_batch(i + 1):
+            step = run.step_batch(i + 1)
+            for k in range(len(step.seqs)):
+                seq, num_new = step.seqs[k], step.tokens[k]
                 need = (seq.num_computed + num_new + bs - 1) // bs - len(seq.table)
                 if need > 0:
                     blocks.allocate(seq.table, need)
@@ -968,7 +994,7 @@ class Engine:
         the step in progress, as step 1 of a decode run planned now would, so that its
         sequences form a cohort and the steps from here on can be applied in sum."""
         blocks, bs = self.blocks, self.config.block_size
-        seqs = [seq for seq, _ in run.batch]
+        seqs = run.batch.seqs.copy()
         for seq in seqs:
             need = (seq.num_computed + bs) // bs - len(seq.table)
             if need > 0:
@@ -1014,7 +1040,7 @@ class Engine:
         blocks = self.blocks
         cohort = run.cohort
         if cohort is None:  # its first steps prefilled, and nothing was applied in sum since
-            cohort = _Cohort([seq for seq, _ in run.batch], self.config.block_size)
+            cohort = _Cohort(run.batch.seqs.copy(), self.config.block_size)
         seqs, settled = cohort.seqs, cohort.lag
         steps = cohort.catch_up(blocks, num_steps)
         if self._local_counts_tokens:
@@ -1031,10 +1057,10 @@ class Engine:
     def _after_steps(self, run: _Run) -> None:
         if run.applied < run.ends.count:  # runs are planned to end at the first finish
             if self.config.check_invariants:
-                assert all(s.num_output < s.output_len for s, _ in run.batch), "finish mid-run"
+                assert all(s.num_output < s.output_len for s in run.batch.seqs), "finish mid-run"
             return
         now = run.ends.last
-        finished = [s for s, _ in run.step_batch(run.applied - 1) if s.num_output >= s.output_len]
+        finished = [s for s in run.step_batch(run.applied - 1).seqs if s.num_output >= s.output_len]
         if not finished:
             return
         for seq in finished:
