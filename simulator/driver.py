@@ -50,6 +50,7 @@ from router.traits import IndexMode, Placement, Role
 from simulator.columns import RecordLog
 from simulator.config import SimConfig
 from simulator.engine import Engine, EngineConfig, Seq
+from simulator.environment import FleetEnvironment
 from simulator.fleet import check_requests
 from simulator.hit_bound import InfiniteCache
 from simulator.load_floors import LoadFloors
@@ -118,7 +119,8 @@ class SimCluster:
         self.trace, self.cost, self.config = trace, cost, config
         # A float clock from the start: SimPy's default is the int 0, which compiled code
         # converts where a time is declared float and plain Python writes to a record as "0".
-        self.env = simpy.Environment(initial_time=0.0)
+        self.env = FleetEnvironment()
+        self._calls = self.env.calls  # its time, read without an interpreted call
         self.policy: GlobalPolicy = self._global_policy()
         local_name = config.local_policy or self.policy.default_local
         self.local_name = local_name  # the discipline: in each engine, or in the router's queues
@@ -343,7 +345,7 @@ class SimCluster:
             self.env.process(self.scaler.run(self._done))
         with paced_for_throughput():  # a run's total time is what counts, not its pauses
             self.env.run()
-        self._progress.close(self.env.now)
+        self._progress.close(self._calls.now)
         wall = time.perf_counter() - started
         workers = [self._worker_record(e) for e in self.engines]
         records = self.log.columns()
@@ -352,7 +354,7 @@ class SimCluster:
             workers,
             total=len(self.trace),
             cache_bound=self.bound.hit_rate,
-            simulated_seconds=self.env.now,
+            simulated_seconds=self._calls.now,
             wall_seconds=wall,
             config=self._config_summary(),
             classes=self.classes,
@@ -394,8 +396,8 @@ class SimCluster:
         if self.config.closed_loop:
             first_turns = self._first_turns()
         for req in first_turns:
-            if req.arrival > self.env.now:
-                yield self.env.timeout(req.arrival - self.env.now)
+            if req.arrival > self._calls.now:
+                yield self.env.timeout(req.arrival - self._calls.now)
             self.dispatch(req)
 
     def _first_turns(self) -> list[Request]:
@@ -415,14 +417,14 @@ class SimCluster:
 
     def _send_later(self, req: Request, delay: float) -> simpy.events.ProcessGenerator:
         yield self.env.timeout(delay)
-        req.arrival = self.env.now
+        req.arrival = self._calls.now
         self.dispatch(req)
 
     def _outage(self, start: float, end: float, worker: int) -> simpy.events.ProcessGenerator:
         yield self.env.timeout(start)
-        self._sync(self.env.now)
+        self._sync(self._calls.now)
         for router in self.routers:  # each replica's health checks see it fail
-            requeued = router.worker_down(worker, self.env.now)
+            requeued = router.worker_down(worker, self._calls.now)
             if self._floors is not None:
                 self._floors.changed(worker)  # not routable from now
             for req in requeued:
@@ -464,7 +466,7 @@ class SimCluster:
         return engine.next_change if self._floors is not None else engine.run_end
 
     def dispatch(self, req: Request, rerouted: bool = False) -> None:
-        now = self.env.now
+        now = self._calls.now
         self._sync(now)
         router = self.routers[self._next_router]
         self._next_router = (self._next_router + 1) % len(self.routers)
@@ -516,7 +518,7 @@ class SimCluster:
         """`req` has waited its class's limit: refused if it never started, else it goes on.
         Whichever holds it unstarted takes it back and says so: the router from its queue,
         else its engine from the engine's, and then the router hears of it once."""
-        now = self.env.now
+        now = self._calls.now
         if router.time_out(req, now):
             released: list[Request] = []
         elif self.engines[worker].withdraw(req.id):
@@ -530,7 +532,7 @@ class SimCluster:
             self.scaler.finished(worker)
 
     def _refused(self, req: Request, reason: str) -> None:
-        self.refusals.append(Refusal(req.id, req.client, req.priority, reason, self.env.now))
+        self.refusals.append(Refusal(req.id, req.client, req.priority, reason, self._calls.now))
         self._predicted_ttft.pop(req.id, None)
         self._count_done()
         self._next_turn(req)
@@ -704,7 +706,7 @@ class SimCluster:
         this run's own, or the command's over all its runs)."""
         progress = self._progress
         if progress is not None and progress.enabled:
-            progress.request_done(self.env.now)
+            progress.request_done(self._calls.now)
 
     def _next_turn(self, req: Request) -> None:
         """Closed loop: the session's next turn, after its think time (a refused turn too:

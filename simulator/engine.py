@@ -27,14 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol, final
 
-import simpy
-
 from router.cost_model import CostModel, StepEnds, StepShape
 from router.policy import LocalPolicy, overridden_hook
 from router.request import Request
 from router.runtime.native import rebuilt
 from router.traits import ReordersOn
 from simulator.block_manager import BlockManager, BlockTable, KVEventSink
+from simulator.environment import FleetEnvironment
 
 
 @dataclass(slots=True, frozen=True)
@@ -232,7 +231,7 @@ class _Run:
     interpreted, and a run is planned several times per request.)"""
 
     __slots__ = (
-        "batch", "lead", "lead_tokens", "ends", "cohort", "prefills", "applied", "end_event"
+        "batch", "lead", "lead_tokens", "ends", "cohort", "prefills", "applied", "end_call"
     )  # fmt: skip
 
     def __init__(
@@ -258,8 +257,9 @@ class _Run:
         # The steps applied one at a time, each its batch's: none if every step decodes.
         self.prefills = 0 if cohort is not None else len(self.lead) + 1
         self.applied = 0
-        # The Timeout that ends the run; replaced if cut short.
-        self.end_event: simpy.Event | None = None
+        # The id of the call that ends the run (FleetEnvironment.call_later); replaced if the
+        # run is cut short.
+        self.end_call = -1
 
     def step_batch(self, i: int) -> _Step:
         """Step `i`'s batch (decode steps: one token each of `batch`'s)."""
@@ -373,7 +373,7 @@ def _lowest_priority(seq: Seq) -> tuple[int, float]:
 class Engine:
     def __init__(
         self,
-        env: simpy.Environment,
+        env: FleetEnvironment,
         worker_id: int,
         cost: CostModel,
         config: EngineConfig,
@@ -382,9 +382,9 @@ class Engine:
         kv_events: KVEventSink | None = None,
     ) -> None:
         self.env = env
-        # Bound once: each run's end is a Timeout with this callback.
-        self._timeout = env.timeout
-        self._run_end_callback: Callable[[simpy.Event], None] = self._on_run_end
+        # The time, and the calls that end runs (compiled: no interpreted call for either).
+        self._calls = env.calls
+        self._run_end_callback: Callable[[int], None] = self._on_run_end  # bound once
         self.id = worker_id
         self.cost = cost
         self.config = config
@@ -433,7 +433,7 @@ class Engine:
         """Queue `req`; `preloaded`: its prompt's KV has arrived from a prefill worker."""
         # First the steps ended by now: a queue discipline may read what they charged (VTC
         # lifts an arriving client to the backlogged ones' counters).
-        self.sync(self.env.now)
+        self.sync(self._calls.now)
         if self._local_counts_tokens:
             self._settle()  # the run is cut below: steps in sum count from its start
         self.waiting[req.id] = Seq(req, self.id, self.config.block_size, preloaded)
@@ -447,7 +447,7 @@ class Engine:
     def abort(self, request_id: int) -> None:
         """Stop a request (its client left). Waiting: withdrawn from its queue discipline,
         uncharged. Running: it ends with the tokens it has, at the next step boundary."""
-        self.sync(self.env.now)
+        self.sync(self._calls.now)
         seq = self.waiting.get(request_id)
         if seq is not None:
             self._unqueue(seq)
@@ -465,7 +465,7 @@ class Engine:
         has started), as its queue time ran out: withdrawn from its queue discipline,
         uncharged, and the listener hears no more of it. False, and nothing changes, if it
         started, ended or never came here."""
-        self.sync(self.env.now)
+        self.sync(self._calls.now)
         seq = self.waiting.get(request_id)
         if seq is None or seq.admitted_at is not None:
             return False
@@ -588,21 +588,22 @@ class Engine:
         return not self.running and not self.waiting
 
     # ------------------------------------------------------------------ loop
-    # Driven by SimPy callbacks, not a process: a run's end is one Timeout. An arrival that cuts
-    # a multi-step run short schedules an earlier end, and the superseded Timeout fires later to
-    # no effect (SimPy cannot cancel events). That costs less than a process waiting on
-    # `timeout | wake`, which builds a Condition and two more events for every run.
+    # Driven by calls on SimPy's time, not a process: a run's end is one call
+    # (FleetEnvironment.call_later, in SimPy's order as a Timeout would be). An arrival that
+    # cuts a multi-step run short schedules an earlier end, and the superseded call comes later
+    # to no effect. That costs less than a process waiting on `timeout | wake`, which builds a
+    # Condition and two more events for every run.
 
     def _start_soon(self) -> None:
         """Idle with work: start at this instant, once every arrival of this instant is in."""
         if not self._start_pending:
             self._start_pending = True
-            self._timeout(0).callbacks.append(self._on_start)
+            self._calls.call_later(0.0, self._on_start)
 
-    def _on_start(self, _event: simpy.Event) -> None:
+    def _on_start(self, _call: int) -> None:
         self._start_pending = False
         if self._run is None and not self.is_idle:
-            self.clock = self.env.now
+            self.clock = self._calls.now
             self._begin_run()
 
     def _begin_run(self) -> None:
@@ -613,12 +614,12 @@ class Engine:
 
     def _schedule_end(self, run: _Run) -> None:
         self.num_events += 1
-        run.end_event = end = self._timeout(run.ends.last - self.env.now)
-        end.callbacks.append(self._run_end_callback)
+        calls = self._calls
+        run.end_call = calls.call_later(run.ends.last - calls.now, self._run_end_callback)
 
-    def _on_run_end(self, event: simpy.Event) -> None:
+    def _on_run_end(self, call: int) -> None:
         run = self._run
-        if run is None or event is not run.end_event:
+        if run is None or call != run.end_call:
             return  # superseded by an earlier end
         self._apply_ended(run.ends.last)
         self.clock = run.ends.last
@@ -630,7 +631,7 @@ class Engine:
 
     def _cut_run(self) -> None:
         """Something arrived or left mid-run: end the run after the step in progress."""
-        run, now = self._run, self.env.now
+        run, now = self._run, self._calls.now
         if run is None or run.ends.last <= now:
             return
         self.sync(now)

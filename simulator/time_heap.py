@@ -1,6 +1,7 @@
 """A min-heap of (time, worker) pairs, for the simulator's own schedules: when each engine's
 next step ends (the driver's syncing), when each worker's load floor crosses a level (the load
-floors).
+floors), and when each of the environment's plain calls is due (simulator/environment.py, an
+id in the worker's place).
 
 heapq on (float, int) tuples compares through tuple and float rich comparison, a few hundred
 instructions a comparison and a tuple made and freed per entry: at 1,024 workers these heaps
@@ -46,6 +47,10 @@ class TimeHeap:
         """The earliest time (inf when empty)."""
         entries = self._entries
         return entries[0].at if entries else _INF
+
+    def first_id(self) -> int:
+        """The earliest pair's worker (the heap must not be empty)."""
+        return self._entries[0].wid
 
     def push(self, at: float, wid: int) -> None:
         entries = self._entries

@@ -1,15 +1,16 @@
 """Compiled builds (mypyc) of the modules a simulation spends its time in.
 
 The same source, compiled to C by mypyc: the request every layer shares, the engine, its block
-manager, the cost model, the simulator's driver, the cluster view and the load floors read from
-it (with their heap of (time, worker) pairs), the dispatch queues, the prefix index, the router
-core, the hit bound every run reports and the fairness policies' service meter. `make` builds
-them into build/native (`router.runtime.native.main`), with one C extension beside them
-(EXTENSIONS: the huge-page arena allocator, router/runtime/arenas.py), and the `router`,
-`simulator` and `policies` packages put that folder first on their import path only while it
-was built from the very source on disk, for this Python: edit a module and it runs as plain
-Python until the next build, never stale. Set FAIRWAY_PURE=1 to run it all as plain Python
-(cProfile sees no frames inside compiled code).
+manager, the cost model, the simulator's driver and its environment's queue of calls, the
+cluster view and the load floors read from it (with their heap of (time, worker) pairs), the
+dispatch queues, the prefix index, the router core, the hit bound every run reports and the
+fairness policies' service meter. `make` builds them into build/native
+(`router.runtime.native.main`), with one C extension beside them (EXTENSIONS: the huge-page
+arena allocator, router/runtime/arenas.py), and the `router`, `simulator` and `policies`
+packages put that folder first on their import path only while it was built from the very
+source on disk, for this Python: edit a module and it runs as plain Python until the next
+build, never stale. Set FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no
+frames inside compiled code).
 
 A compiled class accepts no attribute it does not declare, and an interpreted subclass only if
 it says so (`mypyc_attr(allow_interpreted_subclasses=True)`: the driver's SimCluster and the
@@ -36,6 +37,7 @@ MODULES = (
     "router/request.py",
     "router/view.py",
     "simulator/time_heap.py",
+    "simulator/environment.py",
     "simulator/load_floors.py",
     "router/core.py",
     "router/roster.py",

@@ -18,6 +18,7 @@ from router.request import Request, hash_token_blocks
 from simulator.config import SimConfig
 from simulator.driver import simulate
 from simulator.engine import Engine, EngineConfig, EngineListener, Seq, decode_steps_within
+from simulator.environment import FleetEnvironment
 from simulator.listener import ListenerDefaults
 from traces.generators import chat_sessions, shared_prefix
 from traces.schema import Trace
@@ -351,9 +352,9 @@ class Finishes(ListenerDefaults):
         self.finished[seq.req.id] = (seq.num_output, now)
 
 
-def lone_engine(listener: EngineListener, **engine: object) -> tuple[simpy.Environment, Engine]:
+def lone_engine(listener: EngineListener, **engine: object) -> tuple[FleetEnvironment, Engine]:
     """One engine on its own (no router), FCFS, checking its accounting after every change."""
-    env = simpy.Environment()
+    env = FleetEnvironment()
     config = EngineConfig(block_size=BS, check_invariants=True, **engine)  # type: ignore[arg-type]
     return env, Engine(env, 0, COST, config, FCFS(), listener)
 

@@ -13,13 +13,12 @@ import contextlib
 import math
 import time
 
-import simpy
-
 from policies.fcfs import FCFS
 from router.cost_model import roofline
 from router.policy import LocalPolicy
 from router.request import Request
 from simulator.engine import Engine, EngineConfig, Seq
+from simulator.environment import FleetEnvironment
 from simulator.listener import ListenerDefaults
 from workers.emulated.kv_events import KVEventPublisher
 from workers.emulated.metrics import VLLMMetrics
@@ -40,7 +39,7 @@ class WallClockEngine(ListenerDefaults):
         waiting: LocalPolicy | None = None,
     ):
         """`waiting`: the order of the waiting queue (default FCFS, vLLM's fcfs policy)."""
-        self.env = simpy.Environment()
+        self.env = FleetEnvironment()
         self.speed = speed
         cost = roofline(preset, gpu)
         local = waiting if waiting is not None else FCFS()
