@@ -791,6 +791,7 @@ class Engine:
         preempted = False
         running = self.running
         free = blocks.num_free
+        seqs, tokens = batch.seqs, batch.tokens
         i, n = 0, len(running)
         # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
         # running sequence holds exactly blocks_for(num_computed) blocks here.
@@ -818,7 +819,8 @@ class Engine:
                     return budget, True
                 blocks.allocate(seq.table, need)
                 free -= need
-            batch.add(seq, num_new)
+            seqs.append(seq)
+            tokens.append(num_new)
             budget -= num_new
             i += 1
         return budget, preempted
