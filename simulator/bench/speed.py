@@ -48,6 +48,7 @@ AREAS = {
     "router/": "router core (route, dispatch, load)",
     "policies/": "policies",
     "simpy/": "SimPy event loop",
+    "simulator/environment.py": "SimPy event loop",  # its calls beside SimPy's events
 }
 
 
