@@ -12,6 +12,7 @@ import asyncio
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -50,20 +51,27 @@ def test_load_adds_workers_and_its_end_drains_them(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path),
             "--autoscale", AUTOSCALE]  # fmt: skip
     base, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
-    spec = LoadSpec(num_requests=1000, concurrency=12, duration=20.0, max_tokens=16, timeout=30.0)
+    # The load comes in rounds of 10 s, two at least and six at most: a machine busy with other
+    # tests can take longer than usual to start a worker (a Ray actor and its server), and the
+    # load must still be on when it comes up.
+    spec = LoadSpec(num_requests=500, concurrency=12, duration=10.0, max_tokens=16, timeout=30.0)
+    min_rounds, max_rounds = 2, 6
 
     async def go() -> None:
         await wait_healthy_async(base, 90)
         async with aiohttp.ClientSession() as session:
             assert await gauges(session, admin) == (1, 1), "the minimum serves at the start"
             most = 0
-            load = asyncio.create_task(run_load(base, spec))
-            while not load.done():  # bounded: the load ends by its duration and timeout
-                most = max(most, (await gauges(session, admin))[0])
-                await asyncio.sleep(0.25)
-            result = await load
-            assert_every_request_ended(result)
-            assert result.counts["ok"] == len(result.outcomes), result.summary()
+            for round_ in range(max_rounds):
+                load = asyncio.create_task(run_load(base, replace(spec, seed=round_)))
+                while not load.done():  # bounded: the load ends by its duration and timeout
+                    most = max(most, (await gauges(session, admin))[0])
+                    await asyncio.sleep(0.25)
+                result = await load
+                assert_every_request_ended(result)
+                assert result.counts["ok"] == len(result.outcomes), result.summary()
+                if most >= 2 and round_ + 1 >= min_rounds:
+                    break
             assert most >= 2, f"the load added workers (at most {most} served)"
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and await gauges(session, admin) != (1, 1):
@@ -71,6 +79,6 @@ def test_load_adds_workers_and_its_end_drains_them(tmp_path: Path) -> None:
             assert await gauges(session, admin) == (1, 1), "drained back to the minimum"
 
     with process(argv, None, tmp_path / "serve.log", {"PYTHONPATH": str(ROOT)}):
-        run(go, timeout=90)
+        run(go, timeout=150)
     log = (tmp_path / "serve.log").read_text(errors="replace")
     assert re.search(r"autoscale: slot [12] serves as worker", log), "a worker was started"
