@@ -381,7 +381,6 @@ class Engine:
         listener: EngineListener,
         kv_events: KVEventSink | None = None,
     ) -> None:
-        self.env = env
         # The time, and the calls that end runs (compiled: no interpreted call for either).
         self._calls = env.calls
         self._run_end_callback: Callable[[int], None] = self._on_run_end  # bound once
