@@ -117,9 +117,7 @@ class SimCluster:
         placements = _placements(config, trace.block_size, cost)
         cost = placements[0].cost if cost is None else cost
         self.trace, self.cost, self.config = trace, cost, config
-        # A float clock from the start: SimPy's default is the int 0, which compiled code
-        # converts where a time is declared float and plain Python writes to a record as "0".
-        self.env = FleetEnvironment()
+        self.env = FleetEnvironment()  # a float clock from the start
         self._calls = self.env.calls  # its time, read without an interpreted call
         self.policy: GlobalPolicy = self._global_policy()
         local_name = config.local_policy or self.policy.default_local

@@ -17,13 +17,15 @@ would as Timeouts, at the same times. Everything else is SimPy's: processes, Tim
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import final
+from typing import Final, final
 
 from mypy_extensions import mypyc_attr
 from simpy.core import Environment
 from simpy.events import NORMAL
 
 from simulator.time_heap import TimeHeap
+
+_INF: Final = float("inf")
 
 
 @final
@@ -69,6 +71,8 @@ class CallQueue:
 
 @mypyc_attr(native_class=False)  # a subclass of SimPy's (interpreted) Environment
 class FleetEnvironment(Environment):
+    # A float clock from the start: SimPy's default is the int 0, which compiled code converts
+    # where a time is declared float, and plain Python writes to a record as "0".
     def __init__(self, initial_time: float = 0.0) -> None:
         super().__init__(initial_time)
         self.calls = CallQueue(self._eid, initial_time)
@@ -80,8 +84,9 @@ class FleetEnvironment(Environment):
     def step(self) -> None:
         """Run the next event or call."""
         calls, queue = self.calls, self._queue
-        if calls.first_at() < float("inf") and (not queue or calls.before(queue[0])):
-            self._now = calls.first_at()
+        at = calls.first_at()
+        if at < _INF and (not queue or calls.before(queue[0])):
+            self._now = at
             calls.run_first()
             return
         if queue:  # the event SimPy's step pops, and the time its callbacks run at
