@@ -979,8 +979,10 @@ class Engine:
         bs: i64 = self.config.block_size
         blocks, listener, local = self.blocks, self.listener, self.local
         computed_delta: i64 = 0
-        sampled = []
         step = run.step_batch(i)
+        # What sampled a token: the step's sequences but those `skipped` (a prompt's chunk short
+        # of its end: usually none, or one), not a list grown by appends.
+        skipped: list[int] = []
         for k in range(len(step.seqs)):
             seq = step.seqs[k]
             num_new: i64 = step.tokens[k]
@@ -990,12 +992,17 @@ class Engine:
             if start < len(seq.hashes) * bs:  # this step computed (part of) the cacheable prompt
                 blocks.commit_full_blocks(seq.table, seq.hashes, computed // bs)
             if computed < seq.prompt_len + seq.num_output:
-                continue  # a prefill chunk short of the end of the prompt: nothing sampled
+                skipped.append(k)  # nothing sampled
+                continue
             seq.num_output += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 listener.on_first_token(seq, now)
-            sampled.append(seq)
+        sampled = step.seqs
+        if skipped:
+            sampled = sampled.copy()
+            for k in reversed(skipped):
+                del sampled[k]
         if sampled and self._local_counts_tokens:
             local.on_tokens([seq.req for seq in sampled], 1)
         if sampled and self._listener_counts_tokens:
