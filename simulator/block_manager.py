@@ -110,11 +110,11 @@ class BlockManager:
 
     def num_cached_prefix(self, hashes: list[BlockHash], limit: int) -> int:
         """Leading blocks of `hashes` (at most `limit`) present in the cache."""
+        # By index, here and below: a slice would copy a prompt's hashes, thousands for a
+        # long one, at every admission.
         blocks, keys = self._blocks, as_keys(hashes)
-        n = 0
-        for h in keys[:limit]:
-            if h not in blocks:
-                break
+        n, stop = 0, min(limit, len(keys))
+        while n < stop and keys[n] in blocks:
             n += 1
         return n
 
@@ -122,8 +122,8 @@ class BlockManager:
         """Free blocks left once the first `num_hit` cached blocks of `hashes` are pinned."""
         blocks, keys = self._blocks, as_keys(hashes)
         pinned = 0
-        for h in keys[:num_hit]:
-            if blocks[h].ref == 0:
+        for i in range(num_hit):
+            if blocks[keys[i]].ref == 0:
                 pinned += 1
         return self.num_free - pinned
 
@@ -139,9 +139,9 @@ class BlockManager:
     def pin_prefix(self, table: BlockTable, hashes: list[BlockHash], num_hit: int) -> None:
         """Share the first `num_hit` cached blocks of `hashes` with a new sequence."""
         assert not len(table), "a prefix is pinned before anything else is allocated"
-        blocks, hashed = self._blocks, table.hashed
-        for h in as_keys(hashes)[:num_hit]:
-            block = blocks[h]
+        blocks, hashed, keys = self._blocks, table.hashed, as_keys(hashes)
+        for i in range(num_hit):
+            block = blocks[keys[i]]
             if block.ref == 0:
                 self._unlink(block)
             block.ref += 1
@@ -153,9 +153,13 @@ class BlockManager:
         take_empty = min(num_new, self._num_empty)
         self._num_empty -= take_empty
         if num_new > take_empty:
-            evicted = [self._drop_oldest() for _ in range(num_new - take_empty)]
-            self.num_evictions += len(evicted)
-            if self.events is not None:
+            num_evicted = num_new - take_empty
+            self.num_evictions += num_evicted
+            if self.events is None:
+                for _i in range(num_evicted):
+                    self._drop_oldest()
+            else:
+                evicted = [self._drop_oldest() for _ in range(num_evicted)]
                 self.events.removed(cast(list[BlockHash], evicted))
         table.num_anonymous += num_new
 
