@@ -360,17 +360,20 @@ def decode_steps_within(computed: list[int], block_size: int, free: int) -> int:
 def _shape_at(batch: _Step, computed: list[int], output: list[int]) -> StepShape:
     """`Engine._shape` of a step planned ahead, the i-th of `batch` the running batch's i-th
     with `computed` and `output` tokens then: the same sums in the same order."""
-    num_tokens = kv_read = num_decodes = 0
-    pairs = 0.0
+    num_tokens: i64 = 0
+    kv_read: i64 = 0
+    num_decodes: i64 = 0
+    pairs: i64 = 0
     tokens = batch.tokens
     for i in range(len(tokens)):
-        num_new, context = tokens[i], computed[i]
+        num_new: i64 = tokens[i]
+        context: i64 = computed[i]
         num_tokens += num_new
-        pairs += num_new * context + num_new * (num_new + 1) / 2
+        pairs += num_new * context + ((num_new * (num_new + 1)) >> 1)
         kv_read += context + num_new
         if num_new == 1 and output[i] > 0:
             num_decodes += 1
-    return StepShape(num_tokens, pairs, kv_read, num_decodes)
+    return StepShape(num_tokens, float(pairs), kv_read, num_decodes)
 
 
 def _lowest_priority(seq: Seq) -> tuple[int, float]:
@@ -976,20 +979,20 @@ class Engine:
         num_tokens: i64 = 0
         kv_read: i64 = 0
         num_decodes: i64 = 0
-        pairs = 0.0
+        pairs: i64 = 0  # summed exactly; as a float, each partial sum was exact too
         seqs, tokens = batch.seqs, batch.tokens
         for i in range(len(seqs)):
             seq = seqs[i]
             num_new: i64 = tokens[i]
             context = seq.num_computed
             num_tokens += num_new
-            pairs += float(num_new * context) + num_new * (num_new + 1) / 2
+            pairs += num_new * context + ((num_new * (num_new + 1)) >> 1)  # an even product
             kv_read += context + num_new
             # Decoding: one token after those it sampled. A prompt's last token alone is a
             # prefill; a recomputation left with one token costs as a decode and counts as one.
             if num_new == 1 and seq.num_output > 0:
                 num_decodes += 1
-        return StepShape(num_tokens, pairs, kv_read, num_decodes)
+        return StepShape(num_tokens, float(pairs), kv_read, num_decodes)
 
     # ---------------------------------------------------------------- applying
 
