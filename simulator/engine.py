@@ -200,8 +200,8 @@ class _Cohort:
     def catch_up(self, blocks: BlockManager, num_steps: int) -> int:
         """Each sequence made the steps in sum and `num_steps` more: its tokens and the blocks
         they fill. Returns how many that is for each."""
-        bs = self._block_size
-        steps = self.lag + num_steps
+        bs: i64 = self._block_size
+        steps: i64 = self.lag + num_steps
         for seq in self.seqs:
             table = seq.table
             seq.num_computed = computed = seq.num_computed + steps
@@ -688,9 +688,11 @@ class Engine:
         # nothing waits at all, or waits only for a sequence slot; one that waits for memory
         # could fit once step 1 caches its prompt blocks.
         if stays_blocked or not self.waiting:
-            decodes, context = len(batch.seqs) == cfg.max_num_batched_tokens - budget, 0
+            decodes = len(batch.seqs) == cfg.max_num_batched_tokens - budget
+            context: i64 = 0
             for i in range(len(batch.seqs)):
-                seq, num_new = batch.seqs[i], batch.tokens[i]
+                seq = batch.seqs[i]
+                num_new: i64 = batch.tokens[i]
                 computed = seq.num_computed + num_new
                 if computed != seq.prompt_len + seq.num_output:
                     break  # a prefill chunk short of the prompt's end: it samples nothing
@@ -962,11 +964,13 @@ class Engine:
         1's, which are allocated."""
         if not self.config.fast_forward:
             return 1
-        # Two at a time: compiled, a min over a generator is a call into the interpreter.
-        limit = self.config.max_run_steps
+        # A loop, not min() over a generator: compiled, that is a call into the interpreter.
+        limit: i64 = self.config.max_run_steps
         for seq in batch.seqs:
-            limit = min(limit, seq.output_len - seq.num_output)
-        bs = self.config.block_size
+            left = seq.output_len - seq.num_output
+            if left < limit:
+                limit = left
+        bs: i64 = self.config.block_size
         if free is None:
             free = self.blocks.num_free
         if len(batch.seqs) * (limit // bs + 1) <= free:
