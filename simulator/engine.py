@@ -984,9 +984,8 @@ class Engine:
         kv_read: i64 = 0
         num_decodes: i64 = 0
         pairs: i64 = 0  # summed exactly; as a float, each partial sum was exact too
-        seqs, tokens = batch.seqs, batch.tokens
-        for i in range(len(seqs)):
-            seq = seqs[i]
+        tokens = batch.tokens
+        for i, seq in enumerate(batch.seqs):  # iterated: compiled, no bounds check a read
             num_new: i64 = tokens[i]
             context = seq.num_computed
             num_tokens += num_new
@@ -1012,9 +1011,9 @@ class Engine:
         # What sampled a token: the step's sequences but those `skipped` (a prompt's chunk short
         # of its end: usually none, or one), not a list grown by appends.
         skipped: list[int] = []
-        for k in range(len(step.seqs)):
-            seq = step.seqs[k]
-            num_new: i64 = step.tokens[k]
+        tokens = step.tokens
+        for k, seq in enumerate(step.seqs):
+            num_new: i64 = tokens[k]
             start = seq.num_computed
             seq.num_computed = computed = start + num_new
             computed_delta += num_new
