@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ SUMMARY_KEYS = {
     "per_client",
     "fairness",
     "wall_seconds",
+    "cpu_seconds",
     "simulated_seconds",
 }
 
@@ -188,6 +190,16 @@ class TestSimulateCommand:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         ).stdout
         assert out.split() == ["1"]  # the main thread alone
+
+
+def test_cpu_seconds_are_the_event_loops_alone() -> None:
+    """`cpu_seconds` times the event loop, as `fairway bench-vidur` compares it with Vidur's: the
+    summary made after it is not in it, so it is under the CPU time of the whole call."""
+    trace = shared_prefix(num_requests=400, seed=1)
+    started = time.process_time()
+    summary = simulate(trace, COST, SimConfig(num_workers=4, policy="lpm")).summary
+    whole = time.process_time() - started
+    assert 0 < summary["cpu_seconds"] < whole  # type: ignore[operator]
 
 
 class TestDeterminism:
