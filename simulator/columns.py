@@ -160,7 +160,7 @@ class RecordColumns:
     @cached_property
     def by_client(self) -> dict[str, np.ndarray]:
         """Each client's rows, in the order its requests came, as an index array: a list
-        indexing a column is made an array again each time, most of a summary's time."""
+        indexing a column is made an array again at every use, about twenty a summary."""
         out: dict[str, list[int]] = {}
         for i, client in enumerate(self.client):
             out.setdefault(client, []).append(i)

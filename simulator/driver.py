@@ -370,8 +370,8 @@ class SimCluster:
             summary.update(self.scaler.summary())
         decisions = sum((r.decisions for r in self.routers), Counter())
         summary["decisions"] = dict(sorted(decisions.items(), key=lambda kv: -kv[1]))
-        # The event loop's CPU time, as `wall_seconds` is its time: the records' columns and
-        # this summary not included (the process's, when it runs more than the simulation).
+        # The event loop's CPU time, as `wall_seconds` is its time (the records' columns and this
+        # summary not in either): the process's, so another thread's work in it counts too.
         summary["cpu_seconds"] = cpu
         prompt = summary["tokens"]["prompt"]  # type: ignore[index]
         predicted = sum(r.predicted_hit_tokens for r in self.routers)
