@@ -376,6 +376,24 @@ def _shape_at(batch: _Step, computed: list[int], output: list[int]) -> StepShape
     return StepShape(num_tokens, float(pairs), kv_read, num_decodes)
 
 
+class _ProtocolCost(StepCost):
+    """A CostModel that is no StepCost, as the engine prices steps: through the protocol."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self._cost = cost
+
+    def step_time(self, shape: StepShape) -> float:
+        return self._cost.step_time(shape)
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        return self._cost.decode_time(num_seqs, context_tokens)
+
+    def run_ends(
+        self, start: float, first: float, num_seqs: int, context_tokens: int, num_decodes: int
+    ) -> StepEnds:
+        return self._cost.run_ends(start, first, num_seqs, context_tokens, num_decodes)
+
+
 def _lowest_priority(seq: Seq) -> tuple[int, float]:
     return seq.req.priority, seq.req.arrival
 
@@ -396,10 +414,10 @@ class Engine:
         self._run_end_callback: Callable[[int], None] = self._on_run_end  # bound once
         self.id = worker_id
         self.cost = cost
-        # The project's cost models derive from the compiled StepCost: called as one, pricing
-        # a step is a native call, not a Python method call through the protocol (about 1,000
-        # instructions each, two or three a run). Any other CostModel is called as one.
-        self._step_cost: StepCost | None = cost if isinstance(cost, StepCost) else None
+        # Steps are priced through the compiled StepCost the project's cost models derive from:
+        # a native call, not a Python method call through the protocol (about 1,000
+        # instructions each, two or three a run). Any other CostModel is wrapped as one.
+        self._step_cost = cost if isinstance(cost, StepCost) else _ProtocolCost(cost)
         self.config = config
         self.local = local
         self.listener = listener
@@ -703,7 +721,7 @@ class Engine:
             else:
                 if decodes:
                     decode_steps = self._plan_decode_run(batch, free) - 1
-                    first = self._decode_time(len(batch.seqs), context - len(batch.seqs))
+                    first = self._step_cost.decode_time(len(batch.seqs), context - len(batch.seqs))
                     decode_context = context
                     decoding = batch.seqs.copy()
                 elif (
@@ -714,13 +732,15 @@ class Engine:
                     decode_steps = self._plan_decode_run(batch) - 1
                     decode_context = context
         if first is None:
-            first = self._step_time(self._shape(batch))
+            first = self._step_cost.step_time(self._shape(batch))
         if self._load_due:
             first += self._load_due
             self._load_due = 0.0
         if decode_steps == 0 and decoding is None and not self.waiting and cfg.fast_forward:
             return self._plan_chunks(batch, first)
-        ends = self._run_ends(self.clock, first, len(batch.seqs), decode_context, decode_steps)
+        ends = self._step_cost.run_ends(
+            self.clock, first, len(batch.seqs), decode_context, decode_steps
+        )
         cohort = _Cohort(decoding, cfg.block_size) if decoding is not None else None
         return _Run(batch, ends, cohort)
 
@@ -778,7 +798,7 @@ class Engine:
                 lead_ends.append(start + length)
                 lead_tokens.append(sampled)
                 step, start = nxt, start + length
-                length = self._step_time(_shape_at(nxt, computed, output))
+                length = self._step_cost.step_time(_shape_at(nxt, computed, output))
                 if length < shortest:
                     shortest = length
                 if whole and len(nxt.seqs) == n:  # every sequence samples: a decode run follows
@@ -793,29 +813,11 @@ class Engine:
                     break
                 continue
             break  # a finish
-        rest = self._run_ends(start, length, len(step.seqs), decode_context, decode_steps)
+        rest = self._step_cost.run_ends(start, length, len(step.seqs), decode_context, decode_steps)
         if not lead:
             return _Run(batch, rest)
         ends = _LeadEnds(lead_ends, rest, min(shortest, rest.shortest))
         return _Run(step, ends, None, lead, lead_tokens)
-
-    def _step_time(self, shape: StepShape) -> float:
-        native = self._step_cost
-        return native.step_time(shape) if native is not None else self.cost.step_time(shape)
-
-    def _decode_time(self, num_seqs: int, context_tokens: int) -> float:
-        native = self._step_cost
-        if native is not None:
-            return native.decode_time(num_seqs, context_tokens)
-        return self.cost.decode_time(num_seqs, context_tokens)
-
-    def _run_ends(
-        self, start: float, first: float, num_seqs: int, context_tokens: int, num_decodes: int
-    ) -> StepEnds:
-        native = self._step_cost
-        if native is not None:
-            return native.run_ends(start, first, num_seqs, context_tokens, num_decodes)
-        return self.cost.run_ends(start, first, num_seqs, context_tokens, num_decodes)
 
     def _schedule_running(self, batch: _Step, budget: i64) -> tuple[i64, bool]:
         """Step 1: the running batch, in admission order; preempts from its tail for memory.

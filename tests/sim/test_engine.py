@@ -88,6 +88,28 @@ class TestPreemption:
             run([req(0, 0.0, list(range(200)), 2)], num_kv_blocks=4)
 
 
+class ProtocolOnlyCost:
+    """A cost model that only follows the CostModel protocol, no StepCost: the roofline's
+    prices, through plain method calls."""
+
+    def __init__(self, cost: object) -> None:
+        self._cost = cost
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._cost, name)
+
+
+def test_a_cost_model_outside_step_cost_prices_steps_alike() -> None:
+    """The engine prices steps through StepCost natively; any other CostModel is wrapped as one
+    and must give the very same records."""
+    trace = shared_prefix(num_requests=200, num_tenants=4, prefix_tokens=3000, rate=20, seed=3)
+    config = SimConfig(num_workers=2, policy="least_load", engine=EngineConfig(num_kv_blocks=800))
+    native = simulate(trace, COST, config)
+    plain = simulate(trace, ProtocolOnlyCost(COST), config)  # type: ignore[arg-type]
+    assert plain.records == native.records
+    assert sum(r.preemptions for r in native.records) > 0  # chunks, decode runs and preemptions
+
+
 def test_decode_steps_within_is_the_longest_run_that_fits() -> None:
     """The closed form a decode run's length is planned with, against counting each
     sequence's blocks step by step: the last step count whose new blocks fit."""
