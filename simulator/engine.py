@@ -216,19 +216,29 @@ class _Cohort:
 
 @final
 class _Step:
-    """One step's batch: `seqs[i]` computes `tokens[i]` new tokens. Two lists, not one of
-    (seq, tokens) pairs: compiled, each pair kept in a list is a tuple made and freed, about
-    40 a request on the Mooncake replay."""
+    """One step's batch: each of `seqs` computes all it has left when the step starts (the
+    rest of its prompt, or the token it sampled last), but the last, which computes
+    `last_short` fewer. A token budget cuts at most one sequence short, and nothing is
+    scheduled after it.
 
-    __slots__ = ("seqs", "tokens")
+    No list of each sequence's tokens: compiled, filling one boxed and stored an int per
+    sequence per step, and the passes read it back; on Mooncake's lengths-only replay, where a
+    step is some 30 decodes beside one prompt chunk, that was 7 % of the instructions."""
 
-    def __init__(self) -> None:
-        self.seqs: list[Seq] = []
-        self.tokens: list[int] = []
+    __slots__ = ("seqs", "last_short")
 
-    def add(self, seq: Seq, num_new: int) -> None:
+    def __init__(self, seqs: list[Seq] | None = None, last_short: i64 = 0) -> None:
+        self.seqs: list[Seq] = seqs if seqs is not None else []
+        self.last_short: i64 = last_short
+
+    def add(self, seq: Seq, short: i64 = 0) -> None:
+        """`seq` joins, computing all it has left but `short` tokens (a budget's cut)."""
         self.seqs.append(seq)
-        self.tokens.append(num_new)
+        self.last_short = short
+
+    def tokens_at(self, k: int, left: i64) -> i64:
+        """What `seqs[k]`, with `left` tokens to compute, computes in this step."""
+        return left - self.last_short if k == len(self.seqs) - 1 else left
 
 
 class _Run:
@@ -364,10 +374,12 @@ def _shape_at(batch: _Step, computed: list[int], output: list[int]) -> StepShape
     kv_read: i64 = 0
     num_decodes: i64 = 0
     pairs: i64 = 0
-    tokens = batch.tokens
-    for i in range(len(tokens)):
-        num_new: i64 = tokens[i]
+    last = len(batch.seqs) - 1
+    for i, seq in enumerate(batch.seqs):
         context: i64 = computed[i]
+        num_new: i64 = seq.prompt_len + output[i] - context
+        if i == last:
+            num_new -= batch.last_short
         num_tokens += num_new
         pairs += num_new * context + ((num_new * (num_new + 1)) >> 1)
         kv_read += context + num_new
@@ -708,9 +720,8 @@ class Engine:
         if stays_blocked or not self.waiting:
             decodes = len(batch.seqs) == cfg.max_num_batched_tokens - budget
             context: i64 = 0
-            for i in range(len(batch.seqs)):
-                seq = batch.seqs[i]
-                num_new: i64 = batch.tokens[i]
+            for i, seq in enumerate(batch.seqs):
+                num_new = batch.tokens_at(i, seq.prompt_len + seq.num_output - seq.num_computed)
                 computed = seq.num_computed + num_new
                 if computed != seq.prompt_len + seq.num_output:
                     break  # a prefill chunk short of the prompt's end: it samples nothing
@@ -769,9 +780,8 @@ class Engine:
         while len(lead) < cfg.max_run_steps:
             # `step` ends. Running nothing new, it is the running batch's first len(step).
             sampled = 0
-            for i in range(len(step.seqs)):
-                seq, num_new = step.seqs[i], step.tokens[i]
-                computed[i] += num_new
+            for i, seq in enumerate(step.seqs):
+                computed[i] += step.tokens_at(i, seq.prompt_len + output[i] - computed[i])
                 if computed[i] == seq.prompt_len + output[i]:
                     sampled = sampled + 1 if output[i] > 0 and sampled >= 0 else -1
                     output[i] += 1
@@ -785,11 +795,12 @@ class Engine:
                         break
                     seq, c = running[i], computed[i]
                     num_new = seq.prompt_len + output[i] - c
+                    short = 0
                     if num_new > budget:
-                        num_new, whole = budget, False
+                        num_new, short, whole = budget, num_new - budget, False
                     need += (c + num_new + bs - 1) // bs - (c + bs - 1) // bs
                     decodes = decodes and num_new == 1 and output[i] > 0
-                    nxt.add(seq, num_new)
+                    nxt.add(seq, short)
                     budget -= num_new
                 if need > free or decodes:
                     break
@@ -803,11 +814,12 @@ class Engine:
                     shortest = length
                 if whole and len(nxt.seqs) == n:  # every sequence samples: a decode run follows
                     left = cfg.max_run_steps
+                    # Every sequence computes all it has left: each ends level with its tokens.
+                    after = [running[i].prompt_len + output[i] for i in range(n)]
                     for i in range(n):
                         left = min(left, running[i].output_len - output[i])
-                        decode_context += computed[i] + nxt.tokens[i] + 1
+                        decode_context += after[i] + 1
                     if n * (left // bs + 1) > free:
-                        after = [computed[i] + nxt.tokens[i] for i in range(n)]
                         left = min(left, decode_steps_within(after, bs, free) + 1)
                     decode_steps = left - 1
                     break
@@ -830,17 +842,15 @@ class Engine:
         free: i64 = blocks.num_free
         i: i64 = 0
         n: i64 = len(running)
-        # tokens[k]: running[k]'s this step. Sized once and cut at the end, and the sequences
-        # a slice of the running list: appending to both, a step's lists grew by reallocation,
-        # a tenth of the pass.
-        tokens = [0] * n
+        short: i64 = 0  # what the budget cuts off the last sequence scheduled
         # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
         # running sequence holds exactly blocks_for(num_computed) blocks here. What it
-        # schedules is always running[:i]: a victim ahead of `i` leaves both lists.
+        # schedules is always running[:i], the step's batch: a victim ahead of `i` leaves it.
         while i < n and budget > 0:
             seq = running[i]
             computed = seq.num_computed
-            num_new = seq.prompt_len + seq.num_output - computed
+            left = seq.prompt_len + seq.num_output - computed
+            num_new = left
             if num_new == 1:  # decoding: a new block when the last one is full
                 need: i64 = 1 if computed % bs == 0 else 0
             else:
@@ -849,7 +859,7 @@ class Engine:
                 need = (computed + num_new + bs - 1) // bs - (computed + bs - 1) // bs
             if need:
                 if need > free and self.config.priority_preemption:
-                    budget, at = self._preempt_by_priority(seq, need, tokens, budget, i)
+                    budget, at = self._preempt_by_priority(seq, need, budget, i)
                     preempted, free, n = True, blocks.num_free, len(running)
                     if at < 0:
                         # vLLM ends this step's running pass here and takes up the rest next
@@ -865,27 +875,25 @@ class Engine:
                     break
                 blocks.allocate(seq.table, need)
                 free -= need
-            tokens[i] = num_new
+            short = left - num_new  # not 0 only if the budget is spent: the loop ends
             budget -= num_new
             i += 1
-        del tokens[i:]
         batch.seqs = running[:i]
-        batch.tokens = tokens
+        batch.last_short = short
         return budget, preempted
 
-    def _preempt_by_priority(
-        self, seq: Seq, need: int, tokens: list[int], budget: int, i: int
-    ) -> tuple[int, int]:
+    def _preempt_by_priority(self, seq: Seq, need: int, budget: int, i: int) -> tuple[int, int]:
         """vLLM's priority victims for `seq` (at `i` in the running list) needing `need` blocks:
         the lowest-priority running sequence, again while blocks are short. A victim already
-        scheduled this step gives its tokens back (`tokens`, by running index). Returns the
+        scheduled this step (ahead of `i`, so not cut short) gives its tokens back. Returns the
         budget and `seq`'s new index, -1 when `seq` itself was the victim."""
         running, blocks = self.running, self.blocks
         while need > blocks.num_free:
             victim = max(running, key=_lowest_priority)
             j = running.index(victim)
             del running[j]
-            budget += tokens.pop(j)  # 0 unless scheduled: j < i
+            if j < i:
+                budget += victim.prompt_len + victim.num_output - victim.num_computed
             self._preempt(victim)
             if victim is seq:
                 return budget, -1
@@ -931,7 +939,7 @@ class Engine:
                 seq.num_cached_tokens = cached
             self.running.append(seq)
             self._use_adapter(seq, 1)
-            batch.add(seq, num_new)
+            batch.add(seq, seq.total_len - computed - num_new)  # short of it: a budget's cut
             budget -= num_new
         return budget, None
 
@@ -977,8 +985,8 @@ class Engine:
             free = self.blocks.num_free
         if len(batch.seqs) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
-        seqs, tokens = batch.seqs, batch.tokens
-        computed = [seqs[i].num_computed + tokens[i] for i in range(len(seqs))]
+        computed = [seq.prompt_len + seq.num_output for seq in batch.seqs]  # all it has left...
+        computed[-1] -= batch.last_short  # ...but a budget's cut
         return min(limit, decode_steps_within(computed, bs, free) + 1)
 
     def _shape(self, batch: _Step) -> StepShape:
@@ -986,10 +994,12 @@ class Engine:
         kv_read: i64 = 0
         num_decodes: i64 = 0
         pairs: i64 = 0  # summed exactly; as a float, each partial sum was exact too
-        tokens = batch.tokens
+        last = len(batch.seqs) - 1
         for i, seq in enumerate(batch.seqs):  # iterated: compiled, no bounds check a read
-            num_new: i64 = tokens[i]
             context = seq.num_computed
+            num_new = seq.prompt_len + seq.num_output - context
+            if i == last:
+                num_new -= batch.last_short
             num_tokens += num_new
             pairs += num_new * context + ((num_new * (num_new + 1)) >> 1)  # an even product
             kv_read += context + num_new
@@ -1013,10 +1023,12 @@ class Engine:
         # What sampled a token: the step's sequences but those `skipped` (a prompt's chunk short
         # of its end: usually none, or one), not a list grown by appends.
         skipped: list[int] = []
-        tokens = step.tokens
+        last = len(step.seqs) - 1
         for k, seq in enumerate(step.seqs):
-            num_new: i64 = tokens[k]
             start = seq.num_computed
+            num_new = seq.prompt_len + seq.num_output - start
+            if k == last:
+                num_new -= step.last_short
             seq.num_computed = computed = start + num_new
             computed_delta += num_new
             if start < len(seq.hashes) * bs:  # this step computed (part of) the cacheable prompt
@@ -1042,9 +1054,9 @@ class Engine:
         self.num_steps += 1
         if i < len(run.lead) and run.applied < run.ends.count:  # the next step starts
             step = run.step_batch(i + 1)
-            for k in range(len(step.seqs)):
-                seq, num_new = step.seqs[k], step.tokens[k]
-                need = (seq.num_computed + num_new + bs - 1) // bs - len(seq.table)
+            for k, seq in enumerate(step.seqs):
+                left = seq.prompt_len + seq.num_output - seq.num_computed
+                need = (seq.num_computed + step.tokens_at(k, left) + bs - 1) // bs - len(seq.table)
                 if need > 0:
                     blocks.allocate(seq.table, need)
             self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
