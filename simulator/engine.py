@@ -242,13 +242,14 @@ class _Step:
 
 
 class _Run:
-    """Steps planned as one event: `batch` is (seqs, tokens) of the step after the `lead`
-    steps' (each a batch of its own, usually none); later steps decode.
+    """Steps planned as one event: `batch` is the step after the `lead` steps' (each a batch
+    of its own, usually none); later steps decode.
     (A plain class, not a dataclass: compiled, a dataclass's generated __init__ stays
     interpreted, and a run is planned several times per request.)"""
 
     __slots__ = (
-        "batch", "lead", "lead_tokens", "ends", "cohort", "prefills", "applied", "end_call"
+        "batch", "lead", "lead_tokens", "ends", "cohort", "prefills", "applied", "finishing",
+        "end_call",
     )  # fmt: skip
 
     def __init__(
@@ -274,6 +275,9 @@ class _Run:
         # The steps applied one at a time, each its batch's: none if every step decodes.
         self.prefills = 0 if cohort is not None else len(self.lead) + 1
         self.applied = 0
+        # Whether a sequence ended with the last step applied one at a time: the run's end
+        # looks for finished sequences only then, or after decode steps.
+        self.finishing = False
         # The id of the call that ends the run (FleetEnvironment.call_later); replaced if the
         # run is cut short.
         self.end_call = -1
@@ -444,6 +448,9 @@ class Engine:
         self._defers_tokens = listener.defers_tokens and kv_events is None
         self._on_changed = listener.on_engine_changed
         self._on_progress = listener.on_progress
+        self._on_first_token = listener.on_first_token
+        self._on_tokens = listener.on_tokens
+        self._on_finish = listener.on_finish
         num_blocks = config.num_kv_blocks or cost.kv_capacity_tokens // config.block_size
         self.blocks = BlockManager(num_blocks, config.block_size, kv_events)
         # When the block changes being made happen: step start while planning, step end while
@@ -499,8 +506,11 @@ class Engine:
             if seq.req.id == request_id:
                 self._settle()  # its tokens so far, steps applied in sum included
                 seq.output_len = seq.num_output
-                if self._run is not None and self._run.is_multi_step:
-                    self._cut_run()  # the run assumed it would keep decoding
+                run = self._run
+                if run is not None:
+                    run.finishing = True  # even mid-prompt, sampling nothing more
+                    if run.is_multi_step:
+                        self._cut_run()  # the run assumed it would keep decoding
                 return
 
     def withdraw(self, request_id: int) -> bool:
@@ -1017,7 +1027,7 @@ class Engine:
         i = run.applied
         now = self.event_time = run.ends.end(i)
         bs: i64 = self.config.block_size
-        blocks, listener, local = self.blocks, self.listener, self.local
+        blocks, local = self.blocks, self.local
         computed_delta: i64 = 0
         step = run.step_batch(i)
         # What sampled a token: the step's sequences but those `skipped` (a prompt's chunk short
@@ -1037,9 +1047,11 @@ class Engine:
                 skipped.append(k)  # nothing sampled
                 continue
             seq.num_output += 1
+            if seq.num_output >= seq.output_len:
+                run.finishing = True
             if seq.first_token_at is None:
                 seq.first_token_at = now
-                listener.on_first_token(seq, now)
+                self._on_first_token(seq, now)
         sampled = step.seqs
         if skipped:
             sampled = sampled.copy()
@@ -1048,7 +1060,7 @@ class Engine:
         if sampled and self._local_counts_tokens:
             local.on_tokens([seq.req for seq in sampled], 1)
         if sampled and self._listener_counts_tokens:
-            listener.on_tokens(sampled, 1, now)
+            self._on_tokens(sampled, 1, now)
         self.tokens_processed += computed_delta
         run.applied = i + 1
         self.num_steps += 1
@@ -1120,7 +1132,7 @@ class Engine:
         if settled:
             self.listener.on_tokens_settled(seqs, settled, now)
         if num_steps and self._listener_counts_tokens:
-            self.listener.on_tokens(seqs, num_steps, now)
+            self._on_tokens(seqs, num_steps, now)
         self.tokens_processed += num_steps * len(seqs)
         self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
         run.applied += num_steps
@@ -1131,10 +1143,10 @@ class Engine:
             if self.config.check_invariants:
                 assert all(s.num_output < s.output_len for s in run.batch.seqs), "finish mid-run"
             return
+        if run.applied <= run.prefills and not run.finishing:
+            return  # its last step was applied alone and ended nothing
         now = run.ends.last
         finished = [s for s in run.step_batch(run.applied - 1).seqs if s.num_output >= s.output_len]
-        if not finished:
-            return
         for seq in finished:
             self.running.remove(seq)
             self._use_adapter(seq, -1)
@@ -1143,7 +1155,7 @@ class Engine:
             seq.finished_at = now
             if not self.hands_off and self._local_on_finish is not None:
                 self._local_on_finish(seq.req)
-            self.listener.on_finish(seq, now)
+            self._on_finish(seq, now)
 
     def _preempt(self, seq: Seq) -> None:
         self._use_adapter(seq, -1)

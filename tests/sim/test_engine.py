@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import random
 from collections import Counter
@@ -405,6 +406,24 @@ class TestAbort:
             tokens, at = done[0]
             assert 0 < tokens < 500 and 1.0 <= at < 1.05
             assert done[1][0] == 500 and done[2][0] == 500
+
+    def test_a_request_stopped_mid_prompt_ends_at_the_next_step(self) -> None:
+        # Its prompt takes 16 steps of 64 tokens; stopped in the 8th, it ends with that step
+        # (a step that samples nothing), and one beside it decodes on to its end.
+        for ff in (True, False):
+            listener = Finishes()
+            env, engine = lone_engine(
+                listener, max_num_batched_tokens=64, max_num_seqs=2, fast_forward=ff
+            )
+            engine.submit(req(0, 0.0, list(range(1024)), 50))
+            engine.submit(req(1, 0.0, [7], 200))
+            step = COST.step_time(StepShape(64, 0, 0))
+            at(env, 7.5 * step, functools.partial(engine.abort, 0))
+            env.run()
+            assert engine.blocks.num_used == 0, "every block came back"
+            tokens, ended = listener.finished[0]
+            assert tokens == 0 and 7.5 * step < ended < 10 * step
+            assert listener.finished[1][0] == 200
 
     def test_waiting_request_is_dropped_at_once(self) -> None:
         done = self.run_with_abort(0.5, victim=2)  # max_num_seqs=2: request 2 still waits
