@@ -47,13 +47,19 @@ class Load:
     def count(self, wid: WorkerId, queue: DispatchQueue | None) -> None:
         """Requests waiting (in the router, or inside the server as it reports) and running."""
         state = self.view.workers.get(wid)
-        if state is None or queue is None:
-            return
-        inside = min(self._reported_waiting.get(wid, 0), queue.in_flight)
-        waiting, running = len(queue) + inside, queue.in_flight - inside
-        if waiting != state.num_waiting or running != state.num_running:
-            state.num_waiting, state.num_running = waiting, running
+        if state is not None and self._recount(state, queue, self._reported_waiting.get(wid, 0)):
             self.view.changed(wid)
+
+    def _recount(self, state: WorkerState, queue: DispatchQueue | None, inside: int) -> bool:
+        """`count` with `inside` waiting inside the server, as it last said: True if it moved."""
+        if queue is None:
+            return False
+        inside = min(inside, queue.in_flight)
+        waiting, running = len(queue) + inside, queue.in_flight - inside
+        if waiting == state.num_waiting and running == state.num_running:
+            return False
+        state.num_waiting, state.num_running = waiting, running
+        return True
 
     def report(
         self,
@@ -61,21 +67,26 @@ class Load:
         waiting: int | None,
         kv_used_blocks: int | None,
         kv_capacity_blocks: int | None,
-    ) -> bool:
-        """What a worker says of itself; True if the requests it says wait changed (recount)."""
+        queue: DispatchQueue | None,
+    ) -> None:
+        """What a worker says of itself, the requests it says wait re-counted with `queue`
+        (its router-side one). One re-key for all of it: the simulator's workers report after
+        every engine run, and a second re-key was a tenth of the report."""
         state = self.view.workers.get(wid)
         if state is None:
-            return False
+            return
+        moved = False
         if kv_used_blocks is not None and kv_used_blocks != state.kv_used_blocks:
             state.kv_used_blocks = kv_used_blocks
-            self.view.changed(wid)
+            moved = True
         if kv_capacity_blocks is not None and kv_capacity_blocks != state.kv_capacity_blocks:
             state.kv_capacity_blocks = kv_capacity_blocks
-            self.view.changed(wid)
+            moved = True
         if waiting is not None and waiting != self._reported_waiting.get(wid):
             self._reported_waiting[wid] = waiting
-            return True
-        return False
+            moved = self._recount(state, queue, waiting) or moved
+        if moved:
+            self.view.changed(wid)
 
     def forget(self, wid: WorkerId) -> None:
         self._reported_waiting.pop(wid, None)

@@ -117,8 +117,7 @@ class Roster:
         kv_used_blocks: int | None,
         kv_capacity_blocks: int | None,
     ) -> None:
-        if self.load.report(wid, waiting, kv_used_blocks, kv_capacity_blocks):
-            self.count(wid)
+        self.load.report(wid, waiting, kv_used_blocks, kv_capacity_blocks, self.queues.get(wid))
 
     def count(self, wid: WorkerId) -> None:
         """Re-count `wid`'s requests waiting and running, after its queue changed."""

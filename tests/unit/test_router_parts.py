@@ -264,15 +264,18 @@ class TestLoad:
         load.count(0, queue)
         state = view.workers[0]
         assert (state.num_waiting, state.num_running) == (2, 4)
-        assert load.report(0, waiting=3, kv_used_blocks=None, kv_capacity_blocks=None)
-        load.count(0, queue)
+        load.report(0, waiting=3, kv_used_blocks=None, kv_capacity_blocks=None, queue=queue)
         assert (state.num_waiting, state.num_running) == (5, 1)
-        assert not load.report(0, waiting=3, kv_used_blocks=None, kv_capacity_blocks=50)
-        assert state.kv_capacity_blocks == 50
+        load.report(0, waiting=3, kv_used_blocks=None, kv_capacity_blocks=50, queue=queue)
+        assert state.kv_capacity_blocks == 50 and (state.num_waiting, state.num_running) == (5, 1)
+        load.report(0, waiting=1, kv_used_blocks=None, kv_capacity_blocks=None, queue=queue)
+        assert (state.num_waiting, state.num_running) == (3, 3)
+        load.count(0, queue)  # a recount keeps what the server last said
+        assert (state.num_waiting, state.num_running) == (3, 3)
 
     def test_an_unknown_worker_is_ignored(self) -> None:
         load = Load(view_of())
-        assert not load.report(9, waiting=1, kv_used_blocks=1, kv_capacity_blocks=1)
+        load.report(9, waiting=1, kv_used_blocks=1, kv_capacity_blocks=1, queue=None)
         load.count(9, None)
 
 
