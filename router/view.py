@@ -248,11 +248,15 @@ class ClusterView:
 
     def changed(self, wid: WorkerId) -> None:
         """What the view knows of `wid` changed: re-key it in every order before the next read."""
-        for order in self._orders.values():
-            order.pending.add(wid)
-        part = self._part_of.get(wid)
-        if part is not None:
-            part.changed(wid)
+        # Called on every load change, and a policy reading no order keeps none: test before
+        # making an iterator (compiled, that was most of a call).
+        if self._orders:
+            for order in self._orders.values():
+                order.pending.add(wid)
+        if self._part_of:
+            part = self._part_of.get(wid)
+            if part is not None:
+                part.changed(wid)
 
     def changed_all(self) -> None:
         for order in self._orders.values():
