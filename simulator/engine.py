@@ -241,6 +241,11 @@ class _Step:
         return left - self.last_short if k == len(self.seqs) - 1 else left
 
 
+# A run without a lead (most runs) shares these: read, never changed.
+_NO_LEAD: Final[list[_Step]] = []
+_NO_LEAD_TOKENS: Final[list[int]] = []
+
+
 class _Run:
     """Steps planned as one event: `batch` is the step after the `lead` steps' (each a batch
     of its own, usually none); later steps decode.
@@ -264,8 +269,8 @@ class _Run:
         # Prefill steps ahead of `batch`'s: a prompt's chunks up to the step that ends it,
         # when nothing waits to join them (`Engine._plan_chunks`). Each samples a token of
         # `lead_tokens` sequences that decode, or (-1) a prompt's first token.
-        self.lead = lead if lead is not None else []
-        self.lead_tokens = lead_tokens if lead_tokens is not None else []
+        self.lead = lead if lead is not None else _NO_LEAD
+        self.lead_tokens = lead_tokens if lead_tokens is not None else _NO_LEAD_TOKENS
         self.ends = ends  # when each step ends
         # Every step of the run decodes one token per sequence, step 1 included (its blocks
         # were allocated while planning), or every step after the lead's and `batch`'s, once
