@@ -223,13 +223,35 @@ class _Step:
 
     No list of each sequence's tokens: compiled, filling one boxed and stored an int per
     sequence per step, and the passes read it back; on Mooncake's lengths-only replay, where a
-    step is some 30 decodes beside one prompt chunk, that was 7 % of the instructions."""
+    step is some 30 decodes beside one prompt chunk, that was 7 % of the instructions.
 
-    __slots__ = ("seqs", "last_short")
+    The step the engine schedules is also summed into its shape as it is scheduled (`count`),
+    not in a pass of its own; steps planned ahead are priced by `_shape_at`."""
+
+    __slots__ = ("seqs", "last_short", "num_tokens", "pairs", "kv_read", "num_decodes")
 
     def __init__(self, seqs: list[Seq] | None = None, last_short: i64 = 0) -> None:
         self.seqs: list[Seq] = seqs if seqs is not None else []
         self.last_short: i64 = last_short
+        self.num_tokens: i64 = 0
+        self.pairs: i64 = 0  # summed exactly; as a float, each partial sum was exact too
+        self.kv_read: i64 = 0
+        self.num_decodes: i64 = 0
+
+    def count(self, seq: Seq, num_new: i64, sign: i64 = 1) -> None:
+        """`seq`, at the tokens it has computed, computes `num_new` in this step: into the
+        step's shape (`sign` -1: out of it, a victim the scheduling pass took back)."""
+        context = seq.num_computed
+        self.num_tokens += sign * num_new
+        self.pairs += sign * (num_new * context + ((num_new * (num_new + 1)) >> 1))
+        self.kv_read += sign * (context + num_new)
+        # Decoding: one token after those it sampled. A prompt's last token alone is a
+        # prefill; a recomputation left with one token costs as a decode and counts as one.
+        if num_new == 1 and seq.num_output > 0:
+            self.num_decodes += sign
+
+    def shape(self) -> StepShape:
+        return StepShape(self.num_tokens, float(self.pairs), self.kv_read, self.num_decodes)
 
     def add(self, seq: Seq, short: i64 = 0) -> None:
         """`seq` joins, computing all it has left but `short` tokens (a budget's cut)."""
@@ -377,8 +399,8 @@ def decode_steps_within(computed: list[int], block_size: int, free: int) -> int:
 
 
 def _shape_at(batch: _Step, computed: list[int], output: list[int]) -> StepShape:
-    """`Engine._shape` of a step planned ahead, the i-th of `batch` the running batch's i-th
-    with `computed` and `output` tokens then: the same sums in the same order."""
+    """The shape of a step planned ahead (as `_Step.count` sums the step being scheduled),
+    the i-th of `batch` the running batch's i-th with `computed` and `output` tokens then."""
     num_tokens: i64 = 0
     kv_read: i64 = 0
     num_decodes: i64 = 0
@@ -758,7 +780,14 @@ class Engine:
                     decode_steps = self._plan_decode_run(batch) - 1
                     decode_context = context
         if first is None:
-            first = self._step_cost.step_time(self._shape(batch))
+            shape = batch.shape()
+            if cfg.check_invariants:
+                seqs = batch.seqs
+                summed = _shape_at(
+                    batch, [s.num_computed for s in seqs], [s.num_output for s in seqs]
+                )
+                assert shape.as_tuple() == summed.as_tuple(), "a step's shape as it was scheduled"
+            first = self._step_cost.step_time(shape)
         if self._load_due:
             first += self._load_due
             self._load_due = 0.0
@@ -858,6 +887,10 @@ class Engine:
         i: i64 = 0
         n: i64 = len(running)
         short: i64 = 0  # what the budget cuts off the last sequence scheduled
+        num_tokens: i64 = 0
+        pairs: i64 = 0
+        kv_read: i64 = 0
+        num_decodes: i64 = 0
         # Hot loop: one pass per step over the running batch, so plain arithmetic only. A
         # running sequence holds exactly blocks_for(num_computed) blocks here. What it
         # schedules is always running[:i], the step's batch: a victim ahead of `i` leaves it.
@@ -874,7 +907,7 @@ class Engine:
                 need = (computed + num_new + bs - 1) // bs - (computed + bs - 1) // bs
             if need:
                 if need > free and self.config.priority_preemption:
-                    budget, at = self._preempt_by_priority(seq, need, budget, i)
+                    budget, at = self._preempt_by_priority(batch, seq, need, budget, i)
                     preempted, free, n = True, blocks.num_free, len(running)
                     if at < 0:
                         # vLLM ends this step's running pass here and takes up the rest next
@@ -890,25 +923,42 @@ class Engine:
                     break
                 blocks.allocate(seq.table, need)
                 free -= need
+            # Its share of the step's shape, as `_Step.count` sums it, here in locals: a method
+            # call per sequence cost as much as a pass of its own. (A priority victim taken back
+            # is counted out of `batch`'s own sums, which these are added to.)
+            num_tokens += num_new
+            pairs += num_new * computed + ((num_new * (num_new + 1)) >> 1)
+            kv_read += computed + num_new
+            if num_new == 1 and seq.num_output > 0:
+                num_decodes += 1
             short = left - num_new  # not 0 only if the budget is spent: the loop ends
             budget -= num_new
             i += 1
         batch.seqs = running[:i]
         batch.last_short = short
+        batch.num_tokens += num_tokens
+        batch.pairs += pairs
+        batch.kv_read += kv_read
+        batch.num_decodes += num_decodes
         return budget, preempted
 
-    def _preempt_by_priority(self, seq: Seq, need: int, budget: int, i: int) -> tuple[int, int]:
+    def _preempt_by_priority(
+        self, batch: _Step, seq: Seq, need: int, budget: int, i: int
+    ) -> tuple[int, int]:
         """vLLM's priority victims for `seq` (at `i` in the running list) needing `need` blocks:
         the lowest-priority running sequence, again while blocks are short. A victim already
-        scheduled this step (ahead of `i`, so not cut short) gives its tokens back. Returns the
-        budget and `seq`'s new index, -1 when `seq` itself was the victim."""
+        scheduled this step (ahead of `i`, so not cut short) gives its tokens back, and leaves
+        `batch`'s shape. Returns the budget and `seq`'s new index, -1 when `seq` itself was the
+        victim."""
         running, blocks = self.running, self.blocks
         while need > blocks.num_free:
             victim = max(running, key=_lowest_priority)
             j = running.index(victim)
             del running[j]
             if j < i:
-                budget += victim.prompt_len + victim.num_output - victim.num_computed
+                left = victim.prompt_len + victim.num_output - victim.num_computed
+                batch.count(victim, left, -1)
+                budget += left
             self._preempt(victim)
             if victim is seq:
                 return budget, -1
@@ -955,6 +1005,7 @@ class Engine:
             self.running.append(seq)
             self._use_adapter(seq, 1)
             batch.add(seq, seq.total_len - computed - num_new)  # short of it: a budget's cut
+            batch.count(seq, num_new)
             budget -= num_new
         return budget, None
 
@@ -1003,26 +1054,6 @@ class Engine:
         computed = [seq.prompt_len + seq.num_output for seq in batch.seqs]  # all it has left...
         computed[-1] -= batch.last_short  # ...but a budget's cut
         return min(limit, decode_steps_within(computed, bs, free) + 1)
-
-    def _shape(self, batch: _Step) -> StepShape:
-        num_tokens: i64 = 0
-        kv_read: i64 = 0
-        num_decodes: i64 = 0
-        pairs: i64 = 0  # summed exactly; as a float, each partial sum was exact too
-        last = len(batch.seqs) - 1
-        for i, seq in enumerate(batch.seqs):  # iterated: compiled, no bounds check a read
-            context = seq.num_computed
-            num_new = seq.prompt_len + seq.num_output - context
-            if i == last:
-                num_new -= batch.last_short
-            num_tokens += num_new
-            pairs += num_new * context + ((num_new * (num_new + 1)) >> 1)  # an even product
-            kv_read += context + num_new
-            # Decoding: one token after those it sampled. A prompt's last token alone is a
-            # prefill; a recomputation left with one token costs as a decode and counts as one.
-            if num_new == 1 and seq.num_output > 0:
-                num_decodes += 1
-        return StepShape(num_tokens, float(pairs), kv_read, num_decodes)
 
     # ---------------------------------------------------------------- applying
 

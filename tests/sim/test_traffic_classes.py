@@ -123,7 +123,7 @@ class TestPriorityPreemption:
         reqs = [Request(i, 0.0, 400, 600, client=f"low{i}", priority=LOW) for i in range(4)]
         reqs += [Request(4 + i, 0.05, 400, 600, client=f"hi{i}", priority=HIGH) for i in range(4)]
         trace = Trace(reqs, 16)
-        engine = EngineConfig(num_kv_blocks=200, max_num_seqs=8)
+        engine = EngineConfig(num_kv_blocks=200, max_num_seqs=8, check_invariants=True)
         preempted = {}
         for by_priority in (True, False):
             config = SimConfig(
