@@ -508,7 +508,28 @@ class RooflineCost(StepCost):
     def run_ends(
         self, start: float, first: float, num_seqs: int, context_tokens: int, num_decodes: int
     ) -> StepEnds:
+        if num_decodes == 0:
+            return _OneStepEnds(start + first, first)
         return _RooflineRunEnds(self, start, first, num_seqs, context_tokens, num_decodes)
+
+
+class _OneStepEnds(StepEnds):
+    """A run of one step: most runs while requests keep arriving or prompts are chunked, and
+    planning one with no decode steps to sum should cost nothing."""
+
+    def __init__(self, end: float, length: float) -> None:
+        self.count = 1
+        self.last = end
+        self.shortest = length
+
+    def end(self, i: int) -> float:
+        return self.last
+
+    def ended_by(self, now: float, lo: int, hi: int) -> int:
+        return hi if now >= self.last else lo
+
+    def cut(self, count: int) -> None:
+        pass  # one step: nothing after it to cut
 
 
 class _RooflineRunEnds(StepEnds):
