@@ -17,7 +17,7 @@ would as Timeouts, at the same times. Everything else is SimPy's: processes, Tim
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Final, final
+from typing import Final, cast, final
 
 from mypy_extensions import mypyc_attr
 from simpy.core import Environment
@@ -32,20 +32,19 @@ _INF: Final = float("inf")
 class CallQueue:
     """The calls, and the environment's time as of the event or call being run (`now`)."""
 
-    __slots__ = ("now", "_times", "_calls", "_ids")
+    __slots__ = ("now", "_times", "_ids")
 
     def __init__(self, ids: Iterator[int], now: float) -> None:
         self.now = now
-        self._times = TimeHeap()  # (time, id): ids are unique, so this is SimPy's order
-        self._calls: dict[int, Callable[[int], None]] = {}
+        # (time, id), each carrying its callable: ids are unique, so this is SimPy's order.
+        self._times = TimeHeap()
         self._ids = ids  # the environment's event counter
 
     def call_later(self, delay: float, call: Callable[[int], None]) -> int:
         """Call `call(id)` `delay` from now, where a Timeout scheduled instead would fire; its
         id. A call cannot be taken back: a caller that schedules anew ignores the stale id."""
         call_id = next(self._ids)
-        self._times.push(self.now + delay, call_id)
-        self._calls[call_id] = call
+        self._times.push(self.now + delay, call_id, call)
         return call_id
 
     def first_at(self) -> float:
@@ -63,10 +62,12 @@ class CallQueue:
 
     def run_first(self) -> None:
         """Take out the first call and make it, at its time."""
-        at = self._times.first_at()
-        call_id = self._times.pop()
+        times = self._times
+        at = times.first_at()
+        call = cast(Callable[[int], None], times.first_payload())
+        call_id = times.pop()
         self.now = at
-        self._calls.pop(call_id)(call_id)
+        call(call_id)
 
 
 @mypyc_attr(native_class=False)  # a subclass of SimPy's (interpreted) Environment

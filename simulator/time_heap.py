@@ -19,11 +19,12 @@ _INF: Final = float("inf")
 
 @final
 class _Entry:
-    __slots__ = ("at", "wid")
+    __slots__ = ("at", "wid", "payload")
 
-    def __init__(self, at: float, wid: int) -> None:
+    def __init__(self, at: float, wid: int, payload: object) -> None:
         self.at = at
         self.wid = wid
+        self.payload = payload
 
 
 def _before(a: _Entry, b: _Entry) -> bool:
@@ -52,9 +53,15 @@ class TimeHeap:
         """The earliest pair's worker (the heap must not be empty)."""
         return self._entries[0].wid
 
-    def push(self, at: float, wid: int) -> None:
+    def first_payload(self) -> object:
+        """What the earliest pair was pushed with (the heap must not be empty)."""
+        return self._entries[0].payload
+
+    def push(self, at: float, wid: int, payload: object = None) -> None:
+        """(at, wid), carrying `payload` for its popper: the call queue's callable, where a dict
+        by id cost a store and a delete a call."""
         entries = self._entries
-        entries.append(_Entry(at, wid))
+        entries.append(_Entry(at, wid, payload))
         self._toward_root(0, len(entries) - 1)
 
     def pop(self) -> int:
@@ -71,7 +78,7 @@ class TimeHeap:
 
     def rebuild(self, pairs: list[tuple[float, int]]) -> None:
         """Hold exactly `pairs` from now on."""
-        entries = self._entries = [_Entry(at, wid) for at, wid in pairs]
+        entries = self._entries = [_Entry(at, wid, None) for at, wid in pairs]
         for pos in reversed(range(len(entries) // 2)):
             self._toward_leaf(pos)
 
