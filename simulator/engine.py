@@ -467,7 +467,9 @@ class Engine:
         # Read once: skip per-token hooks nobody listens to (they run once per sequence per
         # step), and call the listener's hot methods bound.
         self._local_counts_tokens = local.traits.counts_tokens
-        self._local_reorders_on = local.traits.reorders_on
+        # Compared once: an enum member read from compiled code is an attribute lookup.
+        self._reorders_on_tokens = local.traits.reorders_on is ReordersOn.TOKENS
+        self._reorders_on_cache = local.traits.reorders_on is ReordersOn.CACHE
         self._local_on_finish = overridden_hook(local, "on_finish")  # None: a no-op
         self._listener_counts_tokens = listener.counts_tokens
         # No steps in sum with KV events: the evictions a decode step makes are events, each
@@ -503,6 +505,8 @@ class Engine:
         # stays open past its prefill, charged its output as decoded elsewhere; the driver
         # closes it (`local.on_finish`) when the request ends.
         self.hands_off = False
+        # Bound once: what a discipline ordering by locality asks at each admission.
+        self._cached_blocks: Callable[[Request], int] = self.cached_blocks
 
     # ------------------------------------------------------------- interface
 
@@ -733,11 +737,10 @@ class Engine:
         # Decode steps free no sequence slot and no memory, so a head blocked for either stays
         # blocked while they run, unless the discipline reorders: as tokens are served (after
         # any step), or by what is cached (after a step that evicts).
-        reorders = self._local_reorders_on
         stays_blocked = stopped_by in ("seqs", "adapters") or (
-            stopped_by == "memory" and reorders is not ReordersOn.TOKENS
+            stopped_by == "memory" and not self._reorders_on_tokens
         )
-        free = blocks.num_empty if stopped_by == "memory" and reorders is ReordersOn.CACHE else None
+        free = blocks.num_empty if stopped_by == "memory" and self._reorders_on_cache else None
 
         if not batch.seqs:
             raise RuntimeError(
@@ -974,7 +977,7 @@ class Engine:
         while budget > 0 and self.waiting:
             if len(self.running) >= cfg.max_num_seqs:
                 return budget, "seqs"
-            req = self.local.peek(self.cached_blocks)
+            req = self.local.peek(self._cached_blocks)
             if req is None:
                 break
             seq = self.waiting[req.id]
