@@ -747,7 +747,7 @@ class Engine:
                 f"worker {self.id}: nothing can run; a request needs more KV blocks than the "
                 f"worker has ({blocks.num_blocks} blocks of {cfg.block_size} tokens)"
             )
-        self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
+        self._note_peak()
         if cfg.check_invariants:
             self.check_integrity()
 
@@ -1069,9 +1069,6 @@ class Engine:
         blocks, local = self.blocks, self.local
         computed_delta: i64 = 0
         step = run.step_batch(i)
-        # What sampled a token: the step's sequences but those `skipped` (a prompt's chunk short
-        # of its end: usually none, or one), not a list grown by appends.
-        skipped: list[int] = []
         last = len(step.seqs) - 1
         for k, seq in enumerate(step.seqs):
             start = seq.num_computed
@@ -1083,19 +1080,15 @@ class Engine:
             if start < len(seq.hashes) * bs:  # this step computed (part of) the cacheable prompt
                 blocks.commit_full_blocks(seq.table, seq.hashes, computed // bs)
             if computed < seq.prompt_len + seq.num_output:
-                skipped.append(k)  # nothing sampled
-                continue
+                continue  # the budget's cut, short of the prompt's end: nothing sampled
             seq.num_output += 1
             if seq.num_output >= seq.output_len:
                 run.finishing = True
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 self._on_first_token(seq, now)
-        sampled = step.seqs
-        if skipped:
-            sampled = sampled.copy()
-            for k in reversed(skipped):
-                del sampled[k]
+        # What sampled a token: the step's sequences, but the last if the budget cut it short.
+        sampled = step.seqs[:-1] if step.last_short else step.seqs
         if sampled and self._local_counts_tokens:
             local.on_tokens([seq.req for seq in sampled], 1)
         if sampled and self._listener_counts_tokens:
@@ -1110,7 +1103,7 @@ class Engine:
                 need = (seq.num_computed + step.tokens_at(k, left) + bs - 1) // bs - len(seq.table)
                 if need > 0:
                     blocks.allocate(seq.table, need)
-            self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
+            self._note_peak()
 
     def _decode_in_sum_from_here(self, run: _Run) -> None:
         """A run whose first steps prefilled, those applied: each sequence takes the blocks of
@@ -1143,6 +1136,11 @@ class Engine:
             self.peak_used_blocks = used
         self._on_progress(self, tokens, used, run.ends.end(run.applied))
 
+    def _note_peak(self) -> None:
+        used = self.blocks.num_used  # compared, not max(): compiled, that is a generic call
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+
     @property
     def kv_used_blocks(self) -> int:
         """KV blocks in use, those of decode steps applied in sum included."""
@@ -1173,7 +1171,7 @@ class Engine:
         if num_steps and self._listener_counts_tokens:
             self._on_tokens(seqs, num_steps, now)
         self.tokens_processed += num_steps * len(seqs)
-        self.peak_used_blocks = max(self.peak_used_blocks, blocks.num_used)
+        self._note_peak()
         run.applied += num_steps
         self.num_steps += num_steps
 
