@@ -1,7 +1,7 @@
 """A min-heap of (time, worker) pairs, for the simulator's own schedules: when each engine's
 next step ends (the driver's syncing), when each worker's load floor crosses a level (the load
 floors), and when each of the environment's plain calls is due (simulator/environment.py, an
-id in the worker's place).
+id in the worker's place and the callable as the entry's payload).
 
 heapq on (float, int) tuples compares through tuple and float rich comparison, a few hundred
 instructions a comparison and a tuple made and freed per entry: at 1,024 workers these heaps
