@@ -258,9 +258,10 @@ class _Step:
         self.seqs.append(seq)
         self.last_short = short
 
-    def tokens_at(self, k: int, left: i64) -> i64:
-        """What `seqs[k]`, with `left` tokens to compute, computes in this step."""
-        return left - self.last_short if k == len(self.seqs) - 1 else left
+    def end_of(self, k: int, total: i64) -> i64:
+        """The tokens `seqs[k]` has computed once this step ends, `total` those it knows (its
+        prompt and what it sampled): all of them, but the last sequence's cut."""
+        return total - self.last_short if k == len(self.seqs) - 1 else total
 
 
 # A run without a lead (most runs) shares these: read, never changed.
@@ -756,32 +757,29 @@ class Engine:
         # Step 1 leaves every sequence decoding (each samples a token), and nothing waiting can
         # join step 2: the steps up to the first finish are known now. Step 1 may prefill if
         # nothing waits at all, or waits only for a sequence slot; one that waits for memory
-        # could fit once step 1 caches its prompt blocks.
-        if stays_blocked or not self.waiting:
+        # could fit once step 1 caches its prompt blocks. A prompt chunk the budget cuts short
+        # of the prompt's end samples nothing, and leaves step 2 unknown.
+        if (stays_blocked or not self.waiting) and not batch.last_short:
             decodes = len(batch.seqs) == cfg.max_num_batched_tokens - budget
             context: i64 = 0
-            for i, seq in enumerate(batch.seqs):
-                num_new = batch.tokens_at(i, seq.prompt_len + seq.num_output - seq.num_computed)
-                computed = seq.num_computed + num_new
-                if computed != seq.prompt_len + seq.num_output:
-                    break  # a prefill chunk short of the prompt's end: it samples nothing
+            for seq in batch.seqs:  # each computes all it has left, and samples
+                total = seq.prompt_len + seq.num_output  # `total_len`, without a call
                 # A prompt's last token, or a recomputation, is a prefill (first token, blocks
                 # to cache), though only one token long.
-                decodes = decodes and num_new == 1 and seq.num_output > 0
-                context += computed + 1  # what step 2 reads
-            else:
-                if decodes:
-                    decode_steps = self._plan_decode_run(batch, free) - 1
-                    first = self._step_cost.decode_time(len(batch.seqs), context - len(batch.seqs))
-                    decode_context = context
-                    decoding = batch.seqs.copy()
-                elif (
-                    stopped_by != "memory"
-                    and len(batch.seqs) == len(self.running)  # step 2 has budget for the rest
-                    and len(batch.seqs) <= cfg.max_num_batched_tokens
-                ):
-                    decode_steps = self._plan_decode_run(batch) - 1
-                    decode_context = context
+                decodes = decodes and total - seq.num_computed == 1 and seq.num_output > 0
+                context += total + 1  # what step 2 reads
+            if decodes:
+                decode_steps = self._plan_decode_run(batch, free) - 1
+                first = self._step_cost.decode_time(len(batch.seqs), context - len(batch.seqs))
+                decode_context = context
+                decoding = batch.seqs.copy()
+            elif (
+                stopped_by != "memory"
+                and len(batch.seqs) == len(self.running)  # step 2 has budget for the rest
+                and len(batch.seqs) <= cfg.max_num_batched_tokens
+            ):
+                decode_steps = self._plan_decode_run(batch) - 1
+                decode_context = context
         if first is None:
             shape = batch.shape()
             if cfg.check_invariants:
@@ -828,7 +826,7 @@ class Engine:
             # `step` ends. Running nothing new, it is the running batch's first len(step).
             sampled = 0
             for i, seq in enumerate(step.seqs):
-                computed[i] += step.tokens_at(i, seq.prompt_len + output[i] - computed[i])
+                computed[i] = step.end_of(i, seq.prompt_len + output[i])
                 if computed[i] == seq.prompt_len + output[i]:
                     sampled = sampled + 1 if output[i] > 0 and sampled >= 0 else -1
                     output[i] += 1
@@ -959,7 +957,7 @@ class Engine:
             j = running.index(victim)
             del running[j]
             if j < i:
-                left = victim.prompt_len + victim.num_output - victim.num_computed
+                left = victim.total_len - victim.num_computed
                 batch.count(victim, left, -1)
                 budget += left
             self._preempt(victim)
@@ -1054,8 +1052,7 @@ class Engine:
             free = self.blocks.num_free
         if len(batch.seqs) * (limit // bs + 1) <= free:
             return limit  # even if every sequence crossed a block boundary as often as it can
-        computed = [seq.prompt_len + seq.num_output for seq in batch.seqs]  # all it has left...
-        computed[-1] -= batch.last_short  # ...but a budget's cut
+        computed = [batch.end_of(k, seq.total_len) for k, seq in enumerate(batch.seqs)]
         return min(limit, decode_steps_within(computed, bs, free) + 1)
 
     # ---------------------------------------------------------------- applying
@@ -1099,8 +1096,7 @@ class Engine:
         if i < len(run.lead) and run.applied < run.ends.count:  # the next step starts
             step = run.step_batch(i + 1)
             for k, seq in enumerate(step.seqs):
-                left = seq.prompt_len + seq.num_output - seq.num_computed
-                need = (seq.num_computed + step.tokens_at(k, left) + bs - 1) // bs - len(seq.table)
+                need = (step.end_of(k, seq.total_len) + bs - 1) // bs - len(seq.table)
                 if need > 0:
                     blocks.allocate(seq.table, need)
             self._note_peak()
