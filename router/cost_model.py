@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -344,26 +345,48 @@ class FittedCost(StepCost):
         of several lengths, some after a cached prefix (per_token, per_pair, per_kv_token),
         and decode steps at several batch sizes and contexts (per_decode_seq against the
         step's overhead and its KV reads). Without any decode step, per_decode_seq is
-        per_token (`STANDS_IN`)."""
+        per_token (`STANDS_IN`).
+
+        Where the server timed a request's step itself (vLLM's prefill histogram), the request
+        tells only what it costs beyond that step: `request_overhead` is the median of those
+        differences, and the step terms are fitted to the rest. A client held off the CPU
+        adds its delay to some requests; fitted jointly, those delays bent the per-token term
+        (half its value, on a loaded machine), while a median passes over them."""
+        weights = list(scale) if scale is not None else [1.0] * len(measurements)
+        timed: dict[StepShape, list[float]] = {}
+        for m in measurements:
+            if not m.request:
+                timed.setdefault(m.shape, []).append(m.seconds)
+        beyond = [
+            m.seconds - statistics.fmean(timed[m.shape])
+            for m in measurements
+            if m.request and m.shape in timed
+        ]
+        known: dict[str, float] = {}
+        if beyond:
+            known["request_overhead"] = max(0.0, statistics.median(beyond))
+            kept = [i for i, m in enumerate(measurements) if not (m.request and m.shape in timed)]
+            measurements = [measurements[i] for i in kept]
+            weights = [weights[i] for i in kept]
         terms = [
             t
             for t in cls.COEFFICIENTS
-            if t != "per_decode_seq" or any(m.shape.num_decode_seqs for m in measurements)
+            if t not in known
+            and (t != "per_decode_seq" or any(m.shape.num_decode_seqs for m in measurements))
         ]
         if len(measurements) < len(terms):
             raise ValueError(
                 f"profile: {len(measurements)} measurements cannot fit {len(terms)} terms"
             )
         x = np.array([[_feature(m, t) for t in terms] for m in measurements])
-        y = np.array([m.seconds for m in measurements])
-        if scale is not None:
-            w = 1 / np.array(scale)
-            x, y = x * w[:, None], y * w
-        return cls(
-            dict(zip(terms, _nonnegative_lstsq(x, y).tolist(), strict=True)),
-            kv_capacity_tokens,
-            name,
+        y = np.array(
+            [m.seconds - sum(v * _feature(m, t) for t, v in known.items()) for m in measurements]
         )
+        if scale is not None:
+            w = 1 / np.array(weights)
+            x, y = x * w[:, None], y * w
+        fitted = dict(zip(terms, _nonnegative_lstsq(x, y).tolist(), strict=True))
+        return cls({**fitted, **known}, kv_capacity_tokens, name)
 
     def save(self, path: Path, measurements: Sequence[Measurement] = ()) -> None:
         path.write_text(

@@ -16,7 +16,8 @@ and `ignore_eos` makes every answer as long as asked. Three kinds of measurement
   step-long prompt is started first and the streams are sent while it runs, so they wait,
   prefill together in the next step and decode together to the end: their decode times sum
   to B x (N - 1) decode steps of B sequences, whenever a busy client or API server happens to
-  read or send the events. Elsewhere (the emulated server), from the client's clock: while
+  read or send the events (the emulated server exports the same histograms). Elsewhere,
+  from the client's clock: while
   every stream decodes (after the last first token, before the first stream ends), each token
   is one decode step of B sequences; a stream's time per token over that span is taken, the
   median over the streams. A span, not single gaps: a client or API server held off the CPU

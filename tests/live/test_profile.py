@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from router.cli import main
 from router.cost_model import FittedCost, StepShape, roofline
 from tests.live_helpers import emulated_workers, run
-from workers.profiler import measure
+from workers.profiler import Profiler, measure
 
 
 @pytest.mark.slow
@@ -41,6 +42,33 @@ def test_profiling_an_emulated_worker_finds_its_cost_model(tmp_path: Path) -> No
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 50 and summary["config"]["cost_model"] == "fitted:tiny"
+
+
+def test_the_emulated_server_times_a_request_s_phases_as_vllm_does() -> None:
+    """vLLM's engine-side histograms, which `fairway profile` times steps by: from first
+    scheduled to first token is the prompt's one step, first token to last its decode steps."""
+    truth = roofline("llama-3-8b", "a100-80g")
+    prompt, answer = 1024, 6
+    found: dict = {}
+
+    async def go() -> None:
+        async with emulated_workers(1) as urls, aiohttp.ClientSession() as session:
+            body = {"model": "tiny", "prompt": [7] * prompt, "max_tokens": answer,
+                    "ignore_eos": True}  # fmt: skip
+            async with session.post(f"{urls[0]}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            profiler = Profiler(urls[0], session)
+            for phase in ("queue", "prefill", "decode", "inference"):
+                found[phase] = await profiler.server_seconds(f"vllm:request_{phase}_time_seconds")
+
+    run(go, timeout=60)
+    assert all(count == 1 for _, count in found.values()), found
+    prefill = truth.step_time(StepShape.prefill(prompt, 0))
+    decode = sum(truth.step_time(StepShape.decode(1, prompt + k)) for k in range(1, answer))
+    assert found["queue"][0] == pytest.approx(0.0, abs=1e-9)
+    assert found["prefill"][0] == pytest.approx(prefill, rel=1e-6)
+    assert found["decode"][0] == pytest.approx(decode, rel=1e-3)
+    assert found["inference"][0] == pytest.approx(prefill + found["decode"][0], rel=1e-6)
 
 
 def test_request_overhead_delays_the_engine_not_its_steps() -> None:

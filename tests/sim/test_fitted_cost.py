@@ -88,6 +88,21 @@ class TestFit:
         for name, value in truth.coefficients.items():
             assert fitted.coefficients[name] == pytest.approx(value, rel=1e-6), name
 
+    def test_requests_delayed_around_their_timed_steps_leave_the_steps_alone(self) -> None:
+        """A client held off the CPU makes some whole requests late by more than their steps
+        take; where the server timed those steps itself, the step terms come from the steps,
+        and the request overhead is what requests usually cost beyond them."""
+        truth = cost()
+        measurements = profile_like(truth, seed=2)
+        timed = {m.shape for m in measurements if not m.request}
+        around = [i for i, m in enumerate(measurements) if m.request and m.shape in timed]
+        for i in around[::3]:
+            late = measurements[i]
+            measurements[i] = dataclasses.replace(late, seconds=late.seconds + 0.05)
+        fitted = FittedCost.fit(measurements, 10_000, "fitted")
+        for name, value in truth.coefficients.items():
+            assert fitted.coefficients[name] == pytest.approx(value, rel=1e-6), name
+
     def test_a_term_the_data_does_not_support_is_zero_not_negative(self) -> None:
         # Decode steps flat in batch size: least squares alone would give tiny negative slopes.
         measurements = [

@@ -310,8 +310,7 @@ SERVER_TIMES = {
 
 
 async def server_times(urls: list[str]) -> dict[str, tuple[float, float]] | None:
-    """{name: (sum, count)} over the workers, or None if a worker does not export them all
-    (the emulated one exports only some)."""
+    """{name: (sum, count)} over the workers, or None if a worker does not export them all."""
     totals = {k: [0.0, 0.0] for k in SERVER_TIMES}
     wanted = {v: k for k, v in SERVER_TIMES.items()}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:

@@ -142,4 +142,10 @@ class WallClockEngine(ListenerDefaults):
             m = self.metrics
             m.success.labels(*m.labels).inc()
             m.e2e.labels(*m.labels).observe((now - seq.req.arrival) / self.speed)
+            scheduled, first = seq.admitted_at, seq.first_token_at
+            if scheduled is not None and first is not None:
+                m.queue_time.labels(*m.labels).observe((scheduled - seq.req.arrival) / self.speed)
+                m.prefill_time.labels(*m.labels).observe((first - scheduled) / self.speed)
+                m.decode_time.labels(*m.labels).observe((now - first) / self.speed)
+                m.inference_time.labels(*m.labels).observe((now - scheduled) / self.speed)
             m.preemptions.labels(*m.labels).inc(seq.num_preemptions)

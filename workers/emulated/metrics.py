@@ -47,6 +47,20 @@ class VLLMMetrics:
         self.success = counter("vllm:request_success", "Finished requests")
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "TTFT", labels, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "E2E latency", labels, registry=r)
+        # A finished request's phases by the engine's clock, as vLLM times them: arrival to
+        # first scheduled, then to first token, first token to last, first scheduled to last.
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time in the waiting queue", labels, registry=r
+        )
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Time in the prefill phase", labels, registry=r
+        )
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "Time in the decode phase", labels, registry=r
+        )
+        self.inference_time = Histogram(
+            "vllm:request_inference_time_seconds", "Time running", labels, registry=r
+        )
         info = Gauge(
             "vllm:cache_config_info", "Cache config", ["block_size", "num_gpu_blocks"], registry=r
         )
