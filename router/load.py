@@ -27,7 +27,6 @@ def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]
 class Load:
     def __init__(self, view: ClusterView) -> None:
         self.view = view
-        self._reported_waiting: dict[WorkerId, int] = {}
 
     def add(self, wid: WorkerId, tokens: int) -> None:
         """`tokens` more of work routed to `wid`."""
@@ -47,7 +46,7 @@ class Load:
     def count(self, wid: WorkerId, queue: DispatchQueue | None) -> None:
         """Requests waiting (in the router, or inside the server as it reports) and running."""
         state = self.view.workers.get(wid)
-        if state is not None and self._recount(state, queue, self._reported_waiting.get(wid, 0)):
+        if state is not None and self._recount(state, queue, max(state.reported_waiting, 0)):
             self.view.changed(wid)
 
     def _recount(self, state: WorkerState, queue: DispatchQueue | None, inside: int) -> bool:
@@ -82,11 +81,8 @@ class Load:
         if kv_capacity_blocks is not None and kv_capacity_blocks != state.kv_capacity_blocks:
             state.kv_capacity_blocks = kv_capacity_blocks
             moved = True
-        if waiting is not None and waiting != self._reported_waiting.get(wid):
-            self._reported_waiting[wid] = waiting
+        if waiting is not None and waiting != state.reported_waiting:
+            state.reported_waiting = waiting
             moved = self._recount(state, queue, waiting) or moved
         if moved:
             self.view.changed(wid)
-
-    def forget(self, wid: WorkerId) -> None:
-        self._reported_waiting.pop(wid, None)

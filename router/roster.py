@@ -107,7 +107,6 @@ class Roster:
         self.adapters.remove_worker(wid)
         self.view.workers.pop(wid, None)
         self._changed(wid)
-        self.load.forget(wid)
         self.latency.remove_worker(wid)
 
     def report(

@@ -28,6 +28,7 @@ class WorkerState:
     tokens_in_flight: int = 0
     kv_used_blocks: int = 0
     kv_capacity_blocks: int = 0
+    reported_waiting: int = -1  # requests it last said wait inside it; -1 before it says
     model: str | None = None  # its model group; None in a fleet of one model
     role: str = "mixed"  # router.traits.Role: mixed, prefill or decode
 
