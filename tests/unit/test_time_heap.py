@@ -23,12 +23,14 @@ def test_pushes_and_pops_interleaved_match_heapq(seed):
     ours, theirs = TimeHeap(), []
     for _ in range(3000):
         if theirs and rng.random() < 0.45:
-            at = ours.first_at()
-            assert (at, ours.pop()) == heapq.heappop(theirs)
+            at, payload = ours.first_at(), ours.first_payload()
+            popped = (at, ours.pop())
+            assert popped == heapq.heappop(theirs)
+            assert payload == popped  # what it was pushed with, though its entry is reused
         else:
             # Few distinct times and workers, so ties (and exact duplicates) are common.
             pair = (rng.choice([0.5, 1.0, 1.25, 2.0, float(rng.randrange(50))]), rng.randrange(8))
-            ours.push(*pair)
+            ours.push(*pair, pair)
             heapq.heappush(theirs, pair)
         assert len(ours) == len(theirs)
         assert ours.first_at() == (theirs[0][0] if theirs else float("inf"))
