@@ -51,6 +51,8 @@ class DispatchQueue:
         Locality-aware disciplines order by what `held` says the worker has computed. A list,
         not a generator: compiled, a generator's frame and each value it yields cost more than
         what most calls release (one request)."""
+        if not self._waiting:  # as at most finishes: no lookup table or closure made
+            return []
         matched: dict[int, int] = {}  # the index does not change while requests are released
 
         def cached_blocks(r: Request) -> int:
@@ -60,7 +62,7 @@ class DispatchQueue:
 
         released: list[Request] = []
         window, by = self.window, self._in_flight_by
-        # Nothing waiting: the discipline is not asked (an interpreted call that finds nothing).
+        # Nothing left waiting: the discipline is not asked (an interpreted call finding none).
         while self._waiting and (window is None or by is not None or self.in_flight < window):
             request = self.discipline.peek(cached_blocks)
             if request is None:
