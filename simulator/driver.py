@@ -473,7 +473,8 @@ class SimCluster:
 
     def _sync(self, now: float) -> None:
         """Apply the engine steps that have ended by `now`: only engines with one due (see
-        `_lazy`), found in a heap, so routing costs the same whatever the fleet's size."""
+        `_lazy`), found in a heap, or among the runs noted to end at this arrival (see
+        `_ties_only`), so routing costs the same whatever the fleet's size."""
         due, engines = self._due, self.engines
         if self._ties_only:
             if self._ties:

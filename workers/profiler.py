@@ -16,14 +16,14 @@ and `ignore_eos` makes every answer as long as asked. Three kinds of measurement
   step-long prompt is started first and the streams are sent while it runs, so they wait,
   prefill together in the next step and decode together to the end: their decode times sum
   to B x (N - 1) decode steps of B sequences, whenever a busy client or API server happens to
-  read or send the events (the emulated server exports the same histograms). Elsewhere,
-  from the client's clock: while
-  every stream decodes (after the last first token, before the first stream ends), each token
-  is one decode step of B sequences; a stream's time per token over that span is taken, the
-  median over the streams. A span, not single gaps: a client or API server held off the CPU
-  reads or sends events in bursts (vLLM then merges tokens into one event), which bends gaps,
-  not the span of many (though a client held off for most of the span still reads it all at
-  once: on a loaded 2-core machine, half the client-timed decode steps came out as bursts).
+  read or send the events (the emulated server exports the same histograms). Elsewhere, from
+  the client's clock: while every stream decodes (after the last first token, before the
+  first stream ends), each token is one decode step of B sequences; a stream's time per token
+  over that span is taken, the median over the streams. A span, not single gaps: a client or
+  API server held off the CPU reads or sends events in bursts (vLLM then merges tokens into
+  one event), which bends gaps, not the span of many (though a client held off for most of
+  the span still reads it all at once: on a loaded 2-core machine, half the client-timed
+  decode steps came out as bursts).
   Short and long P tell the cost of reading the KV cache apart from the per-step cost
   (prefills alone cannot: their tokens and KV reads grow together), and several B tell a
   decoding sequence's own cost (`per_decode_seq`) apart from both.
