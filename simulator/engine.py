@@ -748,7 +748,7 @@ class Engine:
                 f"worker {self.id}: nothing can run; a request needs more KV blocks than the "
                 f"worker has ({blocks.num_blocks} blocks of {cfg.block_size} tokens)"
             )
-        self._note_peak()
+        self._note_peak(blocks.num_used)
         if cfg.check_invariants:
             self.check_integrity()
 
@@ -1099,7 +1099,7 @@ class Engine:
                 need = (step.end_of(k, seq.total_len) + bs - 1) // bs - len(seq.table)
                 if need > 0:
                     blocks.allocate(seq.table, need)
-            self._note_peak()
+            self._note_peak(blocks.num_used)
 
     def _decode_in_sum_from_here(self, run: _Run) -> None:
         """A run whose first steps prefilled, those applied: each sequence takes the blocks of
@@ -1128,12 +1128,11 @@ class Engine:
         self.tokens_processed += tokens
         self.num_steps += num_steps
         used = self.blocks.num_used + cohort.owed_blocks
-        if used > self.peak_used_blocks:
-            self.peak_used_blocks = used
+        self._note_peak(used)
         self._on_progress(self, tokens, used, run.ends.end(run.applied))
 
-    def _note_peak(self) -> None:
-        used = self.blocks.num_used  # compared, not max(): compiled, that is a generic call
+    def _note_peak(self, used: int) -> None:
+        """`used` KV blocks in use now: the peak so far, if above it."""
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
 
@@ -1167,7 +1166,7 @@ class Engine:
         if num_steps and self._listener_counts_tokens:
             self._on_tokens(seqs, num_steps, now)
         self.tokens_processed += num_steps * len(seqs)
-        self._note_peak()
+        self._note_peak(blocks.num_used)
         run.applied += num_steps
         self.num_steps += num_steps
 
