@@ -352,7 +352,6 @@ class FittedCost(StepCost):
         differences, and the step terms are fitted to the rest. A client held off the CPU
         adds its delay to some requests; fitted jointly, those delays bent the per-token term
         (half its value, on a loaded machine), while a median passes over them."""
-        weights = list(scale) if scale is not None else [1.0] * len(measurements)
         timed: dict[StepShape, list[float]] = {}
         for m in measurements:
             if not m.request:
@@ -367,7 +366,8 @@ class FittedCost(StepCost):
             known["request_overhead"] = max(0.0, statistics.median(beyond))
             kept = [i for i, m in enumerate(measurements) if not (m.request and m.shape in timed)]
             measurements = [measurements[i] for i in kept]
-            weights = [weights[i] for i in kept]
+            if scale is not None:
+                scale = [scale[i] for i in kept]
         terms = [
             t
             for t in cls.COEFFICIENTS
@@ -383,7 +383,7 @@ class FittedCost(StepCost):
             [m.seconds - sum(v * _feature(m, t) for t, v in known.items()) for m in measurements]
         )
         if scale is not None:
-            w = 1 / np.array(weights)
+            w = 1 / np.array(scale)
             x, y = x * w[:, None], y * w
         fitted = dict(zip(terms, _nonnegative_lstsq(x, y).tolist(), strict=True))
         return cls({**fitted, **known}, kv_capacity_tokens, name)
