@@ -40,6 +40,11 @@ class InfiniteCache:
         self.cached_tokens += n * block_size
         return n * block_size
 
+    def forget(self) -> None:
+        """Let go of the blocks seen (the rates stay): a cluster left in reference cycles
+        would otherwise hold them for the collector to walk, each block a cache miss."""
+        self._seen.clear()
+
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
