@@ -181,10 +181,11 @@ class Candidates:
             show_progress=False,
         )
         cluster = SimCluster(self.trace, self.cost, config)
-        result = cluster.run(release=True)
+        result = cluster.run()
         goodput = goal_goodput(result.columns, cluster.refusals, self.goal)
         # The next candidate runs in this process: what is left of this one's fleet (its
         # router's index, its engines), in cycles, goes now, not carried on frozen.
+        cluster.release()
         del cluster
         gc.collect()
         gpus = fleet.workers * self.gpus_per_worker

@@ -36,11 +36,12 @@ collector walks a growing heap again and again, 23 % of the CPU of a 2,048-worke
 (least_load, tiled). `paced_for_throughput` freezes everything alive at the start (no pass walks
 it), runs a young pass only once a million objects more are alive, and never collects what
 survived one until the run is over. Each object that lives on is then walked once: the first
-120 s tiled onto 1,024 workers (about a million cached blocks) spends about 0.7 s in the collector,
-where young passes every 50,000 allocations and older ones every 50 of those spent about 1.7 s.
-A pass every million still bounds the garbage a policy's own cycles could pile up. A finished
-run's cached blocks are released to reference counting (`SimCluster.release`): left in their
-cycles, the next run in the process would freeze them with the living.
+120 s tiled onto 1,024 workers spent about 0.7 s in the collector, where young passes every
+50,000 allocations and older ones every 50 of those spent about 1.7 s. A pass every million
+still bounds the garbage a policy's own cycles could pile up. The most numerous objects, the
+engines' cached blocks (about a million there), are not tracked at all
+(simulator.block_manager); a finished run's blocks and the hit bound's are released to
+reference counting (`SimCluster.release`).
 """
 
 from __future__ import annotations

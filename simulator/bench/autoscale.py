@@ -187,7 +187,8 @@ def _run_one(day: Day, run: Run) -> tuple[Run, dict[str, object]]:
             cluster.scaler.planner = ReactivePlanner(settings, cost, seqs)
         elif run.kind == "oracle":
             cluster.scaler.planner = OraclePlanner(settings, cost, seqs, needs, day.window)
-    result = cluster.run(release=True)
+    result = cluster.run()
+    cluster.release()
     summary = result.summary
     summary["missed_arrivals"] = _missed(result.records)
     summary["requests"] = len(trace)
