@@ -50,10 +50,15 @@ def is_imbalanced(view: ClusterView, abs_threshold: float, rel_threshold: float)
 
 
 def shortest_queue_among(view: ClusterView, candidates: Collection[WorkerId]) -> WorkerId:
-    """The candidate with the shortest queue (then the lowest id). Many candidates (a prefix
-    held everywhere): walk the fleet's queue order to the first one; few: compare them."""
+    """The healthy candidate with the shortest queue (then the lowest id); one must be healthy.
+    Many candidates (a prefix held everywhere): walk the fleet's queue order, healthy workers
+    only, to the first one; few: compare the healthy ones."""
     if 8 * len(candidates) < len(view.workers):
-        return min(candidates, key=lambda w: shortest_queue(view, view.workers[w]))
+        healthy = view.healthy_set()
+        return min(
+            (w for w in candidates if w in healthy),
+            key=lambda w: shortest_queue(view, view.workers[w]),
+        )
     return next(key[-1] for key in view.ordered(shortest_queue) if key[-1] in candidates)
 
 
@@ -85,7 +90,7 @@ class LongestPrefixMatch(GlobalPolicy):
         # every worker holds (a shared system prompt) costs no per-worker key.
         longest, holders = view.index.longest_match(request.block_hashes, view.healthy_set())
         if longest and longest > self.cache_threshold * request.num_blocks:
-            return Decision(shortest_queue_among(view, set(holders)), "longest prefix match")
+            return Decision(shortest_queue_among(view, holders), "longest prefix match")
         return Decision(view.least(smallest_cache).id, "low match: smallest cache")
 
 

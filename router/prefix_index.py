@@ -26,7 +26,8 @@ The clock is passed in as `now`; the index never reads one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 from router.request import BlockHash
 
@@ -112,22 +113,19 @@ class PrefixIndex:
         return pos
 
     def longest_match(
-        self, hashes: Sequence[BlockHash], eligible: Container[WorkerId]
-    ) -> tuple[int, list[WorkerId]]:
-        """The longest prefix of `hashes` an `eligible` worker holds, in blocks, and every
-        eligible worker holding that much: the deepest node with an eligible holder. Reads one
-        holder per node on the way down (any eligible one will do) and the holders of that
-        node, where `match` reads every holder of every node."""
+        self, hashes: Sequence[BlockHash], eligible: AbstractSet[WorkerId]
+    ) -> tuple[int, Collection[WorkerId]]:
+        """The longest prefix of `hashes` an `eligible` worker holds, in blocks, and the workers
+        holding that much: the deepest node with an eligible holder, and its holders, eligible
+        or not (read-only, until the index next changes). Reads one holder per node on the way
+        down, where `match` reads every holder of every node, and hands the last node's holders
+        over as they are: a prefix held across a large fleet has hundreds, and the caller
+        usually wants one of them (lpm: the first in the fleet's queue order)."""
         deepest, length = None, 0
         node, pos, n = self.root, 0, len(hashes)
         while pos < n:
             child = node.children.get(hashes[pos])
-            if child is None:
-                break
-            for w in child.workers:  # a loop, not any(): a generator per node costs more
-                if w in eligible:
-                    break
-            else:
+            if child is None or child.workers.keys().isdisjoint(eligible):
                 break
             common = _common_prefix(child.key, hashes, pos)
             deepest, length = child, pos + common
@@ -135,8 +133,8 @@ class PrefixIndex:
                 break
             node, pos = child, length
         if deepest is None:
-            return 0, []
-        return length, [w for w in deepest.workers if w in eligible]
+            return 0, ()
+        return length, deepest.workers.keys()
 
     def num_blocks(self, worker: WorkerId) -> int:
         return self._num_blocks.get(worker, 0)
