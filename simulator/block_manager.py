@@ -12,9 +12,11 @@ its hash in the free LRU until it is reused for something else: the free list is
 Sequences free their blocks tail first, so a prompt's last blocks are evicted before its prefix.
 
 A hashed block is one small object, found by its hash once and then held by the sequences using
-it: freeing a sequence, pinning a cached block and evicting the oldest touch no table but the
-block's own links in the free LRU (a list threaded through the blocks, as vLLM's free block
-queue is). Hashes are opaque here: kept as the objects the caller gave, never converted.
+it. The free LRU is a queue of blocks in the order they were freed. A cached block used again
+keeps its place there, stale, rather than being unlinked from a list threaded through its
+neighbours (as vLLM's free block queue is): at 512 workers those neighbours are long out of the
+CPU's caches, two misses a pin. Freeing a sequence appends, evicting pops the oldest and skips
+what went stale. Hashes are opaque here: kept as the objects the caller gave, never converted.
 """
 
 from __future__ import annotations
@@ -36,27 +38,26 @@ class KVEventSink(Protocol):
 
 @mypyc_attr(acyclic=True)
 class CachedBlock:
-    """A block with an identity: its hash, how many sequences use it, and, while none does,
-    its neighbours in the free LRU (older towards the oldest, newer towards the newest).
+    """A block with an identity: its hash, how many sequences use it, and how many entries it
+    has in its manager's free queue. While no sequence uses it, the last of those is its place
+    in the LRU; every other is stale.
 
-    Compiled, the collector does not track it: at 512 workers a run holds half a million, and
-    tracked, each was linked into the collector's lists when made and unlinked when freed,
-    touching two neighbours long gone from the CPU's caches. The only cycle among blocks, the
-    free LRU, is broken by its manager: when it forgets its blocks, and when it is freed."""
+    Compiled, the collector does not track it (it refers to no block): at 512 workers a run
+    holds half a million, and tracked, each was linked into the collector's lists when made and
+    unlinked when freed, touching two neighbours long gone from the CPU's caches."""
 
-    __slots__ = ("hash", "ref", "older", "newer")
+    __slots__ = ("hash", "ref", "queued")
 
-    def __init__(self, block_hash: Hashable, ref: int, end: CachedBlock | None = None) -> None:
+    def __init__(self, block_hash: Hashable, ref: int) -> None:
         self.hash = block_hash
         self.ref = ref
-        # Out of the LRU a block points at its end, never at another block: an evicted block
-        # then keeps nothing alive and is freed by reference counting alone.
-        self.older: CachedBlock = self if end is None else end
-        self.newer: CachedBlock = self if end is None else end
+        self.queued = 0
 
 
-# What a block out of every LRU points at once its manager let it go (itself an LRU end of none).
-_DETACHED: Final = CachedBlock(None, 0)
+# Stale entries a free queue may hold beyond its live ones before it is rebuilt without them.
+STALE_SLACK: Final = 64
+# What a free queue's slot holds once its block was taken out (itself in no queue).
+_TAKEN: Final = CachedBlock(None, 0)
 
 
 class BlockTable:
@@ -79,9 +80,13 @@ class BlockManager:
         self.block_size = block_size
         self.events = events
         self._blocks: dict[Hashable, CachedBlock] = {}  # every hashed block, in use or free
-        # The free LRU's two ends in one: its `newer` is the oldest free block, its `older`
-        # the newest (itself both when the LRU is empty).
-        self._lru = CachedBlock(None, 0)
+        # The free LRU, oldest first from `_oldest` on: a block is appended when its last user
+        # frees it. Pinned again, it stays (stale) until it surfaces or the queue is rebuilt
+        # (`_compact`). A list and an index, not a deque: compiled, a list's append and item
+        # are direct calls, a deque's methods are looked up by name at every call.
+        self._freed: list[CachedBlock] = []
+        self._oldest = 0
+        self.stale_slack = STALE_SLACK  # a module constant (tests push it to extremes)
         self._num_free_cached = 0
         self._num_empty = num_blocks
         self.num_evictions = 0
@@ -104,28 +109,15 @@ class BlockManager:
         return self.num_blocks - self._num_empty - self._num_free_cached
 
     def forget(self) -> None:
-        """Every cached block forgotten, once no sequence holds one (a finished run): out of
-        the free LRU, which links them both ways, reference counting frees them now."""
+        """Every cached block forgotten, once no sequence holds one (a finished run): freed now,
+        by reference counting, where a dropped fleet's would wait for its engines to go."""
         if self.num_used:
             raise RuntimeError(f"forget: sequences hold {self.num_used} blocks")
-        self._detach()
-        self._lru = CachedBlock(None, 0)
+        self._freed.clear()
+        self._oldest = 0
         self._blocks.clear()
         self._num_free_cached = 0
         self._num_empty = self.num_blocks
-
-    def __del__(self) -> None:
-        # Dropped unforgotten (a run not released), the LRU's cycle would keep every free block
-        # alive for good: the collector, not tracking blocks, would never see it.
-        self._detach()
-
-    def _detach(self) -> None:
-        """Point every block's links, the LRU's end's too, at no block of this manager's: the
-        free LRU's cycle is gone, and a block is freed once no table or dict holds it."""
-        for block in self._blocks.values():
-            block.older = block.newer = _DETACHED
-        end = self._lru
-        end.older = end.newer = _DETACHED
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -162,12 +154,17 @@ class BlockManager:
         """Share the first `num_hit` cached blocks of `hashes` with a new sequence."""
         assert not len(table), "a prefix is pinned before anything else is allocated"
         blocks, hashed, keys = self._blocks, table.hashed, as_keys(hashes)
+        taken = 0
         for i in range(num_hit):
             block = blocks[keys[i]]
             if block.ref == 0:
-                self._unlink(block)
+                taken += 1  # out of the LRU: its entry in the queue is stale from now
             block.ref += 1
             hashed.append(block)
+        if taken:
+            self._num_free_cached -= taken
+            if len(self._freed) - self._oldest > 2 * self._num_free_cached + self.stale_slack:
+                self._compact()
 
     def allocate(self, table: BlockTable, num_new: int) -> None:
         """Give `table` `num_new` anonymous blocks, evicting the oldest free cached ones."""
@@ -193,12 +190,12 @@ class BlockManager:
         If another sequence computed the same block meanwhile, ours stays anonymous (a
         duplicate, as in vLLM) and the hashed run of this table ends there.
         """
-        blocks, hashed, lru, keys = self._blocks, table.hashed, self._lru, as_keys(hashes)
+        blocks, hashed, keys = self._blocks, table.hashed, as_keys(hashes)
         start = len(hashed)
         # Two at a time: compiled, a min of three is a call into the interpreter.
         stop = min(min(num_computed_blocks, len(keys)), start + table.num_anonymous)
         for i in range(start, stop):
-            block = CachedBlock(keys[i], 1, lru)
+            block = CachedBlock(keys[i], 1)
             if blocks.setdefault(block.hash, block) is not block:  # computed meanwhile
                 break
             hashed.append(block)
@@ -219,33 +216,48 @@ class BlockManager:
     def free(self, table: BlockTable) -> None:
         """Release every block of `table`, tail first."""
         self._num_empty += table.num_anonymous
-        lru = self._lru
+        freed, num_freed = self._freed, 0
         for block in reversed(table.hashed):
             block.ref -= 1
             if block.ref == 0:  # the newest free block
-                newest = lru.older
-                block.older = newest
-                block.newer = lru
-                newest.newer = block
-                lru.older = block
-                self._num_free_cached += 1
+                freed.append(block)
+                block.queued += 1
+                num_freed += 1
+        self._num_free_cached += num_freed
         table.hashed.clear()
         table.num_anonymous = 0
 
     def _drop_oldest(self) -> Hashable:
         """Forget the oldest free cached block (evicted, or reset); its hash."""
-        oldest = self._lru.newer
-        self._unlink(oldest)
+        freed, at = self._freed, self._oldest
+        while True:
+            oldest = freed[at]
+            freed[at] = _TAKEN  # the queue no longer holds it: evicted, it is freed now
+            at += 1
+            oldest.queued -= 1
+            if oldest.queued == 0 and oldest.ref == 0:  # its last entry, and still free
+                break
+        if at > STALE_SLACK and 2 * at > len(freed):  # the taken half goes, in one move
+            del freed[:at]
+            at = 0
+        self._oldest = at
         del self._blocks[oldest.hash]
+        self._num_free_cached -= 1
         return oldest.hash
 
-    def _unlink(self, block: CachedBlock) -> None:
-        """Take a free block out of the LRU (it is pinned again, or evicted)."""
-        older, newer = block.older, block.newer
-        older.newer = newer
-        newer.older = older
-        block.older = block.newer = self._lru
-        self._num_free_cached -= 1
+    def _compact(self) -> None:
+        """The free queue without its stale entries, in the same order."""
+        live: list[CachedBlock] = []
+        for block in self.free_queue():
+            block.queued -= 1
+            if block.queued == 0 and block.ref == 0:
+                block.queued = 1
+                live.append(block)
+        self._freed, self._oldest = live, 0
+
+    def free_queue(self) -> list[CachedBlock]:
+        """The free queue's entries, oldest first, stale ones included (a copy)."""
+        return self._freed[self._oldest :]
 
     def check_integrity(self, tables: Sequence[BlockTable]) -> None:
         refs: dict[Hashable, int] = {}
@@ -256,15 +268,16 @@ class BlockManager:
         held = sum(t.num_anonymous for t in tables) + len(refs)  # a shared block counts once
         assert held == self.num_used, f"sequences hold {held} blocks, manager says {self.num_used}"
         assert self.num_used <= self.num_blocks, "more blocks used than exist"
+        entries: dict[int, int] = {}
         free: set[Hashable] = set()
-        lru = self._lru
-        b = lru.newer
-        while b is not lru:
-            assert b.newer.older is b, f"block {b.hash}: LRU links disagree"
-            free.add(b.hash)
-            b = b.newer
+        for block in self.free_queue():
+            assert self._blocks.get(block.hash) is block, f"block {block.hash}: queued, not cached"
+            entries[id(block)] = entries.get(id(block), 0) + 1
+            if entries[id(block)] == block.queued and block.ref == 0:
+                free.add(block.hash)
         assert len(free) == self._num_free_cached, "free LRU and its count disagree"
         for h, block in self._blocks.items():
+            assert block.queued == entries.get(id(block), 0), f"block {h}: entries in the queue"
             r = block.ref
             assert refs.get(h, 0) == r, f"block {h}: ref {r}, held by {refs.get(h, 0)}"
             assert (r == 0) == (h in free), f"block {h}: ref {r} vs free list"

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import pytest
 
-from simulator.block_manager import BlockManager, BlockTable
+from simulator.block_manager import STALE_SLACK, BlockManager, BlockTable
 
 
 class Events:
@@ -105,6 +105,9 @@ def test_matches_the_model_operation_by_operation(seed: int) -> None:
     num_blocks = rng.choice([8, 16, 40])
     events = Events()
     manager, model = BlockManager(num_blocks, 16, events), Model(num_blocks)
+    # Pinned again, a free block leaves a stale entry in the free queue: rebuilt without them
+    # past a slack, which only a long run reaches at its default.
+    manager.stale_slack = rng.choice([0, 3, STALE_SLACK])
     prompts = _prompts(rng, 60)
     running: list[tuple[BlockTable, list, list[int]]] = []
     for _ in range(400):
@@ -169,3 +172,29 @@ def test_forget_empties_the_cache_once_no_sequence_holds_a_block() -> None:
     again = BlockTable()
     blocks.allocate(again, 2)  # usable as before
     assert blocks.num_used == 2
+
+
+def test_a_prefix_used_again_and_again_keeps_its_place_and_the_queue_bounded() -> None:
+    """A cached prefix pinned and freed over and over leaves a stale entry in the free queue
+    each time: the queue is rebuilt before they pile up, and eviction still goes by the last
+    free, oldest first."""
+    events = Events()
+    blocks = BlockManager(num_blocks=6, block_size=16, events=events)
+    first, other = BlockTable(), BlockTable()
+    blocks.allocate(first, 3)
+    blocks.commit_full_blocks(first, [1, 2, 3], 3)
+    blocks.allocate(other, 2)
+    blocks.commit_full_blocks(other, [7, 8], 2)
+    blocks.free(first)  # free, newest last: 3 2 1
+    blocks.free(other)  # 3 2 1 8 7
+    longest = 0
+    for _ in range(10 * STALE_SLACK):
+        again = BlockTable()
+        blocks.pin_prefix(again, [1, 2, 3], 2)
+        blocks.free(again)  # 3 8 7 2 1: the prefix's blocks move to the new end
+        blocks.check_integrity([])
+        longest = max(longest, len(blocks.free_queue()))
+    assert longest <= 2 * blocks.num_free + STALE_SLACK, "stale entries piled up"
+    taken = BlockTable()
+    blocks.allocate(taken, 6)  # one empty block, then every cached one evicted
+    assert events.log[-1] == ("removed", [3, 8, 7, 2, 1])

@@ -63,31 +63,26 @@ class TestPacedForThroughput:
             gc.unfreeze()
 
     def test_a_dropped_fleet_frees_its_cached_blocks_released_or_not(self) -> None:
-        """A run's engines keep their cached blocks in a free LRU linked both ways, and the
-        collector does not track a block (simulator.block_manager): the LRU's cycle is broken
-        by its manager, when it forgets its blocks (`simulate` releases the fleet) and when it
-        is freed. Either way no block is kept alive by another once the fleet is dropped."""
+        """A run's engines keep their cached blocks in a dict and a free queue, and the
+        collector does not track a block (simulator.block_manager): nothing may hold a block but
+        its manager and the sequences using it. The fleet dropped, whether `simulate` released
+        it first or not, no block is kept alive."""
         from router.cost_model import roofline
-        from simulator.block_manager import CachedBlock
         from simulator.config import SimConfig
         from simulator.driver import SimCluster
         from traces.generators import shared_prefix
 
-        def free_lru(end: CachedBlock) -> list[CachedBlock]:
-            blocks, block = [], end.newer
-            while block is not end:
-                blocks.append(block)
-                block = block.newer
-            return blocks
-
         def holders_left(release: bool) -> list[int]:
-            """Of the blocks the LRUs held at the end, the fleet gone: each one's references
-            but ours, where there are any."""
+            """Of the blocks the free queues held at the end, the fleet gone: each one's
+            references but ours, where there are any."""
             trace = shared_prefix(num_requests=60, num_tenants=3, prefix_tokens=400, rate=20)
             cost = roofline("llama-3-8b", "a100-80g")
             cluster = SimCluster(trace, cost, SimConfig(num_workers=3))
             cluster.run()
-            lru_blocks = [b for engine in cluster.engines for b in free_lru(engine.blocks._lru)]
+            # Each once: a block pinned again since it was freed has more than one entry.
+            queues = [engine.blocks.free_queue() for engine in cluster.engines]
+            lru_blocks = list({id(b): b for queue in queues for b in queue}.values())
+            del queues
             assert len(lru_blocks) > 50, "a run that leaves few blocks cached tests nothing"
             if release:
                 cluster.release()
