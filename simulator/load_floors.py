@@ -54,17 +54,31 @@ class _Falling:
     """One worker as of its last change: its tokens in flight (inf: not routable), and how its
     run's decode steps still to come may lower them: when the step before the first of them
     ended (so that the time since, in shortest steps, counts them), the shortest step, how
-    many there are, the tokens each takes off. And when the floor reaches the level."""
+    many there are, the tokens each takes off. And when the floor reaches the level, whether
+    it has (`low`), and whether the low list holds it (`listed`: it may, stale, once not low)."""
 
-    __slots__ = ("tokens", "before_first", "shortest", "left", "batch", "crossing")
+    __slots__ = (
+        "wid",
+        "tokens",
+        "before_first",
+        "shortest",
+        "left",
+        "batch",
+        "crossing",
+        "low",
+        "listed",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, wid: int) -> None:
+        self.wid = wid
         self.tokens = _INF
         self.before_first = _INF
         self.shortest = 1.0
         self.left = 0
         self.batch = 0
         self.crossing = _INF
+        self.low = False
+        self.listed = False
 
     def floor(self, now: float) -> float:
         """The tokens in flight at `now`, at the least."""
@@ -87,19 +101,25 @@ class _Falling:
 class LoadFloors:
     def __init__(self, engines: Sequence[Engine], view: ClusterView, key: OrderKey) -> None:
         self._engines, self._view, self._key = engines, view, key
-        self._workers = [_Falling() for _ in engines]  # engine i serves worker i
+        self._workers = [_Falling(wid) for wid in range(len(engines))]  # engine i: worker i
         # How the level follows the least key (module constants; tests push them to extremes).
         self.headroom, self.min_headroom = HEADROOM, MIN_HEADROOM
         self.lower_by, self.crowd = LOWER_BY, CROWD
         self._level = 0.0
         self._heap = TimeHeap()  # (crossing, worker), stale ones included
-        self._low: set[int] = set()  # workers whose floor reached the level
+        # The workers whose floor reached the level, and some that did before their last change
+        # (`low` is False, taken out as a decision walks past them): a list of the workers
+        # themselves, not a set of ids, so that a walk makes no object and hashes nothing.
+        self._low: list[_Falling] = []
+        self._num_low = 0
 
     def changed(self, wid: int) -> None:
         """The worker's state moved (its engine applied steps or took a request, or its
         health changed)."""
-        self._low.discard(wid)
         worker = self._workers[wid]
+        if worker.low:
+            worker.low = False
+            self._num_low -= 1
         state = self._view.workers.get(wid)
         if state is None or not state.healthy:
             worker.tokens = worker.crossing = _INF
@@ -132,22 +152,33 @@ class LoadFloors:
             return None
         least = float(best[0])
         low, workers = self._low, self._workers
-        if least > self._level or (least < self.lower_by * self._level and len(low) >= self.crowd):
+        crowded = least < self.lower_by * self._level and self._num_low >= self.crowd
+        if least > self._level or crowded:
             self._relevel(least)
         heap = self._heap
         while heap and heap.first_at() <= now:
             at = heap.first_at()
-            wid = heap.pop()
-            if workers[wid].crossing == at:
-                low.add(wid)
+            worker = workers[heap.pop()]
+            if worker.crossing == at and not worker.low:
+                worker.low = True
+                self._num_low += 1
+                if not worker.listed:
+                    worker.listed = True
+                    low.append(worker)
         floors: list[float] = []
         wids: list[int] = []
-        for wid in low:
-            worker = workers[wid]
+        kept = 0
+        for worker in low:
+            if not worker.low:
+                worker.listed = False
+                continue
+            low[kept] = worker
+            kept += 1
             floor = worker.floor(now)
             if floor <= least and floor < worker.tokens:
                 floors.append(floor)
-                wids.append(wid)
+                wids.append(worker.wid)
+        del low[kept:]
         # Lowest floor first: the first exact keys found usually rule out the rest, so each is
         # picked out by a pass over the floors rather than all of them sorted (the answer is
         # the least exact key whatever the order: only the work depends on it).
@@ -168,18 +199,20 @@ class LoadFloors:
     def _relevel(self, least: float) -> None:
         """A level above `least`, each worker's crossing of it anew."""
         level = self._level = least + max(self.headroom * least, self.min_headroom)
+        for worker in self._low:
+            worker.low = worker.listed = False
         self._low.clear()
+        self._num_low = 0
         for worker in self._workers:
             worker.crossing = worker.crossing_time(level)
         self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        low = self._low
         self._heap.rebuild(
             [
-                (worker.crossing, wid)
-                for wid, worker in enumerate(self._workers)
-                if worker.crossing < _INF and wid not in low
+                (worker.crossing, worker.wid)
+                for worker in self._workers
+                if worker.crossing < _INF and not worker.low
             ]
         )
 
