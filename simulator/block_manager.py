@@ -56,6 +56,9 @@ class CachedBlock:
 
 # Stale entries a free queue may hold beyond its live ones before it is rebuilt without them.
 STALE_SLACK: Final = 64
+# Taken slots a free queue keeps at its front before it moves the rest up over them (and only
+# once they are half of it, so that each entry is moved about once).
+TRIM_AFTER: Final = 64
 # What a free queue's slot holds once its block was taken out (itself in no queue).
 _TAKEN: Final = CachedBlock(None, 0)
 
@@ -237,7 +240,7 @@ class BlockManager:
             oldest.queued -= 1
             if oldest.queued == 0 and oldest.ref == 0:  # its last entry, and still free
                 break
-        if at > STALE_SLACK and 2 * at > len(freed):  # the taken half goes, in one move
+        if at > TRIM_AFTER and 2 * at > len(freed):
             del freed[:at]
             at = 0
         self._oldest = at
