@@ -52,6 +52,19 @@ def fairway_serve(config: dict, scratch: Path, timeout: float = 300.0) -> Iterat
         yield url
 
 
+def fairway_run(argv: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """`fairway ARGV` in a process of its own, as a user runs it (a process joins one Ray
+    cluster in its life, so a test that joins its own must not do so in pytest's)."""
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def tokenizer_dir() -> Path:
     return ensure_tiny_model(TOKENIZER_DIR, weights=False)
 

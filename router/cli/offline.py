@@ -4,6 +4,7 @@ and list what the simulator knows (policies, models, generators)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     import policies
     from dashboards.report import load_run, write_report
-    from router.runtime.ray_tasks import join_ray_if_wanted
+    from router.runtime.ray_tasks import ray_if_wanted
     from simulator.progress import command_bar, map_runs, summary_counts
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -127,10 +128,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         )
     out = Path(args.out)
     dirs = [str(out / name) for name in names]
-    ray = join_ray_if_wanted(args.ray_address)
-    with command_bar("compare", num_runs=len(names)):
+    with ray_if_wanted(args.ray_address) as ray:
+        if ray is not None:
+            print(f"compare: runs as Ray tasks on the cluster at {ray.address}", file=sys.stderr)
         pool = ray or ProcessPoolExecutor(max_workers=min(len(names), args.jobs))
-        with pool:
+        with command_bar("compare", num_runs=len(names)), pool:
             map_runs(pool, _simulate_one, [args] * len(names), names, dirs, counts=summary_counts)
     runs = [load_run(d) for d in dirs]
     recording = Path(args.trace)

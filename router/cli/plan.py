@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 from dashboards.tables import format_table
@@ -149,7 +150,7 @@ def search_lines(plan) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from router.runtime.ray_tasks import join_ray_if_wanted
+    from router.runtime.ray_tasks import ray_if_wanted
     from simulator.plan import Candidates, Goal, plan
     from simulator.progress import command_bar
 
@@ -165,17 +166,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     tp = args.tp or (1 if args.cost else MODELS[args.model].default_tp)
     policies = args.policies or [args.policy]
-    ray = join_ray_if_wanted(args.ray_address)
-    jobs = args.jobs or (ray.cpus() if ray is not None else os.cpu_count() or 1)
-    with command_bar("plan"):
-        found = plan(
-            Candidates(trace, cost, base, goal, tp),
-            policies,
-            args.max_workers,
-            split=args.split,
-            jobs=jobs,
-            ray=ray,
-        )
+    with ray_if_wanted(args.ray_address) as ray:
+        if ray is not None:
+            print(f"plan: runs as Ray tasks on the cluster at {ray.address}", file=sys.stderr)
+        jobs = args.jobs or (ray.cpus() if ray is not None else os.cpu_count() or 1)
+        with command_bar("plan"):
+            found = plan(
+                Candidates(trace, cost, base, goal, tp),
+                policies,
+                args.max_workers,
+                split=args.split,
+                jobs=jobs,
+                ray=ray,
+            )
     print(format_table(candidate_rows(found)))
     print("\n".join(search_lines(found)))
     if args.json:

@@ -9,8 +9,9 @@ concurrent.futures Executor whose calls are Ray tasks.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -18,7 +19,7 @@ CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"  # written by `ray start` on th
 
 
 class RayTasks(Executor):
-    """Each `submit` a Ray task on the cluster this process joined (`join_ray_if_wanted`).
+    """Each `submit` a Ray task on the cluster this process joined (`ray_if_wanted`).
     Shutting it down leaves the cluster and its tasks as they are."""
 
     def __init__(self) -> None:
@@ -38,17 +39,38 @@ class RayTasks(Executor):
         each (each task gets the value itself)."""
         return self._ray.put(value)
 
+    @property
+    def address(self) -> str:
+        """The cluster's GCS address, host:port."""
+        return str(self._ray.get_runtime_context().gcs_address)
+
     def cpus(self) -> int:
         return max(1, int(self._ray.cluster_resources().get("CPU", 1)))
 
 
-def join_ray_if_wanted(address: str | None) -> RayTasks | None:
-    """Join the Ray cluster at `address`, or the one running on this machine if there is one
-    (None: neither, run locally)."""
+@contextlib.contextmanager
+def ray_if_wanted(address: str | None) -> Iterator[RayTasks | None]:
+    """Tasks on the Ray cluster at `address`, or on the one running on this machine if there
+    is one (None: neither, run locally). A cluster joined here is left when the block ends, so
+    that a caller in a longer-lived process can join another later; one this process had
+    joined before is used as it is, and kept."""
     if address is None and not os.path.exists(CURRENT_CLUSTER):
-        return None
+        yield None
+        return
     import ray
 
+    if ray.is_initialized():
+        if address is not None:
+            joined = RayTasks().address
+            raise ValueError(
+                f"--ray-address: this process has joined the Ray cluster at {joined} already, "
+                "and a process joins one; leave --ray-address out to use that cluster"
+            )
+        yield RayTasks()
+        return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address or "auto", log_to_driver=False)
-    return RayTasks()
+    try:
+        yield RayTasks()
+    finally:
+        ray.shutdown()

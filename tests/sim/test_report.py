@@ -145,38 +145,22 @@ def test_chromium_shows_the_plots(compared: Path, tmp_path: Path) -> None:
 def test_compare_runs_policies_as_ray_tasks(tmp_path: Path) -> None:
     import tempfile
 
-    import ray
-
-    from tests.live_helpers import ray_head
+    from tests.live_helpers import fairway_run, ray_head
 
     temp = Path(tempfile.mkdtemp(prefix="fw-ray-", dir="/tmp"))  # short: Ray's socket paths
     # A head of the test's own, stopped by its pids: never `ray stop`, which stops every Ray
     # cluster on the host.
     with ray_head(temp) as head:
-        try:
-            out = tmp_path / "cmp"
-            code = main(
-                [
-                    "compare",
-                    "--trace",
-                    "gen:few_shot",
-                    "--gen",
-                    "num_requests=200",
-                    "--workers",
-                    "2",
-                    "--policies",
-                    "lpm,round_robin",
-                    "--out",
-                    str(out),
-                    "--ray-address",
-                    head.address,
-                ]
-            )
-            assert code == 0
-            assert ray.is_initialized(), "the policies ran as Ray tasks"
-            for name in ("lpm", "round_robin"):
-                assert json.loads((out / name / "summary.json").read_text())["completed"] == 200
-            assert (out / "report.html").exists()
-        finally:
-            ray.shutdown()
+        out = tmp_path / "cmp"
+        argv = ["compare", "--trace", "gen:few_shot", "--gen", "num_requests=200",
+                "--workers", "2", "--policies", "lpm,round_robin", "--out", str(out),
+                "--ray-address", head.address]  # fmt: skip
+        done = fairway_run(argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "compare: runs as Ray tasks on the cluster at" in done.stderr
+        # The head's workers ran them: each Ray worker process logs under the head's session.
+        assert list(temp.glob("session_*/logs/worker-*.out")), "no Ray worker was started"
+        for name in ("lpm", "round_robin"):
+            assert json.loads((out / name / "summary.json").read_text())["completed"] == 200
+        assert (out / "report.html").exists()
     shutil.rmtree(temp, ignore_errors=True)
