@@ -141,7 +141,7 @@ class DistributedDLPM(GlobalPolicy):
         # Hooks come from failure paths too: a request this policy did not send is ignored.
         sent = self._sent
         mine = [r for r in requests if (s := sent.get(r.id)) is not None and s.worker == worker]
-        self.meter.charge_tokens(mine, num_tokens, self.deficits, lambda r: (r.client, worker), -1)
+        self.meter.charge_tokens(mine, num_tokens, self.deficits, -1, lambda r: (r.client, worker))
 
     def on_finish(self, request: Request, worker: WorkerId, view: ClusterView) -> None:
         if self._forget(request, worker) is not None:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 from policies.lpm import LongestPrefixMatch
 from policies.queues import ClientQueues
-from policies.service_cost import client_of
 from policies.service_params import DEFAULT_SERVICE_COST, ServiceCostParams
 from router.ledger import Ledger
 from router.policy import LocalPolicy
@@ -89,7 +88,7 @@ class DeficitLongestPrefixMatch(LocalPolicy):
     def on_tokens(self, requests: Sequence[Request], num_tokens: int) -> None:
         # The meter charges only requests this queue started: one rebuilt under running
         # requests (its worker was marked down) keeps accounts of what it admitted itself.
-        self.meter.charge_tokens(requests, num_tokens, self.deficits, client_of, -1.0)
+        self.meter.charge_tokens(requests, num_tokens, self.deficits, -1.0)
 
     def on_finish(self, request: Request) -> None:
         self._charge(request, self.meter.finish(request))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from policies.service_cost import client_of
 from policies.service_params import ServiceCostParams
 from router.cost_model import roofline
 from router.ledger import Ledger, LedgerStore, Segment
@@ -40,7 +39,7 @@ def test_a_meters_batch_charges_reach_the_other_replicas() -> None:
     for r in (a, b):
         ledger[r.client] = ledger.get(r.client, 0.0) - meter.start(r, 40)
     ledger.take()
-    meter.charge_tokens([a, b, a], 3, ledger, client_of, -1)  # a twice: one write of both
+    meter.charge_tokens([a, b, a], 3, ledger, -1)  # a twice: one write of both
     assert dict(ledger) == {"a": -40.0 - 12.0, "b": -40.0 - 6.0}
     inf = float("inf")
     assert ledger.take() == [Segment({"a": (-inf, inf, -12.0), "b": (-inf, inf, -6.0)})]
