@@ -52,8 +52,9 @@ class RayTasks(Executor):
 def ray_if_wanted(address: str | None) -> Iterator[RayTasks | None]:
     """Tasks on the Ray cluster at `address`, or on the one running on this machine if there
     is one (None: neither, run locally). A cluster joined here is left when the block ends, so
-    that a caller in a longer-lived process can join another later; one this process had
-    joined before is used as it is, and kept."""
+    that a longer-lived caller can join another later. A process joins one cluster in its life:
+    if this one has joined already, that cluster is used (and kept) in place of the machine's,
+    and asking for another by address is an error."""
     if address is None and not os.path.exists(CURRENT_CLUSTER):
         yield None
         return

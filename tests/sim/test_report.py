@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import html.parser
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +147,7 @@ def test_chromium_shows_the_plots(compared: Path, tmp_path: Path) -> None:
 def test_compare_runs_policies_as_ray_tasks(tmp_path: Path) -> None:
     import tempfile
 
-    from tests.live_helpers import fairway_run, ray_head
+    from tests.live_helpers import ROOT, fairway_run, ray_head
 
     temp = Path(tempfile.mkdtemp(prefix="fw-ray-", dir="/tmp"))  # short: Ray's socket paths
     # A head of the test's own, stopped by its pids: never `ray stop`, which stops every Ray
@@ -163,4 +165,23 @@ def test_compare_runs_policies_as_ray_tasks(tmp_path: Path) -> None:
         for name in ("lpm", "round_robin"):
             assert json.loads((out / name / "summary.json").read_text())["completed"] == 200
         assert (out / "report.html").exists()
+        # A process that joined this head already (a notebook's) and asks for another cluster
+        # is told so, by the flag's name, and keeps its own.
+        script = (
+            "import sys, ray\n"
+            "from router.cli import main\n"
+            "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+            "code = main(['compare', '--trace', 'gen:few_shot', '--gen', 'num_requests=20',\n"
+            "             '--policies', 'round_robin', '--out', sys.argv[2],\n"
+            "             '--ray-address', '127.0.0.1:1'])\n"
+            "assert ray.is_initialized()\n"
+            "sys.exit(code)\n"
+        )
+        joined = subprocess.run(
+            [sys.executable, "-c", script, head.address, str(tmp_path / "other")],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert joined.returncode == 2, joined.stderr[-3000:]
+        assert "--ray-address: this process has joined the Ray cluster at" in joined.stderr
     shutil.rmtree(temp, ignore_errors=True)
