@@ -237,8 +237,7 @@ class BlockManager:
             oldest = freed[at]
             freed[at] = _TAKEN  # the queue no longer holds it: evicted, it is freed now
             at += 1
-            oldest.queued -= 1
-            if oldest.queued == 0 and oldest.ref == 0:  # its last entry, and still free
+            if _was_its_place(oldest):
                 break
         if at > TRIM_AFTER and 2 * at > len(freed):
             del freed[:at]
@@ -252,8 +251,7 @@ class BlockManager:
         """The free queue without its stale entries, in the same order."""
         live: list[CachedBlock] = []
         for block in self.free_queue():
-            block.queued -= 1
-            if block.queued == 0 and block.ref == 0:
+            if _was_its_place(block):
                 block.queued = 1
                 live.append(block)
         self._freed, self._oldest = live, 0
@@ -285,6 +283,13 @@ class BlockManager:
             assert refs.get(h, 0) == r, f"block {h}: ref {r}, held by {refs.get(h, 0)}"
             assert (r == 0) == (h in free), f"block {h}: ref {r} vs free list"
         assert self._num_empty >= 0, "negative empty count"
+
+
+def _was_its_place(block: CachedBlock) -> bool:
+    """One of `block`'s entries leaves the free queue: was it the block's place in the LRU
+    (its last entry, while no sequence uses it), and not a stale one?"""
+    block.queued -= 1
+    return block.queued == 0 and block.ref == 0
 
 
 def as_keys(hashes: list[BlockHash]) -> list[Hashable]:
