@@ -55,8 +55,13 @@ def fairway_serve(config: dict, scratch: Path, timeout: float = 300.0) -> Iterat
 def fairway_run(argv: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
     """`fairway ARGV` in a process of its own, as a user runs it (a process joins one Ray
     cluster in its life, so a test that joins its own must not do so in pytest's)."""
+    return python_run(["-m", "router.cli", *argv], timeout)
+
+
+def python_run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """This Python on `args` in a process of its own, run from the repository; its output."""
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", *argv],
+        [sys.executable, *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"},
         capture_output=True,

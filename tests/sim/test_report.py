@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import html.parser
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +145,7 @@ def test_chromium_shows_the_plots(compared: Path, tmp_path: Path) -> None:
 def test_compare_runs_policies_as_ray_tasks(tmp_path: Path) -> None:
     import tempfile
 
-    from tests.live_helpers import ROOT, fairway_run, ray_head
+    from tests.live_helpers import fairway_run, python_run, ray_head
 
     temp = Path(tempfile.mkdtemp(prefix="fw-ray-", dir="/tmp"))  # short: Ray's socket paths
     # A head of the test's own, stopped by its pids: never `ray stop`, which stops every Ray
@@ -177,11 +175,7 @@ def test_compare_runs_policies_as_ray_tasks(tmp_path: Path) -> None:
             "assert ray.is_initialized()\n"
             "sys.exit(code)\n"
         )
-        joined = subprocess.run(
-            [sys.executable, "-c", script, head.address, str(tmp_path / "other")],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"},
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        joined = python_run(["-c", script, head.address, str(tmp_path / "other")], 120)
         assert joined.returncode == 2, joined.stderr[-3000:]
         assert "--ray-address: this process has joined the Ray cluster at" in joined.stderr
     shutil.rmtree(temp, ignore_errors=True)
