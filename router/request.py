@@ -22,6 +22,9 @@ from typing import Literal, get_args
 import numpy as np
 
 BlockHash = int
+# A trace's block hashes are 64-bit, signed or not (a simulated KV cache keeps them in 128 bits,
+# room for a tiled trace's copies to offset them).
+BLOCK_HASH_MIN, BLOCK_HASH_END = -(1 << 63), 1 << 64
 # The client APIs a request may come through: OpenAI completions, chat completions and
 # Responses, and Anthropic Messages.
 Api = Literal["completions", "chat", "responses", "messages"]

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from datetime import datetime
 from pathlib import Path
 
-from router.request import Request
+from router.request import BLOCK_HASH_END, BLOCK_HASH_MIN, Request
 from traces.recording import TRACE_FILE, recorded_parts
 from traces.schema import (
     DEFAULT_BLOCK_SIZE,
@@ -123,8 +123,10 @@ def load_mooncake(path: Path) -> Trace:
             raise TraceError(path, lineno, "input_length and output_length must be positive ints")
         if not isinstance(ts, (int, float)) or ts < 0:
             raise TraceError(path, lineno, "timestamp must be a non-negative number of ms")
-        if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
-            raise TraceError(path, lineno, "hash_ids must be a list of ints")
+        if not isinstance(ids, list) or not all(
+            isinstance(h, int) and BLOCK_HASH_MIN <= h < BLOCK_HASH_END for h in ids
+        ):
+            raise TraceError(path, lineno, "hash_ids must be a list of 64-bit ints")
         requests.append(
             Request(
                 id=len(requests),

@@ -23,11 +23,18 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from router.request import Api, Request, cache_root, rekey_blocks
+from router.request import (
+    BLOCK_HASH_END,
+    BLOCK_HASH_MIN,
+    Api,
+    Request,
+    cache_root,
+    rekey_blocks,
+)
 from traces.tiled import TiledRequests
 
 DEFAULT_BLOCK_SIZE = 16
@@ -84,7 +91,9 @@ class TraceLine(BaseModel):
     arrival: float = Field(ge=0)
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
-    block_hashes: list[int] = Field(default_factory=list)
+    block_hashes: list[Annotated[int, Field(ge=BLOCK_HASH_MIN, lt=BLOCK_HASH_END)]] = Field(
+        default_factory=list
+    )
     client: str = "default"
     session: str | None = None
     priority: int = 0

@@ -53,6 +53,11 @@ class TestMooncake:
                 '{"timestamp": 0, "input_length": 9, "output_length": 5, "hash_ids": ["a"]}',
                 "hash_ids",
             ),
+            (
+                '{"timestamp": 0, "input_length": 9, "output_length": 5, "hash_ids": ['
+                f"{1 << 64}]}}",
+                "64-bit",
+            ),
             ('{"timestamp": 0, "input_length": 9,', "not valid JSON"),
         ],
     )
@@ -165,6 +170,11 @@ class TestNative:
             ('{"arrival": 0, "prompt_len": 5, "output_len": 1, "colour": 1}', "field 'colour'"),
             ('{"arrival": -1, "prompt_len": 5, "output_len": 1}', "field 'arrival'"),
             ("[1, 2]", "expected a JSON object"),
+            (
+                '{"arrival": 0, "prompt_len": 5, "output_len": 1, "block_hashes": ['
+                f"{-(2**63) - 1}]}}",
+                "field 'block_hashes.0'",
+            ),
         ],
     )
     def test_bad_line(self, tmp_path: Path, line: str, message: str) -> None:
