@@ -7,10 +7,8 @@ replay of the Mooncake trace.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from router.request import Request
-from simulator.block_manager import as_keys
+from simulator.cached_blocks import new_store
 
 
 class InfiniteCache:
@@ -20,22 +18,20 @@ class InfiniteCache:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._seen: set[Hashable] = set()
+        # Every block seen, in a store of cached blocks, each held for good: in C, about 40
+        # bytes a block where a set and its ints take about 70, and a tiled fleet's trace
+        # names hundreds of thousands.
+        self._seen = new_store()
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
     def observe(self, request: Request) -> int:
-        hashes, seen, block_size = as_keys(request.block_hashes), self._seen, self.block_size
+        hashes, seen, block_size = request.block_hashes, self._seen, self.block_size
         prompt_len = request.prompt_len
         full = min(len(hashes), prompt_len // block_size)
-        cap = min(len(hashes), request.reusable_blocks(block_size))
-        n = 0
-        while n < cap and hashes[n] in seen:
-            n += 1
-        # The blocks before the first miss are remembered already: adding them again would
-        # hash every block of every prompt, where a replay's prompts are mostly hits.
-        for i in range(n, full):
-            seen.add(hashes[i])
+        n = seen.prefix(hashes, min(len(hashes), request.reusable_blocks(block_size)))
+        # The blocks before the first miss are remembered already.
+        seen.remember(hashes, n, full)
         self.prompt_tokens += prompt_len
         self.cached_tokens += n * block_size
         return n * block_size

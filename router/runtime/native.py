@@ -5,12 +5,12 @@ manager, the cost model, the simulator's driver and its environment's queue of c
 cluster view and the load floors read from it (with their heap of (time, worker) pairs), the
 dispatch queues, the prefix index, the router core, the hit bound every run reports and the
 fairness policies' service meter. `make` builds them into build/native
-(`router.runtime.native.main`), with one C extension beside them (EXTENSIONS: the huge-page
-arena allocator, router/runtime/arenas.py), and the `router`, `simulator` and `policies`
-packages put that folder first on their import path only while it was built from the very
-source on disk, for this Python: edit a module and it runs as plain Python until the next
-build, never stale. Set FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no
-frames inside compiled code).
+(`router.runtime.native.main`), with C extensions beside them (EXTENSIONS: the huge-page
+arena allocator, router/runtime/arenas.py, and the block manager's store of cached blocks,
+simulator/cached_blocks.py), and the `router`, `simulator` and `policies` packages put that
+folder first on their import path only while it was built from the very source on disk, for
+this Python: edit a module and it runs as plain Python until the next build, never stale. Set
+FAIRWAY_PURE=1 to run it all as plain Python (cProfile sees no frames inside compiled code).
 
 A compiled class accepts no attribute it does not declare, and an interpreted subclass only if
 it says so (`mypyc_attr(allow_interpreted_subclasses=True)`: the driver's SimCluster and the
@@ -62,7 +62,10 @@ MODULES = (
     "simulator/driver.py",
 )
 # C extensions built beside them, by name (each lands in the shared folder, a top-level module).
-EXTENSIONS = {"fairway_huge_arenas": "router/runtime/huge_arenas.c"}
+EXTENSIONS = {
+    "fairway_huge_arenas": "router/runtime/huge_arenas.c",
+    "fairway_cached_blocks": "simulator/cached_blocks.c",
+}
 SOURCES = (*MODULES, *EXTENSIONS.values())
 STAMP = "sources.json"
 # mypyc's shared library is a top-level module, so its folder goes on sys.path; a folder of its

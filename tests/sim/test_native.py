@@ -66,6 +66,9 @@ def test_make_built_what_the_tests_run() -> None:
     for path in native.MODULES:
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         assert native.is_native(module), module.__file__
+    from simulator import cached_blocks
+
+    assert cached_blocks.new_store is not cached_blocks.CachedBlocks, "the C store is not used"
 
 
 @pytest.mark.slow  # a process of its own

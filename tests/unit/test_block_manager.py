@@ -13,7 +13,8 @@ from collections import OrderedDict
 
 import pytest
 
-from simulator.block_manager import STALE_SLACK, BlockManager, BlockTable
+from simulator.block_manager import BlockManager, BlockTable
+from simulator.cached_blocks import STALE_SLACK
 
 
 class Events:
@@ -107,7 +108,7 @@ def test_matches_the_model_operation_by_operation(seed: int) -> None:
     manager, model = BlockManager(num_blocks, 16, events), Model(num_blocks)
     # Pinned again, a free block leaves a stale entry in the free queue: rebuilt without them
     # past a slack, which only a long run reaches at its default.
-    manager.stale_slack = rng.choice([0, 3, STALE_SLACK])
+    manager.cached.stale_slack = rng.choice([0, 3, STALE_SLACK])
     prompts = _prompts(rng, 60)
     running: list[tuple[BlockTable, list, list[int]]] = []
     for _ in range(400):
@@ -148,7 +149,7 @@ def test_matches_the_model_operation_by_operation(seed: int) -> None:
         assert manager.num_free == model.empty + len(model.free_cached)
         assert manager.num_empty == model.empty
         for t, twin, _ in running:
-            assert [b.hash for b in t.hashed] == twin[0] and t.num_anonymous == twin[1]
+            assert t.hashed == twin[0] and t.num_anonymous == twin[1]
     assert events.log == model.events.log
     assert manager.num_evictions > 0, "no eviction tested"
     # The free order itself: evicting everything free goes oldest first, as the model does.

@@ -63,33 +63,29 @@ class TestPacedForThroughput:
             gc.unfreeze()
 
     def test_a_dropped_fleet_frees_its_cached_blocks_released_or_not(self) -> None:
-        """A run's engines keep their cached blocks in a dict and a free queue, and the
-        collector does not track a block (simulator.block_manager): nothing may hold a block but
-        its manager and the sequences using it. The fleet dropped, whether `simulate` released
-        it first or not, no block is kept alive."""
+        """A run's engines keep their cached blocks in stores of their own
+        (simulator/cached_blocks.py): a fleet dropped, whether `simulate` released it first or
+        not, no store is kept alive."""
         from router.cost_model import roofline
         from simulator.config import SimConfig
         from simulator.driver import SimCluster
         from traces.generators import shared_prefix
 
         def holders_left(release: bool) -> list[int]:
-            """Of the blocks the free queues held at the end, the fleet gone: each one's
+            """Of the fleet's stores, with blocks cached at the end, the fleet gone: each one's
             references but ours, where there are any."""
             trace = shared_prefix(num_requests=60, num_tenants=3, prefix_tokens=400, rate=20)
             cost = roofline("llama-3-8b", "a100-80g")
             cluster = SimCluster(trace, cost, SimConfig(num_workers=3))
             cluster.run()
-            # Each once: a block pinned again since it was freed has more than one entry.
-            queues = [engine.blocks.free_queue() for engine in cluster.engines]
-            lru_blocks = list({id(b): b for queue in queues for b in queue}.values())
-            del queues
-            assert len(lru_blocks) > 50, "a run that leaves few blocks cached tests nothing"
+            stores = [engine.blocks.cached for engine in cluster.engines]
+            assert sum(len(store) for store in stores) > 50, "few blocks cached tests nothing"
             if release:
                 cluster.release()
             del cluster
             gc.collect()  # what is left of the fleet in cycles, its managers with it
             # Three references each: the list's, the loop's and getrefcount's argument's.
-            return [n - 3 for n in [sys.getrefcount(b) for b in lru_blocks] if n != 3]
+            return [n - 3 for n in [sys.getrefcount(s) for s in stores] if n != 3]
 
         assert holders_left(release=False) == []
         assert holders_left(release=True) == []
