@@ -435,3 +435,28 @@ def test_attributes(c_type: Any) -> None:
         c.holders(1)
     c.evict(0)
     c.evict(0, None)
+
+
+def test_a_store_past_the_huge_page_size(c_type: Any) -> None:
+    """Arrays of 2 MiB or more are mapped on their own (in huge pages where granted): a store
+    grown past that, and the hit bound's use of one, answer as the Python store does, through
+    growth, release, eviction and clearing."""
+    rng = random.Random(9)
+    keys = [rng.getrandbits(64) for _ in range(150_000)]
+    py, c = CachedBlocks(), c_type()
+    py_held: list[int] = []
+    c_held: list[int] = []
+    for at in range(0, len(keys), 1000):
+        chunk = keys[at : at + 1000]
+        assert c.add(chunk, 0, len(chunk), c_held) == py.add(chunk, 0, len(chunk), py_held)
+    assert len(c) == len(py) == len(set(keys))
+    assert c.release(c_held) == py.release(py_held)
+    assert c.free_queue() == py.free_queue()
+    c.evict(100_000)
+    py.evict(100_000)
+    assert c.free_queue() == py.free_queue() and set(c.keys()) == set(py.keys())
+    c.clear()
+    assert len(c) == 0 and c.num_free == 0 and c.prefix(keys, 10) == 0
+    seen = c_type()
+    assert seen.remember(keys, 0, len(keys)) == len(set(keys))
+    assert seen.prefix(keys, len(keys)) == len(keys)
