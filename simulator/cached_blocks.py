@@ -119,6 +119,8 @@ class CachedBlocks:
         LRU as its newest. `held` is emptied. How many joined."""
         state, queue, num_freed = self._state, self._queue, 0
         for key in reversed(held):
+            if state[key] < 0:
+                raise ValueError(f"releasing cached block {key!r}, which nobody holds")
             s = state[key] - 1
             if s & _HOLDERS_MASK == 0:
                 state[key] = -1 - (s >> 32)
@@ -133,7 +135,7 @@ class CachedBlocks:
     def evict(self, n: int, evicted: list[int] | None = None) -> None:
         """Forget the `n` oldest free blocks (at most `num_free`), their keys appended to
         `evicted` when given."""
-        if n > self._num_free:
+        if n > self._num_free or n < 0:
             raise ValueError(f"evicting {n} of {self._num_free} free cached blocks")
         state, queue, at = self._state, self._queue, self._oldest
         for _ in range(n):
