@@ -24,7 +24,6 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #define STALE_SLACK 64 /* as in cached_blocks.py */
 #define TRIM_AFTER 64
@@ -143,49 +142,6 @@ static void key_error(PyObject *key)
     }
 }
 
-/* ---------------------------------------------------------------------------- memory */
-
-/* An array of HUGE or more is mapped on its own, in transparent huge pages where the kernel
- * grants them: the hit bound's store holds every block a trace names, tens of MB probed at
- * random, where 4 KiB pages would cost a page walk a probe. Smaller arrays (an engine's) come
- * from the allocator. Which kind an array is follows from its size, which the store knows. */
-#define HUGE ((size_t)2 << 20)
-
-static void *array_alloc(size_t bytes)
-{
-    if (bytes < HUGE)
-        return PyMem_Malloc(bytes);
-    size_t size = (bytes + HUGE - 1) & ~(HUGE - 1);
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-        return NULL;
-    madvise(p, size, MADV_HUGEPAGE); /* advice: refused, the pages are plain ones */
-    return p;
-}
-
-static void array_free(void *p, size_t bytes)
-{
-    if (p == NULL)
-        return;
-    if (bytes < HUGE)
-        PyMem_Free(p);
-    else
-        munmap(p, (bytes + HUGE - 1) & ~(HUGE - 1));
-}
-
-static void *array_realloc(void *p, size_t old, size_t bytes)
-{
-    if (old < HUGE && bytes < HUGE)
-        return PyMem_Realloc(p, bytes);
-    void *q = array_alloc(bytes);
-    if (q == NULL)
-        return NULL;
-    if (p != NULL)
-        memcpy(q, p, old < bytes ? old : bytes);
-    array_free(p, old);
-    return q;
-}
-
 /* ----------------------------------------------------------------------------- index */
 
 static uint32_t find(const Store *s, uint64_t lo, uint64_t hi, uint32_t tag)
@@ -230,7 +186,7 @@ static int grow_index(Store *s)
         PyErr_NoMemory();
         return -1;
     }
-    Slot *index = array_alloc(size * sizeof(Slot));
+    Slot *index = PyMem_Malloc(size * sizeof(Slot));
     if (index == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -241,7 +197,7 @@ static int grow_index(Store *s)
         for (size_t i = 0; i <= s->mask; i++)
             if (s->index[i].id != NONE)
                 place(index, size - 1, s->index[i]);
-        array_free(s->index, (s->mask + 1) * sizeof(Slot));
+        PyMem_Free(s->index);
     }
     s->index = index;
     s->mask = size - 1;
@@ -257,8 +213,7 @@ static int grow_slab(Store *s)
     uint32_t cap = s->slab_cap == 0 ? MIN_ARRAY : 2 * s->slab_cap;
     if (cap > MAX_BLOCKS)
         cap = MAX_BLOCKS;
-    Block *slab = array_realloc(s->slab, (size_t)s->slab_cap * sizeof(Block),
-                                (size_t)cap * sizeof(Block));
+    Block *slab = PyMem_Realloc(s->slab, (size_t)cap * sizeof(Block));
     if (slab == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -337,8 +292,7 @@ static int reserve_queue(Store *s, size_t extra)
         }
         cap *= 2;
     }
-    uint32_t *queue =
-        array_realloc(s->queue, s->queue_cap * sizeof(uint32_t), cap * sizeof(uint32_t));
+    uint32_t *queue = PyMem_Realloc(s->queue, cap * sizeof(uint32_t));
     if (queue == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -365,8 +319,7 @@ static void compact(Store *s)
     if (s->queue_cap > 4 * (size_t)MIN_ARRAY && w < s->queue_cap / 4) {
         /* A queue that once held many stale entries gives the room back; failing is harmless. */
         size_t cap = 2 * w > MIN_ARRAY ? 2 * w : MIN_ARRAY;
-        uint32_t *queue =
-            array_realloc(s->queue, s->queue_cap * sizeof(uint32_t), cap * sizeof(uint32_t));
+        uint32_t *queue = PyMem_Realloc(s->queue, cap * sizeof(uint32_t));
         if (queue != NULL) {
             s->queue = queue;
             s->queue_cap = cap;
@@ -557,30 +510,6 @@ static PyObject *Store_add(Store *s, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(stop > start ? stop - start : 0);
 }
 
-/* The hit bound's use: a store as the set of blocks ever seen, each held for good. */
-static PyObject *Store_remember(Store *s, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_ssize_t start, stop, named = 0;
-    if (!nargs_ok("remember", nargs, 3, 3) || !list_ok(args[0], "keys") ||
-        !size_arg(args[1], &start) || !size_arg(args[2], &stop))
-        return NULL;
-    PyObject *keys = args[0];
-    if (start < 0 || stop > PyList_GET_SIZE(keys))
-        return index_error();
-    for (Py_ssize_t i = start; i < stop; i++) {
-        uint64_t lo, hi;
-        if (!key_words(PyList_GET_ITEM(keys, i), &lo, &hi))
-            return NULL;
-        uint32_t tag = tag_of(lo, hi);
-        if (find(s, lo, hi, tag) != NONE)
-            continue;
-        if (new_block(s, lo, hi, tag) == NONE)
-            return NULL;
-        named++;
-    }
-    return PyLong_FromSsize_t(named);
-}
-
 static PyObject *Store_release(Store *s, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_ok("release", nargs, 1, 1) || !list_ok(args[0], "held"))
@@ -712,9 +641,9 @@ static PyObject *Store_evict(Store *s, PyObject *const *args, Py_ssize_t nargs)
 
 static void release_memory(Store *s)
 {
-    array_free(s->slab, (size_t)s->slab_cap * sizeof(Block));
-    array_free(s->index, s->index == NULL ? 0 : (s->mask + 1) * sizeof(Slot));
-    array_free(s->queue, s->queue_cap * sizeof(uint32_t));
+    PyMem_Free(s->slab);
+    PyMem_Free(s->index);
+    PyMem_Free(s->queue);
     s->slab = NULL;
     s->index = NULL;
     s->queue = NULL;
@@ -829,9 +758,6 @@ static PyMethodDef Store_methods[] = {
     {"add", FASTCALL(Store_add), METH_FASTCALL,
      "add(keys, start, stop, held): name blocks keys[start:stop], each held once and appended "
      "to held, up to the first one cached already; how many."},
-    {"remember", FASTCALL(Store_remember), METH_FASTCALL,
-     "remember(keys, start, stop): name every block of keys[start:stop] not cached yet, each "
-     "held for good; how many."},
     {"release", FASTCALL(Store_release), METH_FASTCALL,
      "release(held): one holder fewer for each of held, last first; held is emptied. How many "
      "joined the LRU."},

@@ -16,8 +16,7 @@ in C: at 512 workers a replay keeps about half a million cached blocks, and ther
 about 50 bytes in three flat arrays (a slab slot, index slots, queue entries) rather than about
 130 in Python objects (a dict entry, the key's int, a state), most of the difference between
 the CPU's last-level cache holding them or not. Tests run both through the same operations and
-compare them after each. A store also serves as the set of blocks ever seen (`remember`: the
-hit bound, simulator/hit_bound.py).
+compare them after each.
 """
 
 from __future__ import annotations
@@ -102,17 +101,6 @@ class CachedBlocks:
             state[key] = 1
             held.append(key)
         return max(0, stop - start)
-
-    def remember(self, keys: list[int], start: int, stop: int) -> int:
-        """Name every block of `keys[start:stop]` not cached yet, each held for good (a store
-        used as the set of blocks ever seen: the hit bound); how many."""
-        state, named = self._state, 0
-        for i in range(start, stop):
-            key = keys[i]
-            if key not in state:
-                state[key] = 1
-                named += 1
-        return named
 
     def release(self, held: list[int]) -> int:
         """One holder fewer for each of `held`, last first; a block left with none joins the
@@ -202,7 +190,6 @@ class Store(Protocol):
     def num_free_of(self, keys: list[int], n: int) -> int: ...
     def pin(self, keys: list[int], n: int, held: list[int]) -> int: ...
     def add(self, keys: list[int], start: int, stop: int, held: list[int]) -> int: ...
-    def remember(self, keys: list[int], start: int, stop: int) -> int: ...
     def release(self, held: list[int]) -> int: ...
     def evict(self, n: int, evicted: list[int] | None = None) -> None: ...
     def clear(self) -> None: ...

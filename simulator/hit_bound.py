@@ -7,8 +7,10 @@ replay of the Mooncake trace.
 
 from __future__ import annotations
 
-from router.request import Request
-from simulator.cached_blocks import new_store
+from collections.abc import Hashable
+from typing import cast
+
+from router.request import BlockHash, Request
 
 
 class InfiniteCache:
@@ -18,20 +20,22 @@ class InfiniteCache:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        # Every block seen, in a store of cached blocks, each held for good: in C, about 40
-        # bytes a block where a set and its ints take about 70, and a tiled fleet's trace
-        # names hundreds of thousands.
-        self._seen = new_store()
+        self._seen: set[Hashable] = set()
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
     def observe(self, request: Request) -> int:
-        hashes, seen, block_size = request.block_hashes, self._seen, self.block_size
+        hashes, seen, block_size = as_keys(request.block_hashes), self._seen, self.block_size
         prompt_len = request.prompt_len
         full = min(len(hashes), prompt_len // block_size)
-        n = seen.prefix(hashes, min(len(hashes), request.reusable_blocks(block_size)))
-        # The blocks before the first miss are remembered already.
-        seen.remember(hashes, n, full)
+        cap = min(len(hashes), request.reusable_blocks(block_size))
+        n = 0
+        while n < cap and hashes[n] in seen:
+            n += 1
+        # The blocks before the first miss are remembered already: adding them again would
+        # hash every block of every prompt, where a replay's prompts are mostly hits.
+        for i in range(n, full):
+            seen.add(hashes[i])
         self.prompt_tokens += prompt_len
         self.cached_tokens += n * block_size
         return n * block_size
@@ -44,3 +48,9 @@ class InfiniteCache:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def as_keys(hashes: list[BlockHash]) -> list[Hashable]:
+    """`hashes` read as the set's keys they are: compiled, an int read from a list is converted
+    to a machine integer and back to a new object at every lookup."""
+    return cast(list[Hashable], hashes)

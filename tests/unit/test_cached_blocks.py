@@ -171,12 +171,6 @@ class Run:
             assert self.c.evict(n, c_out) is None
             assert c_out == py_out
 
-    def remember(self) -> None:
-        keys = self.prompt()
-        start = self.rng.randint(0, len(keys))
-        stop = self.rng.randint(start, len(keys))
-        assert self.c.remember(keys, start, stop) == self.py.remember(keys, start, stop)
-
     def query(self) -> None:
         rng = self.rng
         keys = [fresh(rng.choice(self.pool)) for _ in range(rng.randint(0, 6))]
@@ -206,34 +200,12 @@ class Run:
             self.evict(rng.randint(0, min(self.py.num_free, 12)))
         elif r < 0.905:  # everything free, as reset_prefix_cache
             self.evict(self.py.num_free)
-        elif r < 0.92:  # blocks held for good, as the hit bound's
-            self.remember()
         elif r < 0.997:
             self.query()
         else:  # every block forgotten, the sequences dropped with them
             self.py.clear()
             self.c.clear()
             self.seqs.clear()
-
-
-def test_remember_is_a_set_of_blocks_seen(c_type: Any) -> None:
-    """The hit bound's use: `prefix` then `remember` over a stream of prompts answer as a set
-    of every block seen does."""
-    rng = random.Random(3)
-    pool = make_pool(rng, 2000)
-    c, seen = c_type(), set()
-    for _ in range(600):
-        keys = [fresh(rng.choice(pool)) for _ in range(rng.randint(0, 20))]
-        limit = rng.randint(0, len(keys))
-        n = 0
-        while n < limit and keys[n] in seen:
-            n += 1
-        assert c.prefix(keys, limit) == n
-        new = {k for k in keys[n:] if k not in seen}
-        assert c.remember(keys, n, len(keys)) == len(new)
-        seen |= new
-        assert len(c) == len(seen)
-    assert set(c.keys()) == seen
 
 
 # Many keys and sequences: the store grows; few of both: blocks are freed, pinned and freed
@@ -441,10 +413,9 @@ def test_attributes(c_type: Any) -> None:
     c.evict(0, None)
 
 
-def test_a_store_past_the_huge_page_size(c_type: Any) -> None:
-    """Arrays of 2 MiB or more are mapped on their own (in huge pages where granted): a store
-    grown past that, and the hit bound's use of one, answer as the Python store does, through
-    growth, release, eviction and clearing."""
+def test_a_large_store(c_type: Any) -> None:
+    """A store of 150,000 blocks (its index and slab grown to megabytes) answers as the Python
+    store does, through growth, release, eviction and clearing."""
     rng = random.Random(9)
     keys = [rng.getrandbits(64) for _ in range(150_000)]
     py, c = CachedBlocks(), c_type()
@@ -461,6 +432,3 @@ def test_a_store_past_the_huge_page_size(c_type: Any) -> None:
     assert c.free_queue() == py.free_queue() and set(c.keys()) == set(py.keys())
     c.clear()
     assert len(c) == 0 and c.num_free == 0 and c.prefix(keys, 10) == 0
-    seen = c_type()
-    assert seen.remember(keys, 0, len(keys)) == len(set(keys))
-    assert seen.prefix(keys, len(keys)) == len(keys)
