@@ -153,7 +153,8 @@ class CachedBlocks:
 
     def free_queue(self) -> list[int]:
         """The free queue's entries, oldest first, stale ones included (a copy)."""
-        return [key for key in self._queue[self._oldest :] if key is not None]
+        # Only slots before `_oldest` are taken (None), so the copy from there holds keys.
+        return cast(list[int], self._queue[self._oldest :])
 
     def holders(self, key: int) -> tuple[int, int]:
         """A cached block's holders and its entries in the free queue."""
