@@ -5,8 +5,9 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
-from typing import Protocol
+from typing import Final, Protocol, final
+
+from mypy_extensions import i64
 
 from router.cost_model import StepShape
 from router.prefix_index import PrefixIndex, WorkerId
@@ -117,32 +118,126 @@ class WorkerOrder(_KeyedWorkers):
             insort(keys, new)
 
 
-class LeastFirst(_KeyedWorkers):
-    """A key only ever asked for its least worker (least_load's): a heap whose stale entries
-    are dropped as they surface. A re-key is one push, where the sorted list takes a search
-    and a move each way: at 512 workers least_load re-keys ~20 workers per request, as their
-    decode progress is applied."""
+# Ints this close to zero convert to floats exactly, so their floats order as they do.
+_EXACT_INT: Final = 2**53
+_NAN: Final = float("nan")
 
-    __slots__ = ("heap",)
+
+@final
+class _Keyed:
+    """A worker's key in `LeastFirst`'s heap, and where in the heap it is. `first` is the
+    key's first term as a float where that orders keys as their first terms do (NaN where not:
+    every comparison with NaN is false, so the tuples decide)."""
+
+    __slots__ = ("key", "first", "wid", "pos")
+
+    def __init__(self, key: tuple, wid: WorkerId, pos: i64) -> None:
+        self.key = key
+        self.first = _first_term(key)
+        self.wid = wid
+        self.pos = pos
+
+
+def _first_term(key: tuple) -> float:
+    term = key[0]
+    if isinstance(term, float):
+        return term
+    if isinstance(term, int) and -_EXACT_INT <= term <= _EXACT_INT:
+        return float(term)
+    return _NAN
+
+
+class LeastFirst(_KeyedWorkers):
+    """A key only ever asked for its least worker (least_load's, the shortest queue's): a
+    binary heap holding each healthy worker once, which a re-key moves up or down from where
+    the worker is. A comparison reads the keys' first terms as C doubles and compares the
+    tuples only on a tie. At 512 workers least_load re-keys ~4 workers a request; a heap of
+    tuples taking a push per re-key and popping stale entries (up to 4x the workers deep)
+    cost 11k more instructions a request (docs/benchmarks.md)."""
+
+    __slots__ = ("_heap", "_entries")
 
     def __init__(self, key: OrderKey, workers: dict[WorkerId, WorkerState]) -> None:
         super().__init__(key, workers)
-        self.heap: list[tuple] = []
+        self._heap: list[_Keyed] = []
+        self._entries: dict[WorkerId, _Keyed] = {}
 
-    def refresh(self, view: ClusterView) -> list[tuple]:
-        """The heap, its first entry the least key (an empty list: no healthy worker)."""
+    def least_id(self, view: ClusterView) -> WorkerId | None:
+        """The least worker's id (None: no healthy worker)."""
         self._rekey(view)
-        keys, heap = self._keys, self.heap
-        if len(heap) > 4 * len(keys) + 64:  # mostly stale entries below the top: start afresh
-            heap[:] = keys.values()
-            heapify(heap)
-        while heap and keys.get(heap[0][-1]) != heap[0]:
-            heappop(heap)
-        return heap
+        heap = self._heap
+        return heap[0].wid if heap else None
 
     def _moved(self, old: tuple | None, new: tuple | None) -> None:
-        if new is not None:
-            heappush(self.heap, new)
+        heap, entries = self._heap, self._entries
+        if new is None:
+            if old is not None:
+                self._remove(entries.pop(old[-1]))
+            return
+        entry = entries.get(new[-1])
+        if entry is None:
+            entry = entries[new[-1]] = _Keyed(new, new[-1], len(heap))
+            heap.append(entry)
+            self._toward_root(entry)
+            return
+        entry.key, entry.first = new, _first_term(new)
+        at = entry.pos
+        self._toward_root(entry)
+        if entry.pos == at:
+            self._toward_leaf(entry)
+
+    def _remove(self, entry: _Keyed) -> None:
+        heap = self._heap
+        last = heap.pop()
+        if last is entry:
+            return
+        last.pos = entry.pos
+        heap[entry.pos] = last
+        self._toward_root(last)
+        if heap[entry.pos] is last:
+            self._toward_leaf(last)
+
+    def _toward_root(self, entry: _Keyed) -> None:
+        heap = self._heap
+        pos = entry.pos
+        while pos > 0:
+            parent_pos = (pos - 1) >> 1
+            parent = heap[parent_pos]
+            if not _earlier(entry, parent):
+                break
+            heap[pos] = parent
+            parent.pos = pos
+            pos = parent_pos
+        heap[pos] = entry
+        entry.pos = pos
+
+    def _toward_leaf(self, entry: _Keyed) -> None:
+        heap = self._heap
+        end: i64 = len(heap)
+        pos = entry.pos
+        child = 2 * pos + 1
+        while child < end:
+            right = child + 1
+            if right < end and _earlier(heap[right], heap[child]):
+                child = right
+            low = heap[child]
+            if not _earlier(low, entry):
+                break
+            heap[pos] = low
+            low.pos = pos
+            pos = child
+            child = 2 * pos + 1
+        heap[pos] = entry
+        entry.pos = pos
+
+
+def _earlier(a: _Keyed, b: _Keyed) -> bool:
+    """a's key is less than b's."""
+    if a.first < b.first:
+        return True
+    if a.first > b.first:
+        return False
+    return bool(a.key < b.key)
 
 
 @dataclass(slots=True)
@@ -272,9 +367,17 @@ class ClusterView:
 
     def _end(self, key: OrderKey, end: int) -> WorkerState:
         if self.tracked:
-            ordered = self._order(key, sort=end != 0)
-            if ordered:
-                return self.workers[ordered[end][-1]]
+            order = self._orders.get(key)
+            if end == 0 and (order is None or isinstance(order, LeastFirst)):
+                if order is None:
+                    order = self._orders[key] = LeastFirst(key, self.workers)
+                least = order.least_id(self)
+                if least is not None:
+                    return self.workers[least]
+            else:
+                ordered = self._order(key)
+                if ordered:
+                    return self.workers[ordered[end][-1]]
         else:
             healthy = self.healthy_workers()
             if healthy:
@@ -282,10 +385,10 @@ class ClusterView:
                 return pick(healthy, key=lambda w: key(self, w))
         raise RuntimeError("no healthy worker to route to")
 
-    def _order(self, key: OrderKey, sort: bool = True) -> list[tuple]:
-        """The order kept for `key`: a heap until something other than its least is read."""
+    def _order(self, key: OrderKey) -> list[tuple]:
+        """The sorted order kept for `key`, replacing a least-first heap once more is read."""
         order = self._orders.get(key)
-        if order is None or (sort and isinstance(order, LeastFirst)):
-            kind = WorkerOrder if sort else LeastFirst
-            order = self._orders[key] = kind(key, self.workers)
+        if not isinstance(order, WorkerOrder):
+            order = WorkerOrder(key, self.workers)
+            self._orders[key] = order
         return order.refresh(self)

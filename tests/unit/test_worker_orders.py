@@ -107,3 +107,45 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
             router.indexes.set_level(rng.choice(router.indexes.levels()), now)
         if any(s.healthy for s in router.view.workers.values()):
             assert_orders_agree(router.view, least_only)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_least_first_heap_orders_any_key_as_its_tuples_do(seed: int) -> None:
+    """The least-only heap compares a key's first term as a float and the tuples on a tie:
+    first terms that tie, ints past a float's exact range, floats, and first terms that are not
+    numbers must all come out as min() over the tuples has them."""
+    rng = random.Random(seed)
+    big = 2**60
+    values = [
+        lambda: rng.randint(0, 5),  # ties, broken by the later terms
+        lambda: big + rng.randint(0, 3),  # distinct ints that convert to one float
+        lambda: rng.choice([0.5, 1.5, -2.0, float("inf")]),
+        lambda: rng.choice(["a", "b", "c"]),  # not a number: the tuples decide
+    ]
+    draw = rng.choice(values)
+    first: dict[int, object] = {}
+
+    def key(view: ClusterView, worker: object) -> tuple:
+        wid = worker.id  # type: ignore[attr-defined]
+        return (first[wid], -wid % 3, wid)
+
+    router = Router(
+        policies.global_policies.create("round_robin"),
+        lambda: policies.local_policies.create("fcfs"),
+        RouterConfig(block_size=BS),
+    )
+    view = router.view
+    for w in range(40):
+        first[w] = draw()
+        router.add_worker(w, kv_capacity_blocks=100)
+    for _ in range(600):
+        wid = rng.randrange(40)
+        op = rng.random()
+        if op < 0.1:
+            view.workers[wid].healthy = not view.workers[wid].healthy
+        else:
+            first[wid] = draw()
+        view.changed(wid)
+        healthy = [w for w in view.workers.values() if w.healthy]
+        if healthy:
+            assert view.least(key).id == min(healthy, key=lambda w: key(view, w)).id
