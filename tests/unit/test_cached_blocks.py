@@ -341,6 +341,30 @@ def test_add_stops_at_a_bad_key_keeping_those_before(c_type: Any) -> None:
     same(py, c)
 
 
+def test_keys_past_the_first_run_read_ahead(c_type: Any) -> None:
+    # The C store reads keys ahead in runs of 16 (`warm` in cached_blocks.c): an error past
+    # the first run is raised at its key, and what it did before stands.
+    c = c_type()
+    keys = list(range(1000, 1040))
+    held: list[int] = []
+    with pytest.raises(TypeError):
+        c.add([*keys[:20], "x", *keys[20:]], 0, 41, held)
+    assert held == keys[:20]
+    with pytest.raises(KeyError):
+        c.release([12345, *held])  # released last first: the bad one the 21st
+    assert len(held) == 20 and all(c.holders(k) == (1, 0) for k in held)
+    assert c.release(held) == 20
+    py = CachedBlocks()
+    py.add(keys[:20], 0, 20, [])
+    py.release(list(keys[:20]))
+    for store in (py, c):
+        grown = list(range(2000, 2030))  # `held` the very list of keys, growing as it is read
+        assert store.add(grown, 0, 30, grown) == 30 and grown[30:] == grown[:30]
+        assert store.add(keys, -20, 40, []) == 20  # keys[-20:], then keys[0] is cached
+        assert store.release(grown[30:]) == 30
+    same(py, c)
+
+
 def test_evict_beyond_num_free(c_type: Any) -> None:
     c, _, _ = filled(c_type)
     py, _, _ = filled(CachedBlocks)
