@@ -160,15 +160,33 @@ static uint32_t find(const Store *s, uint64_t lo, uint64_t hi, uint32_t tag)
     }
 }
 
+/* A key's words and tag, read once for a lookup. */
+typedef struct {
+    uint64_t lo, hi;
+    uint32_t tag;
+    int ok; /* 0: no int in range (key_words' error, cleared) */
+} Key;
+
+static void read_key(PyObject *o, Key *k)
+{
+    k->ok = key_words(o, &k->lo, &k->hi);
+    if (k->ok)
+        k->tag = tag_of(k->lo, k->hi);
+    else
+        PyErr_Clear();
+}
+
 /* A key's block, or NONE: a key that is no int in range is in no store, as a dict would say. */
+static uint32_t find_read(const Store *s, const Key *k)
+{
+    return k->ok ? find(s, k->lo, k->hi, k->tag) : NONE;
+}
+
 static uint32_t find_key(const Store *s, PyObject *key)
 {
-    uint64_t lo, hi;
-    if (!key_words(key, &lo, &hi)) {
-        PyErr_Clear();
-        return NONE;
-    }
-    return find(s, lo, hi, tag_of(lo, hi));
+    Key k;
+    read_key(key, &k);
+    return find_read(s, &k);
 }
 
 /* Releases and adds take keys in runs of this many: each run's index and slab slots are
@@ -181,13 +199,6 @@ static uint32_t find_key(const Store *s, PyObject *key)
 #define PREFETCH(p) ((void)(p))
 #endif
 
-/* A key's words read once, for a lookup a moment later. */
-typedef struct {
-    uint64_t lo, hi;
-    uint32_t tag;
-    int ok; /* 0: no int in range (key_words' error, cleared) */
-} Key;
-
 /* keys[from..from + n) as Keys (n <= WARM), with what finding them reads loading meanwhile.
  * At 512 simulated GPUs the engines' stores are many times the CPU's last-level cache, and
  * each lookup missed in turn: on the key's int, then its index slot, then its block. Three
@@ -198,15 +209,9 @@ static void warm(const Store *s, PyObject *keys, Py_ssize_t from, Py_ssize_t n, 
     for (i = 0; i < n; i++)
         PREFETCH(PyList_GET_ITEM(keys, from + i));
     for (i = 0; i < n; i++) {
-        Key *k = &out[i];
-        k->ok = key_words(PyList_GET_ITEM(keys, from + i), &k->lo, &k->hi);
-        if (!k->ok) {
-            PyErr_Clear();
-            continue;
-        }
-        k->tag = tag_of(k->lo, k->hi);
-        if (s->index != NULL)
-            PREFETCH(&s->index[k->tag & s->mask]);
+        read_key(PyList_GET_ITEM(keys, from + i), &out[i]);
+        if (out[i].ok && s->index != NULL)
+            PREFETCH(&s->index[out[i].tag & s->mask]);
     }
     if (s->index == NULL)
         return;
@@ -577,15 +582,14 @@ static PyObject *Store_release(Store *s, PyObject *const *args, Py_ssize_t nargs
     if (reserve_queue(s, (size_t)size) < 0) /* so that nothing below can fail to allocate */
         return NULL;
     Key run[WARM];
-    Py_ssize_t from = 0;
+    Py_ssize_t from = size; /* run holds held[from..i] */
     for (i = size - 1; i >= 0; i--) { /* last first */
-        if ((size - 1 - i) % WARM == 0) {
+        if (i < from) {
             from = Py_MAX(i + 1 - WARM, 0);
             warm(s, held, from, i + 1 - from, run);
         }
         PyObject *key = PyList_GET_ITEM(held, i);
-        const Key *k = &run[i - from];
-        uint32_t id = k->ok ? find(s, k->lo, k->hi, k->tag) : NONE;
+        uint32_t id = find_read(s, &run[i - from]);
         if (id == NONE) {
             key_error(key);
             goto undo;

@@ -49,7 +49,7 @@ def free_ports(n: int, *, consecutive: bool = False, pool: range | None = None) 
         if len(pool) < 64 * n:  # a machine whose ephemeral range covers nearly everything
             pool = range(1024, 65536)
     recent = set(_handed_out)
-    fresh = [p for p in pool if p not in recent] if recent else pool
+    fresh = [p for p in pool if p not in recent] if recent and not consecutive else pool
     for attempt in range(200):
         # Half the draws leave out what was handed out lately, if that leaves enough; a small
         # pool may hold nothing else, so the other half take any free port.
