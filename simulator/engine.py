@@ -1074,7 +1074,10 @@ class Engine:
                 num_new -= step.last_short
             seq.num_computed = computed = start + num_new
             computed_delta += num_new
-            if start < len(seq.hashes) * bs:  # this step computed (part of) the cacheable prompt
+            # This step computed (part of) the cacheable prompt. Its full blocks end within the
+            # prompt: a decoding sequence is ruled out without reading its hashes' list, which
+            # at 512 workers is one more miss to memory per sequence and step.
+            if start < seq.prompt_len and start < len(seq.hashes) * bs:
                 blocks.commit_full_blocks(seq.table, seq.hashes, computed // bs)
             if computed < seq.prompt_len + seq.num_output:
                 continue  # the budget's cut, short of the prompt's end: nothing sampled
@@ -1096,21 +1099,27 @@ class Engine:
         if i < len(run.lead) and run.applied < run.ends.count:  # the next step starts
             step = run.step_batch(i + 1)
             for k, seq in enumerate(step.seqs):
-                need = (step.end_of(k, seq.total_len) + bs - 1) // bs - len(seq.table)
-                if need > 0:
-                    blocks.allocate(seq.table, need)
+                # It holds the blocks of the tokens it computed: only a step into a block past
+                # them can need one, and only then is its table read.
+                end = (step.end_of(k, seq.total_len) + bs - 1) // bs
+                if end > (seq.num_computed + bs - 1) // bs:
+                    need = end - len(seq.table)
+                    if need > 0:
+                        blocks.allocate(seq.table, need)
             self._note_peak(blocks.num_used)
 
     def _decode_in_sum_from_here(self, run: _Run) -> None:
         """A run whose first steps prefilled, those applied: each sequence takes the blocks of
         the step in progress, as step 1 of a decode run planned now would, so that its
         sequences form a cohort and the steps from here on can be applied in sum."""
-        blocks, bs = self.blocks, self.config.block_size
+        blocks = self.blocks
+        bs: i64 = self.config.block_size
         seqs = run.batch.seqs.copy()
         for seq in seqs:
-            need = (seq.num_computed + bs) // bs - len(seq.table)
-            if need > 0:
-                blocks.allocate(seq.table, need)
+            if seq.num_computed % bs == 0:  # the next token opens a block (else it holds it)
+                need = (seq.num_computed + bs) // bs - len(seq.table)
+                if need > 0:
+                    blocks.allocate(seq.table, need)
         run.cohort = _Cohort(seqs, bs)
 
     def _progress_decode_steps(self, run: _Run, num_steps: int) -> None:
