@@ -1101,9 +1101,9 @@ class Engine:
             for k, seq in enumerate(step.seqs):
                 # It holds the blocks of the tokens it computed: only a step into a block past
                 # them can need one, and only then is its table read.
-                end = (step.end_of(k, seq.total_len) + bs - 1) // bs
-                if end > (seq.num_computed + bs - 1) // bs:
-                    need = end - len(seq.table)
+                filled = (step.end_of(k, seq.total_len) + bs - 1) // bs  # blocks, once it ends
+                if filled > (seq.num_computed + bs - 1) // bs:
+                    need = filled - len(seq.table)
                     if need > 0:
                         blocks.allocate(seq.table, need)
             self._note_peak(blocks.num_used)
