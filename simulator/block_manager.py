@@ -24,6 +24,10 @@ from typing import Protocol
 from router.request import BlockHash
 from simulator.cached_blocks import new_store
 
+# The most blocks a store makes room for up front: in C about 44 bytes each at most (index
+# slots for twice as many, a slab slot, a queue entry), 90 KB a worker.
+RESERVED_BLOCKS = 2048
+
 
 class KVEventSink(Protocol):
     """Where a block manager reports what it caches, as vLLM publishes KV events."""
@@ -51,7 +55,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.events = events
-        self.cached = new_store()  # every hashed block, in use or free
+        # Every hashed block, in use or free. A cache fills to its size, so the store takes
+        # room for it up front (to a bound: a fleet of small blocks that never fills would
+        # hold the room idle), rather than growing its arrays as blocks come.
+        self.cached = new_store(min(num_blocks, RESERVED_BLOCKS))
         # The store's count, kept here too: compiled, reading it here is one load, where the
         # store's is a call (the engine reads num_free at every decode catch-up).
         self._num_free_cached = 0

@@ -41,7 +41,11 @@ _HOLDERS_MASK: Final = HOLDERS_LIMIT - 1
 class CachedBlocks:
     """Blocks with an identity, by key: their holders and the free LRU (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        # `capacity`: blocks to make room for before anything grows; dicts and lists here
+        # size themselves, so it is only checked (the C store takes its arrays up front).
+        if capacity < 0:
+            raise ValueError(f"capacity: blocks to make room for, not {capacity}")
         self._state: dict[int, int] = {}
         self._queue: list[int | None] = []  # entries from `_oldest` on, oldest first
         self._oldest = 0
@@ -205,13 +209,14 @@ class Store(Protocol):
 C_STORE: Final = "fairway_cached_blocks"
 
 
-def _store_type() -> Callable[[], Store]:
-    """The C store where `make` built it, else its definition in Python."""
+def _store_type() -> Callable[[int], Store]:
+    """The C store where `make` built it, else its definition in Python; called with the
+    blocks to make room for up front."""
     root = native_root()
     if root is not None:
         put_shared_on_path(root)
         try:
-            return cast(Callable[[], Store], importlib.import_module(C_STORE).CachedBlocks)
+            return cast(Callable[[int], Store], importlib.import_module(C_STORE).CachedBlocks)
         except ImportError:
             pass  # a build without it
     return CachedBlocks

@@ -107,7 +107,13 @@ class Run:
     """One random sequence of operations on both stores, compared after each."""
 
     def __init__(
-        self, c_type: Any, seed: int, pool_size: int, stale_slack: int, max_seqs: int = 40
+        self,
+        c_type: Any,
+        seed: int,
+        pool_size: int,
+        stale_slack: int,
+        max_seqs: int = 40,
+        capacity: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
         self.pool = make_pool(self.rng, pool_size)
@@ -117,8 +123,8 @@ class Run:
             n = self.rng.randint(1, 24)
             self.chains.append(self.pool[at : at + n])
             at += n
-        self.py = CachedBlocks()
-        self.c = c_type()
+        self.py = CachedBlocks(capacity)
+        self.c = c_type(capacity)
         self.py.stale_slack = self.c.stale_slack = stale_slack
         self.seqs: list[tuple[list[int], list[int], list[int]]] = []  # keys, py held, c held
         self.max_seqs = max_seqs
@@ -217,6 +223,20 @@ def test_same_as_python(
     c_type: Any, seed: int, stale_slack: int, pool_size: int, max_seqs: int
 ) -> None:
     run = Run(c_type, seed, pool_size, stale_slack, max_seqs)
+    for _ in range(400):
+        run.step()
+        run.check()
+
+
+# Room made up front for fewer blocks than come (the arrays grow past it), for about as
+# many, and for far more: the store answers the same whatever it reserved.
+@pytest.mark.parametrize("pool_size,max_seqs", [(600, 40), (60, 3)])
+@pytest.mark.parametrize("capacity", [1, 37, 1000])
+@pytest.mark.parametrize("seed", range(3))
+def test_same_as_python_with_room_made_up_front(
+    c_type: Any, seed: int, capacity: int, pool_size: int, max_seqs: int
+) -> None:
+    run = Run(c_type, 200 + seed, pool_size, 3, max_seqs, capacity)
     for _ in range(400):
         run.step()
         run.check()
@@ -430,7 +450,14 @@ def test_attributes(c_type: Any) -> None:
     with pytest.raises(AttributeError):
         c.num_free = 3
     with pytest.raises(TypeError):
-        c_type(1)
+        c_type(1, 2)
+    with pytest.raises(TypeError):
+        c_type("1")
+    for store_type in (c_type, CachedBlocks):
+        with pytest.raises(ValueError, match="capacity"):
+            store_type(-1)
+    reserved = c_type(capacity=5000)
+    assert len(reserved) == 0 and reserved.num_free == 0 and reserved.keys() == []
     with pytest.raises(KeyError):
         c.holders(1)
     c.evict(0)
