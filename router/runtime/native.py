@@ -153,6 +153,10 @@ def build() -> Path:
     from setuptools import Distribution, Extension
 
     NATIVE.parent.mkdir(parents=True, exist_ok=True)
+    # The sources as they are before mypyc reads them: one edited while it compiles makes the
+    # build stale at once (the next check finds it changed), rather than stamping old code
+    # with the new source's hash, used until the next edit.
+    stamp = fingerprint(ROOT)
     work = Path(tempfile.mkdtemp(prefix="native-", dir=NATIVE.parent))
     cwd = Path.cwd()
     os.chdir(ROOT)  # mypyc names modules by their paths from here
@@ -176,7 +180,7 @@ def build() -> Path:
     libraries = [*built.glob("*__mypyc*"), *(p for n in EXTENSIONS for p in built.glob(n + ".*"))]
     for library in libraries:
         library.rename(built / SHARED / library.name)
-    (built / STAMP).write_text(json.dumps(fingerprint(), indent=1) + "\n")
+    (built / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
     old = NATIVE.with_name("native-old")
     shutil.rmtree(old, ignore_errors=True)
     if NATIVE.exists():

@@ -104,6 +104,30 @@ def test_a_build_is_used_only_for_the_source_it_was_built_from(tmp_path: Path) -
     assert not native.up_to_date(root, built), "an edited source runs as plain Python"
 
 
+def test_a_source_edited_while_it_compiles_leaves_the_build_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp is the source as the compiler read it, not as it is once the build ends."""
+    root = tmp_path / "src"
+    for path in native.SOURCES:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(native.ROOT / path, root / path)
+    monkeypatch.setattr(native, "ROOT", root)
+    monkeypatch.setattr(native, "NATIVE", tmp_path / "build" / "native")
+    monkeypatch.setattr(native, "EXTENSIONS", {})
+    edited = root / native.MODULES[0]
+
+    def compile_while_editing(paths: list[str], **options: object) -> list[object]:
+        Path(str(options["target_dir"])).parent.joinpath("lib").mkdir()  # what it would build
+        edited.write_text(edited.read_text() + "\n# edited while compiling\n")
+        return []
+
+    monkeypatch.setattr("mypyc.build.mypycify", compile_while_editing)
+    built = native.build()
+    assert (built / native.STAMP).exists()
+    assert not native.up_to_date(root, built), "the edit runs as plain Python until rebuilt"
+
+
 @pytest.mark.slow  # a process of its own
 def test_the_installed_command_finds_every_package_and_the_build(tmp_path: Path) -> None:
     """`fairway` (what `make demo` runs) imports the project through the editable install's
