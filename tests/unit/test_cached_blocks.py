@@ -193,6 +193,12 @@ class Run:
             assert len(self.c) == len(self.py) and self.c.num_free == self.py.num_free
             assert self.c.free_queue() == self.py.free_queue()
 
+    def steps(self, n: int) -> None:
+        """`n` random operations, the stores compared after each."""
+        for _ in range(n):
+            self.step()
+            self.check()
+
     def step(self) -> None:
         rng = self.rng
         r = rng.random()
@@ -223,9 +229,7 @@ def test_same_as_python(
     c_type: Any, seed: int, stale_slack: int, pool_size: int, max_seqs: int
 ) -> None:
     run = Run(c_type, seed, pool_size, stale_slack, max_seqs)
-    for _ in range(400):
-        run.step()
-        run.check()
+    run.steps(400)
 
 
 # Room made up front for fewer blocks than come (the arrays grow past it), for about as
@@ -237,9 +241,7 @@ def test_same_as_python_with_room_made_up_front(
     c_type: Any, seed: int, capacity: int, pool_size: int, max_seqs: int
 ) -> None:
     run = Run(c_type, 200 + seed, pool_size, 3, max_seqs, capacity)
-    for _ in range(400):
-        run.step()
-        run.check()
+    run.steps(400)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -281,9 +283,7 @@ def test_same_as_python_growing_and_shrinking(c_type: Any, seed: int) -> None:
             run.evict(run.py.num_free // 3 + 1 if run.py.num_free else 0)
             run.check()
         assert len(run.c) < 100
-    for _ in range(200):
-        run.step()
-        run.check()
+    run.steps(200)
 
 
 def snapshot(c: Any) -> tuple:
