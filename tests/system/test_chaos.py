@@ -410,6 +410,7 @@ class TestFleet:
         200 or 503, and the proxy counted each one it answered."""
         counted_before = requests_total(fleet.admin)
         streams: list[Outcome] = []
+        probed = threading.Event()
 
         async def long_streams() -> None:
             body = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}
@@ -418,21 +419,30 @@ class TestFleet:
                     send(session, fleet.base, "/v1/completions", body, timeout=60) for _ in range(4)
                 ]
                 streams.extend(await asyncio.gather(*asks))
+                # On a slow machine the streams (3-4 s) can end before the first probe, and
+                # their connections going would make room for it. Kept alive, they hold their
+                # places until the probes are done: the first one meets a full proxy always.
+                await asyncio.to_thread(probed.wait, 30)
 
         streaming = threading.Thread(target=lambda: asyncio.run(long_streams()))
         streaming.start()
         time.sleep(0.5)  # the streams are under way
         probes = []
-        with under_load(fleet.base, "tiny", duration=5, num_requests=10_000) as results:
+        # The load outlasts the probes too (8 s), its connections held throughout.
+        with under_load(fleet.base, "tiny", duration=8, num_requests=10_000) as results:
             time.sleep(0.5)  # the load's connections are open
-            with open_files(fleet.proc.pid, NOFILE):
-                with flooded(fleet.port):
-                    for _ in range(4):
-                        status, body = fleet.health(2.0)
-                        assert status == 200 and body["healthy_workers"] == 3, (status, body)
-                        probes.append(probe(fleet.port))
-                        time.sleep(0.5)
-                took = served_within(fleet.base, 1.0)
+            try:
+                with open_files(fleet.proc.pid, NOFILE):
+                    with flooded(fleet.port):
+                        for _ in range(4):
+                            status, body = fleet.health(2.0)
+                            assert status == 200 and body["healthy_workers"] == 3, (status, body)
+                            probes.append(probe(fleet.port))
+                            time.sleep(0.5)
+                        probed.set()
+                    took = served_within(fleet.base, 1.0)
+            finally:
+                probed.set()
         streaming.join(90)
         assert_full_then_room(probes)
         (during,) = results
