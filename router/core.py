@@ -56,7 +56,7 @@ from router.replication import Replication
 from router.request import Request
 from router.roster import Roster
 from router.traits import IndexLevel, Role
-from router.view import ClusterView
+from router.view import ClusterView, boxed_id
 
 # The enum members a decision reads, as module constants: an Enum class's attribute is looked
 # up through its metaclass's __getattr__ hook (about 800 instructions a read, compiled or not).
@@ -220,11 +220,12 @@ class Router:
         if self._predicts_latency:
             decision, ttft = self.latency.route(request, candidates, decision, self.policy.route)
         wid = decision.worker
-        state = candidates.workers.get(wid)
+        key = boxed_id(wid)  # for the maps below: one boxed int, not one each
+        state = candidates.workers.get(key)
         if state is None or not state.healthy:
             raise RuntimeError(f"policy {self.policy.name} chose unusable worker {wid}")
         self.decisions[decision.reason] += 1
-        self.routed[wid] += 1
+        self.routed[key] += 1
 
         precise, approximate = self.indexes.routed(request, wid, now)
         # Capped as an engine caps a hit: the last prompt token is always computed.
@@ -236,7 +237,7 @@ class Router:
         hit = precise if level is _PRECISE else approximate if level is _APPROXIMATE else 0
         self.predicted_hit_tokens += min(hit, cap) * bs
 
-        queue = self.queues[wid]
+        queue = self.queues[key]
         split = state.role == _PREFILL
         work = request.prompt_len if split else request.prompt_len + request.output_len
         best = predicted_hits.get(_PRECISE, predicted_hits[_APPROXIMATE])
@@ -427,11 +428,12 @@ class Router:
         return self._release(flight.worker, now)
 
     def _release(self, wid: WorkerId, now: float) -> list[Request]:
-        state = self.view.workers.get(wid)
+        key = boxed_id(wid)
+        state = self.view.workers.get(key)
         if state is None or not state.healthy:
             self.roster.count(wid)
             return []
-        out = self.queues[wid].release(self.indexes.held, self.view.block_size)
+        out = self.queues[key].release(self.indexes.held, self.view.block_size)
         for request in out:
             self._flights[request.id].released = True
             self.indexes.computed(request, wid, now)  # the worker computes it from now on

@@ -11,17 +11,19 @@ a worker reports refines them. Every change re-keys the worker in the view's ord
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.dispatch import DispatchQueue
 from router.prefix_index import WorkerId
-from router.view import ClusterView, WorkerState
+from router.view import ClusterView, WorkerState, boxed_id
 
 # Orders policies balance by (router.view.OrderKey): here, compiled, as a view re-keys every
 # worker that changed at each decision.
 
 
-def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, int]:
+def least_tokens(view: ClusterView, worker: WorkerState) -> tuple[int, int, Any]:
     # Outstanding tokens first; queue length and id break ties so the choice is deterministic.
-    return (worker.tokens_in_flight, worker.num_outstanding, worker.id)
+    return (worker.tokens_in_flight, worker.num_outstanding, boxed_id(worker.id))
 
 
 class Load:
@@ -30,7 +32,7 @@ class Load:
 
     def add(self, wid: WorkerId, tokens: int) -> None:
         """`tokens` more of work routed to `wid`."""
-        state = self.view.workers[wid]
+        state = self.view.workers[boxed_id(wid)]
         state.tokens_in_flight += tokens
         self.view.changed(wid)
 
@@ -45,7 +47,7 @@ class Load:
 
     def count(self, wid: WorkerId, queue: DispatchQueue | None) -> None:
         """Requests waiting (in the router, or inside the server as it reports) and running."""
-        state = self.view.workers.get(wid)
+        state = self.view.workers.get(boxed_id(wid))
         if state is not None and self._recount(state, queue, max(state.reported_waiting, 0)):
             self.view.changed(wid)
 
@@ -71,7 +73,7 @@ class Load:
         """What a worker says of itself, the requests it says wait re-counted with `queue`
         (its router-side one). One re-key for all of it: the simulator's workers report after
         every engine run, and a second re-key was a tenth of the report."""
-        state = self.view.workers.get(wid)
+        state = self.view.workers.get(boxed_id(wid))
         if state is None:
             return
         moved = False

@@ -27,7 +27,7 @@ from router.pools import Pools
 from router.prefix_index import WorkerId
 from router.request import Request
 from router.traits import Role
-from router.view import ClusterView, WorkerState
+from router.view import ClusterView, WorkerState, boxed_id
 
 
 class Roster:
@@ -116,11 +116,12 @@ class Roster:
         kv_used_blocks: int | None,
         kv_capacity_blocks: int | None,
     ) -> None:
-        self.load.report(wid, waiting, kv_used_blocks, kv_capacity_blocks, self.queues.get(wid))
+        queue = self.queues.get(boxed_id(wid))
+        self.load.report(wid, waiting, kv_used_blocks, kv_capacity_blocks, queue)
 
     def count(self, wid: WorkerId) -> None:
         """Re-count `wid`'s requests waiting and running, after its queue changed."""
-        self.load.count(wid, self.queues.get(wid))
+        self.load.count(wid, self.queues.get(boxed_id(wid)))
 
     def _changed(self, wid: WorkerId) -> None:
         self.view.changed(wid)

@@ -47,6 +47,7 @@ from router.records import Refusal
 from router.request import BlockHash, Request
 from router.runtime.collector import paced_for_throughput
 from router.traits import IndexMode, Placement, Role
+from router.view import boxed_id
 from simulator.columns import RecordLog
 from simulator.config import SimConfig
 from simulator.engine import Engine, EngineConfig, Seq
@@ -719,7 +720,7 @@ class SimCluster:
                 req.id,
                 req.client,
                 req.session,
-                seq.worker,
+                boxed_id(seq.worker),  # shared by every record of the worker
                 req.arrival,
                 seq.admitted_at,
                 seq.first_token_at,

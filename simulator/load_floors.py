@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from router.view import ClusterView, OrderKey
+from router.view import ClusterView, OrderKey, boxed_id
 from simulator.engine import Engine
 from simulator.time_heap import TimeHeap
 
@@ -120,7 +120,7 @@ class LoadFloors:
         if worker.low:
             worker.low = False
             self._num_low -= 1
-        state = self._view.workers.get(wid)
+        state = self._view.workers.get(boxed_id(wid))
         if state is None or not state.healthy:
             worker.tokens = worker.crossing = _INF
             worker.batch = 0
@@ -217,7 +217,7 @@ class LoadFloors:
         )
 
     def _exact(self, wid: int, now: float) -> tuple:
-        key = self._key(self._view, self._view.workers[wid])
+        key = self._key(self._view, self._view.workers[boxed_id(wid)])
         credit = self._engines[wid].decode_credit(now)
         return (key[0] - credit, *key[1:]) if credit else key
 

@@ -14,7 +14,7 @@ from router.config import RouterConfig
 from router.core import Router
 from router.kv_events import KVEventIndexer
 from router.request import Request
-from router.view import ClusterView
+from router.view import BOXED_IDS, ClusterView, boxed_id
 
 BS = 16
 KEYS = (least_tokens, shortest_queue, smallest_cache)
@@ -60,13 +60,11 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
             index="precise" if precise else "approximate",
         ),
     )
-    num_workers = 24
-    for w in range(num_workers):
+    # Ids CPython keeps as one object each (to 256), ids the view boxes once, and past those.
+    ids = [*range(8), *range(252, 260), *range(BOXED_IDS - 4, BOXED_IDS + 4)]
+    for w in ids:
         router.add_worker(w, kv_capacity_blocks=rng.randint(40, 400))
-    indexers = [
-        KVEventIndexer(router.view.index, w, changed=router.view.changed)
-        for w in range(num_workers)
-    ]
+    indexers = {w: KVEventIndexer(router.view.index, w, changed=router.view.changed) for w in ids}
     docs = [[rng.getrandbits(60) for _ in range(rng.randint(2, 30))] for _ in range(12)]
     live: dict[int, Request] = {}
     now = 0.0
@@ -86,18 +84,18 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
             router.finish(request, now)
         elif op < 0.82:
             router.report(
-                rng.randrange(num_workers),
+                rng.choice(ids),
                 waiting=rng.randint(0, 3),
                 kv_used_blocks=rng.randint(0, 300),
             )
         elif op < 0.86:
-            wid = rng.randrange(num_workers)
+            wid = rng.choice(ids)
             for request in router.worker_down(wid, now):
                 live.pop(request.id, None)
         elif op < 0.9:
-            router.worker_up(rng.randrange(num_workers))
+            router.worker_up(rng.choice(ids))
         elif op < 0.95 and precise:  # a worker tells what it stored or evicted
-            w, doc = rng.randrange(num_workers), rng.choice(docs)
+            w, doc = rng.choice(ids), rng.choice(docs)
             if rng.random() < 0.5:
                 hashes = doc[: rng.randint(1, len(doc))]
                 indexers[w].stored(hashes, None, hashes, now)
@@ -107,6 +105,13 @@ def test_tracked_orders_match_a_scan(precise: bool, seed: int, least_only: bool)
             router.indexes.set_level(rng.choice(router.indexes.levels()), now)
         if any(s.healthy for s in router.view.workers.values()):
             assert_orders_agree(router.view, least_only)
+
+
+def test_a_boxed_id_is_the_id_and_below_the_table_one_object() -> None:
+    for wid in (0, 7, 256, 257, 1000, BOXED_IDS - 1, BOXED_IDS, 10**6):
+        assert boxed_id(wid) == wid and type(boxed_id(wid)) is int
+    made = [int(str(w)) for w in (300, BOXED_IDS - 1)]  # new objects, equal to the ids
+    assert all(boxed_id(w) is boxed_id(w) and boxed_id(w) is not w for w in made)
 
 
 @pytest.mark.parametrize("seed", range(4))
