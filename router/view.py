@@ -108,19 +108,19 @@ class WorkerOrder(_KeyedWorkers):
         if not self.pending:
             return
         workers, keys, key, ordered = view.workers, self._keys, self.key, self.sorted
-        for pending in self.pending:
-            wid = boxed_id(pending)
-            state = workers.get(wid)
+        for wid in self.pending:
+            boxed = boxed_id(wid)
+            state = workers.get(boxed)
             new = key(view, state) if state is not None and state.healthy else None
-            old = keys.get(wid)
+            old = keys.get(boxed)
             if new == old:
                 continue  # most changes move nothing this order reads (ids, queues)
             if old is not None:  # keys end in the worker's id: each is there once
                 del ordered[bisect_left(ordered, old)]
             if new is None:
-                del keys[wid]
+                del keys[boxed]
             else:
-                keys[wid] = new
+                keys[boxed] = new
                 insort(ordered, new)
         self.pending.clear()
 
@@ -182,18 +182,18 @@ class LeastFirst(_KeyedWorkers):
         if not self.pending:
             return
         workers, entries, key, heap = view.workers, self._entries, self.key, self._heap
-        for pending in self.pending:
-            wid = boxed_id(pending)
-            state = workers.get(wid)
-            entry = entries.get(wid)
+        for wid in self.pending:
+            boxed = boxed_id(wid)
+            state = workers.get(boxed)
+            entry = entries.get(boxed)
             if state is None or not state.healthy:
                 if entry is not None:
-                    del entries[wid]
+                    del entries[boxed]
                     self._remove(entry)
                 continue
             new = key(view, state)
             if entry is None:
-                entry = entries[wid] = _Keyed(new, pending, len(heap))
+                entry = entries[boxed] = _Keyed(new, wid, len(heap))
                 heap.append(entry)
                 self._toward_root(entry)
             elif new != entry.key:  # most changes move nothing this order reads

@@ -166,7 +166,7 @@ class LoadFloors:
                     worker.listed = True
                     low.append(worker)
         floors: list[float] = []
-        wids: list[int] = []
+        candidates: list[_Falling] = []  # the workers, not their ids: no int boxed per entry
         kept = 0
         for worker in low:
             if not worker.low:
@@ -177,7 +177,7 @@ class LoadFloors:
             floor = worker.floor(now)
             if floor <= least and floor < worker.tokens:
                 floors.append(floor)
-                wids.append(worker.wid)
+                candidates.append(worker)
         del low[kept:]
         # Lowest floor first: the first exact keys found usually rule out the rest, so each is
         # picked out by a pass over the floors rather than all of them sorted (the answer is
@@ -186,10 +186,10 @@ class LoadFloors:
             pick = _lowest(floors)
             if floors[pick] > least:
                 break
-            wid = wids[pick]
-            floors[pick], wids[pick] = floors[-1], wids[-1]
+            wid = candidates[pick].wid
+            floors[pick], candidates[pick] = floors[-1], candidates[-1]
             floors.pop()
-            wids.pop()
+            candidates.pop()
             exact = self._exact(wid, now)
             if exact < best:
                 best = exact
